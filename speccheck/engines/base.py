@@ -1,0 +1,69 @@
+"""The one small interface every engine implements.
+
+An engine describes itself, turns prompts into token ids, generates greedy completions
+under one SpecConfig with top-k logprobs at every position, and scores given token
+sequences teacher-forced (prompt logprobs). Everything else in speccheck is
+engine-agnostic.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar, Sequence
+
+from speccheck.types import Completion, Prompt, Scored, SpecConfig
+
+
+class EngineError(RuntimeError):
+    """The engine failed (crash, OOM, server error): exit code 3 territory."""
+
+
+class EngineUsageError(ValueError):
+    """Bad engine options or input (unknown arg, wrong API key, missing model): exit code 2."""
+
+
+class Engine(ABC):
+    name: ClassVar[str]
+    #: run every config in a fresh subprocess (GPU memory and engine state released between
+    #: configs); the reference engine runs in-process and uses a fresh process for one repeat.
+    fresh_process_per_config: ClassVar[bool] = False
+
+    def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
+                 draft: str | None = None) -> None:
+        self.model = model
+        self.engine_args = dict(engine_args or {})
+        self.draft = draft
+
+    @abstractmethod
+    def identity(self) -> dict:
+        """engine, version, model id + content hash, tokenizer hash, dtype, device,
+        kernel knobs, ... (whatever says which kernels produced a run)."""
+
+    @abstractmethod
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of the prompt exactly as they will be fed to generate()."""
+
+    @abstractmethod
+    def detokenize(self, ids: Sequence[int]) -> str: ...
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Prompt], prompt_ids: Sequence[Sequence[int]],
+                 config: SpecConfig, top_k: int) -> list[Completion]:
+        """Greedy (temperature 0) completions of every prompt under one config, with the
+        chosen token's logprob and the top-k at each generated position and spec counters."""
+
+    @abstractmethod
+    def score(self, prompt_ids: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
+              top_k: int) -> list[Scored]:
+        """Teacher-forced scores of each continuation after its prompt (non-speculative)."""
+
+    def attribution_variants(self) -> dict[str, dict[str, str]]:
+        """Alternative kernel-path knob settings (label -> engine args overriding this
+        engine's) to re-score a divergent prefix with; empty when the engine has none."""
+        return {}
+
+    def default_k(self, method: str) -> int | None:
+        """K to use for ``method`` when the user names none (e.g. block_size - 1 for dflash)."""
+        return None
+
+    def close(self) -> None:
+        pass

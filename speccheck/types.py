@@ -1,0 +1,159 @@
+"""The few data types every part speaks: Prompt, SpecConfig, Completion, RunRecord.
+
+Nothing downstream of ``engines/`` knows which engine produced a record, so these
+types carry everything verify/, report and gate need, and nothing engine-specific
+beyond the free-form ``identity`` dict.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+METHODS_BUILTIN = ("baseline", "mtp", "dflash")
+K_MAX = 32
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    max_tokens: int
+    text: str | None = None
+    messages: tuple[dict, ...] | None = None  # chat form: ({"role":..., "content":...}, ...)
+
+    def as_text(self) -> str:
+        """The prompt as one plain string (chat messages joined in a simple template)."""
+        if self.text is not None:
+            return self.text
+        parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in self.messages or ()]
+        return "".join(parts) + "<|assistant|>\n"
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """One point of the matrix: a speculative method at one K (or the baseline)."""
+
+    method: str = "baseline"
+    k: int = 0
+    draft: str | None = None  # path of an external drafter (dflash)
+
+    def __post_init__(self) -> None:
+        if self.method == "baseline" and self.k != 0:
+            raise ValueError("baseline takes no K")
+        if self.method != "baseline" and not (1 <= self.k <= K_MAX):
+            raise ValueError(f"K must be in 1..{K_MAX} for method {self.method!r}, got {self.k}")
+
+    @property
+    def name(self) -> str:
+        return "baseline" if self.method == "baseline" else f"{self.method}-k{self.k}"
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.method == "baseline"
+
+    @classmethod
+    def from_name(cls, name: str, draft: str | None = None) -> "SpecConfig":
+        if name == "baseline":
+            return cls()
+        m = re.fullmatch(r"([a-z0-9_]+)-k(\d+)", name)
+        if not m:
+            raise ValueError(f"not a config name: {name!r} (expected 'baseline' or e.g. 'mtp-k7')")
+        return cls(m.group(1), int(m.group(2)), draft)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class SpecCounters:
+    """Speculative-decoding counters for one request (or summed over many)."""
+
+    drafts: int = 0  # verify iterations that carried a draft
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted count at draft position i
+
+    def __add__(self, other: "SpecCounters") -> "SpecCounters":
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        a = self.accepted_per_pos + [0] * (n - len(self.accepted_per_pos))
+        b = other.accepted_per_pos + [0] * (n - len(other.accepted_per_pos))
+        return SpecCounters(
+            self.drafts + other.drafts,
+            self.draft_tokens + other.draft_tokens,
+            self.accepted_tokens + other.accepted_tokens,
+            [x + y for x, y in zip(a, b)],
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Completion:
+    """One prompt, one run. Arrays: n generated positions, top-k of width k (k >= 2)."""
+
+    prompt_id: str
+    prompt_ids: np.ndarray  # int32 [p]   the exact input token ids
+    token_ids: np.ndarray  # int32 [n]
+    logprobs: np.ndarray  # float32 [n]  logprob of the chosen token
+    topk_ids: np.ndarray  # int32 [n, k]  sorted by logprob, descending
+    topk_logprobs: np.ndarray  # float32 [n, k]
+    text: str = ""
+    finish_reason: str = "length"
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    spec: SpecCounters | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int32)
+        self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
+        self.logprobs = np.asarray(self.logprobs, dtype=np.float32)
+        self.topk_ids = np.asarray(self.topk_ids, dtype=np.int32).reshape(len(self.token_ids), -1)
+        self.topk_logprobs = np.asarray(self.topk_logprobs, dtype=np.float32).reshape(
+            len(self.token_ids), -1
+        )
+
+    @property
+    def n_tokens(self) -> int:
+        return int(len(self.token_ids))
+
+
+@dataclass
+class Scored:
+    """Teacher-forced scores of a given continuation: at each continuation position, the
+    scoring engine's own top-k and the logprob it gives the forced token."""
+
+    topk_ids: np.ndarray  # int32 [n, k]
+    topk_logprobs: np.ndarray  # float32 [n, k]
+    token_logprobs: np.ndarray  # float32 [n]
+
+
+@dataclass
+class RunRecord:
+    """One (config, repeat) of a suite: what ran, on what, and what came out."""
+
+    config: SpecConfig
+    identity: dict[str, Any]
+    corpus: str
+    corpus_hash: str
+    repeat: int
+    fresh_process: bool
+    status: str = "ok"  # "ok" | "failed"
+    error: str | None = None
+    completions: list[Completion] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def by_prompt(self) -> dict[str, Completion]:
+        return {c.prompt_id: c for c in self.completions}
+
+    def spec_total(self) -> SpecCounters | None:
+        counters = [c.spec for c in self.completions if c.spec is not None]
+        if not counters:
+            return None
+        total = SpecCounters()
+        for c in counters:
+            total = total + c
+        return total
