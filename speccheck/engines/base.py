@@ -26,6 +26,8 @@ class Engine(ABC):
     #: run every config in a fresh subprocess (GPU memory and engine state released between
     #: configs); the reference engine runs in-process and uses a fresh process for one repeat.
     fresh_process_per_config: ClassVar[bool] = False
+    #: speculative methods this engine runs besides "baseline"; None = passes any through.
+    methods: ClassVar[tuple[str, ...] | None] = ("mtp", "dflash")
 
     def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
                  draft: str | None = None) -> None:
