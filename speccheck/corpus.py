@@ -1,0 +1,228 @@
+"""Prompt corpora: load, validate and identify them by content.
+
+A corpus is a plain-text file of prompts: JSONL (one JSON object per line) or TOML
+(``[[prompt]]`` tables). Built-in corpora live in the repo's ``corpora/`` directory, which is
+installed as the package ``speccheck.corpora``, so they resolve wherever speccheck is installed.
+
+Each prompt has ``id``, ``category``, ``max_tokens`` and exactly one of ``text`` (a string) or
+``messages`` (a list of ``{"role", "content"}``). Anything else is an error, reported with the
+file and line so that the user can fix it.
+
+The corpus hash is the sha256 of a canonical JSON rendering of the validated prompts in file
+order (sorted keys, no insignificant whitespace, UTF-8). It therefore changes when any prompt's
+id, category, max_tokens, text or messages change, or when prompts are reordered, and does *not*
+change with the file's formatting (key order, spacing, blank lines, comments, JSONL vs TOML) or
+its name or location: a stored run is tied to what was asked, not to how the file was written.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from speccheck.types import Prompt
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+MAX_TOKENS_LIMIT = 32768
+SUFFIXES = (".jsonl", ".toml")
+_FIELDS = {"id", "category", "max_tokens", "text", "messages"}
+_ROLES = {"system", "user", "assistant"}
+_PACKAGE = "speccheck.corpora"
+
+
+class CorpusError(ValueError):
+    """A corpus file could not be used; the message names file, line and the fix."""
+
+
+@dataclass(frozen=True)
+class Corpus:
+    name: str
+    path: str
+    hash: str  # sha256 hex of the canonical content (see module docstring)
+    prompts: list[Prompt]
+
+    def categories(self) -> dict[str, int]:
+        """Prompt count per category, in first-seen order."""
+        counts: dict[str, int] = {}
+        for p in self.prompts:
+            counts[p.category] = counts.get(p.category, 0) + 1
+        return counts
+
+    def get(self, prompt_id: str) -> Prompt:
+        for p in self.prompts:
+            if p.id == prompt_id:
+                return p
+        raise KeyError(prompt_id)
+
+
+def _builtin_dir():
+    """The installed ``speccheck.corpora`` package, or the repo's ``corpora/`` when running
+    from a source checkout that is not installed."""
+    try:
+        return resources.files(_PACKAGE)
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / "corpora"
+
+
+def list_corpora() -> list[str]:
+    """Names of the built-in corpora, sorted."""
+    names = set()
+    for entry in _builtin_dir().iterdir():
+        stem, dot, suffix = entry.name.rpartition(".")
+        if dot and "." + suffix in SUFFIXES and entry.is_file():
+            names.add(stem)
+    return sorted(names)
+
+
+def load_corpus(name_or_path: str | os.PathLike) -> Corpus:
+    """A built-in corpus by name (``default``, ``smoke``, ...) or a user's corpus file by path.
+
+    Anything containing a path separator, ending in ``.jsonl``/``.toml``, or naming an existing
+    file is treated as a path; otherwise it must be a built-in name.
+    """
+    spec = os.fspath(name_or_path)
+    looks_like_path = (os.sep in spec or "/" in spec or spec.endswith(SUFFIXES)
+                       or os.path.isfile(spec))
+    if looks_like_path:
+        path = Path(spec)
+        if not path.is_file():
+            raise CorpusError(f"corpus file {spec} does not exist; give the path of a .jsonl or "
+                              f".toml file, or one of the built-in corpora: "
+                              f"{', '.join(list_corpora())}.")
+        return _load_file(path.stem, str(path), path.read_bytes())
+    for suffix in SUFFIXES:
+        entry = _builtin_dir().joinpath(spec + suffix)
+        if entry.is_file():
+            return _load_file(spec, str(entry), entry.read_bytes())
+    raise CorpusError(f"unknown corpus {spec!r}; the built-in corpora are: "
+                      f"{', '.join(list_corpora())}. To use your own, pass the path of a .jsonl "
+                      f"or .toml file.")
+
+
+def corpus_hash(prompts: list[Prompt]) -> str:
+    """sha256 of the canonical JSON of the prompts (formatting-independent, order-dependent)."""
+    canon = [_prompt_dict(p) for p in prompts]
+    blob = json.dumps(canon, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def _prompt_dict(p: Prompt) -> dict:
+    d: dict = {"id": p.id, "category": p.category, "max_tokens": p.max_tokens}
+    if p.text is not None:
+        d["text"] = p.text
+    else:
+        d["messages"] = [dict(m) for m in p.messages or ()]
+    return d
+
+
+def _load_file(name: str, path: str, data: bytes) -> Corpus:
+    try:
+        content = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CorpusError(f"{path}: not UTF-8 text ({e}); save the corpus as UTF-8.") from None
+    if path.endswith(".toml"):
+        records = _read_toml(path, content)
+    else:
+        records = _read_jsonl(path, content)
+    prompts: list[Prompt] = []
+    seen: dict[str, int] = {}
+    for line, rec in records:
+        p = _to_prompt(path, line, rec)
+        if p.id in seen:
+            raise CorpusError(f"{path}:{line}: duplicate prompt id {p.id!r} (first used on line "
+                              f"{seen[p.id]}); give every prompt a unique id.")
+        seen[p.id] = line
+        prompts.append(p)
+    if not prompts:
+        raise CorpusError(f"{path}: the corpus has no prompts; add at least one prompt "
+                          f"(one JSON object per line, or a [[prompt]] table in TOML).")
+    return Corpus(name=name, path=path, hash=corpus_hash(prompts), prompts=prompts)
+
+
+def _read_jsonl(path: str, content: str) -> list[tuple[int, dict]]:
+    out = []
+    for lineno, raw in enumerate(content.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise CorpusError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); "
+                              f"each line must be one complete JSON object.") from None
+        if not isinstance(rec, dict):
+            raise CorpusError(f"{path}:{lineno}: expected a JSON object with id, category, "
+                              f"max_tokens and text or messages, got {type(rec).__name__}.")
+        out.append((lineno, rec))
+    return out
+
+
+def _read_toml(path: str, content: str) -> list[tuple[int, dict]]:
+    try:
+        doc = tomllib.loads(content)
+    except tomllib.TOMLDecodeError as e:
+        raise CorpusError(f"{path}: malformed TOML ({e}); fix the syntax.") from None
+    extra = set(doc) - {"prompt"}
+    if extra:
+        raise CorpusError(f"{path}: unknown top-level key(s) {sorted(extra)}; a TOML corpus holds "
+                          f"only [[prompt]] tables.")
+    tables = doc.get("prompt", [])
+    if not isinstance(tables, list):
+        raise CorpusError(f"{path}: 'prompt' must be an array of tables; write each prompt as a "
+                          f"[[prompt]] table.")
+    # tomllib gives no line numbers: find where each [[prompt]] header starts.
+    starts = [i for i, raw in enumerate(content.splitlines(), 1)
+              if raw.strip().replace(" ", "").startswith("[[prompt]]")]
+    return [(starts[i] if i < len(starts) else 0, t) for i, t in enumerate(tables)]
+
+
+def _to_prompt(path: str, line: int, rec: dict) -> Prompt:
+    where = f"{path}:{line}"
+    unknown = set(rec) - _FIELDS
+    if unknown:
+        raise CorpusError(f"{where}: unknown field(s) {sorted(unknown)}; a prompt has only "
+                          f"id, category, max_tokens and text or messages.")
+    for key in ("id", "category", "max_tokens"):
+        if key not in rec:
+            raise CorpusError(f"{where}: missing field {key!r}; every prompt needs id, category, "
+                              f"max_tokens and text or messages.")
+    pid, category, max_tokens = rec["id"], rec["category"], rec["max_tokens"]
+    if not isinstance(pid, str) or not pid.strip():
+        raise CorpusError(f"{where}: 'id' must be a non-empty string, got {pid!r}.")
+    if not isinstance(category, str) or not category.strip():
+        raise CorpusError(f"{where}: prompt {pid!r}: 'category' must be a non-empty string, "
+                          f"got {category!r}.")
+    if (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+            or not 1 <= max_tokens <= MAX_TOKENS_LIMIT):
+        raise CorpusError(f"{where}: prompt {pid!r}: bad max_tokens {max_tokens!r}; use a whole "
+                          f"number from 1 to {MAX_TOKENS_LIMIT}.")
+    has_text, has_messages = "text" in rec, "messages" in rec
+    if has_text == has_messages:
+        raise CorpusError(f"{where}: prompt {pid!r}: give exactly one of 'text' or 'messages' "
+                          f"({'both' if has_text else 'neither'} given).")
+    if has_text:
+        text = rec["text"]
+        if not isinstance(text, str) or not text.strip():
+            raise CorpusError(f"{where}: prompt {pid!r} is empty; give it a non-empty 'text'.")
+        return Prompt(pid, category, max_tokens, text=text)
+    messages = rec["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise CorpusError(f"{where}: prompt {pid!r} is empty; 'messages' must be a non-empty "
+                          f"list of {{\"role\", \"content\"}} objects.")
+    out = []
+    for i, m in enumerate(messages):
+        if (not isinstance(m, dict) or set(m) != {"role", "content"}
+                or m["role"] not in _ROLES or not isinstance(m["content"], str)):
+            raise CorpusError(f"{where}: prompt {pid!r}, message {i}: each message must be "
+                              f"{{\"role\": one of {sorted(_ROLES)}, \"content\": a string}}; "
+                              f"got {m!r}.")
+        if not m["content"].strip():
+            raise CorpusError(f"{where}: prompt {pid!r}, message {i} is empty; give it content.")
+        out.append({"role": m["role"], "content": m["content"]})
+    return Prompt(pid, category, max_tokens, messages=tuple(out))
