@@ -1,0 +1,21 @@
+"""What "agree" means: pure functions over token/logprob arrays (no engine imports, no I/O).
+
+See DESIGN.md, "What 'agree' means (verify/)".
+"""
+from speccheck.verify.acceptance import Acceptance, acceptance_of, acceptance_summary
+from speccheck.verify.divergence import (END, Divergence, find_divergences,
+                                         teacher_forced_agreement, teacher_forced_divergences)
+from speccheck.verify.margins import (CLASSES, SEVERITY, Classification, calibrate_thresholds,
+                                      classify_divergence, margins, path_noise, rank_of)
+from speccheck.verify.streams import (DeterminismResult, PrefixAgreement, determinism,
+                                      first_divergence, prefix_agreement, text_similarity,
+                                      unique_completions)
+
+__all__ = [
+    "Acceptance", "acceptance_of", "acceptance_summary",
+    "END", "Divergence", "find_divergences", "teacher_forced_agreement", "teacher_forced_divergences",
+    "CLASSES", "SEVERITY", "Classification", "calibrate_thresholds", "classify_divergence",
+    "margins", "path_noise", "rank_of",
+    "DeterminismResult", "PrefixAgreement", "determinism", "first_divergence",
+    "prefix_agreement", "text_similarity", "unique_completions",
+]
