@@ -111,14 +111,20 @@ class Completion:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int32)
         self.token_ids = np.asarray(self.token_ids, dtype=np.int32)
         self.logprobs = np.asarray(self.logprobs, dtype=np.float32)
-        self.topk_ids = np.asarray(self.topk_ids, dtype=np.int32).reshape(len(self.token_ids), -1)
-        self.topk_logprobs = np.asarray(self.topk_logprobs, dtype=np.float32).reshape(
-            len(self.token_ids), -1
-        )
+        self.topk_ids = _rows(self.topk_ids, len(self.token_ids), np.int32)
+        self.topk_logprobs = _rows(self.topk_logprobs, len(self.token_ids), np.float32)
 
     @property
     def n_tokens(self) -> int:
         return int(len(self.token_ids))
+
+
+def _rows(a, n: int, dtype) -> np.ndarray:
+    """As an [n, k] array (an empty one keeps its width, or gets width 0)."""
+    a = np.asarray(a, dtype=dtype)
+    if a.ndim == 2 and a.shape[0] == n:
+        return a
+    return a.reshape(n, -1) if n else a.reshape(0, a.shape[-1] if a.ndim == 2 else 0)
 
 
 @dataclass
@@ -129,6 +135,11 @@ class Scored:
     topk_ids: np.ndarray  # int32 [n, k]
     topk_logprobs: np.ndarray  # float32 [n, k]
     token_logprobs: np.ndarray  # float32 [n]
+
+    def __post_init__(self) -> None:
+        self.token_logprobs = np.asarray(self.token_logprobs, dtype=np.float32)
+        self.topk_ids = _rows(self.topk_ids, len(self.token_logprobs), np.int32)
+        self.topk_logprobs = _rows(self.topk_logprobs, len(self.token_logprobs), np.float32)
 
 
 @dataclass

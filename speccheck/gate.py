@@ -1,0 +1,47 @@
+"""The gate: a SuiteResult becomes an exit code, a failure text and JUnit XML for CI."""
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from speccheck.evaluate import SuiteResult
+
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ENGINE = 0, 1, 2, 3
+
+
+def exit_code(result: SuiteResult) -> int:
+    if result.engine_failed:
+        return EXIT_ENGINE
+    return EXIT_PASS if result.passed else EXIT_FAIL
+
+
+def gate_text(result: SuiteResult) -> str:
+    lines = []
+    for r in result.configs:
+        failed = [c for c in r.checks if not c.passed and not c.skipped]
+        lines.append(f"{'PASS' if not failed else 'FAIL'}  {r.config}")
+        for c in failed:
+            lines.append(f"      {c.name} failed for config {r.config}: {c.message}")
+    n_fail = sum(1 for r in result.configs if r.verdict != "pass")
+    lines.append(f"gate: {'PASS' if result.passed else 'FAIL'} — {len(result.configs) - n_fail} of "
+                 f"{len(result.configs)} configs pass (suite {result.suite})")
+    return "\n".join(lines)
+
+
+def write_junit(result: SuiteResult, path: Path) -> None:
+    """One testsuite per suite, one testcase per (config, check): CI systems render it."""
+    cases = [(r.config, c) for r in result.configs for c in r.checks]
+    suite = ET.Element("testsuite", name=f"speccheck.{result.suite}", tests=str(len(cases)),
+                       failures=str(sum(1 for _, c in cases if not c.passed and not c.skipped)),
+                       skipped=str(sum(1 for _, c in cases if c.skipped)))
+    for config, c in cases:
+        case = ET.SubElement(suite, "testcase", classname=f"speccheck.{config}", name=f"{c.name}[{config}]")
+        if c.skipped:
+            ET.SubElement(case, "skipped", message=c.message.splitlines()[0])
+        elif not c.passed:
+            el = ET.SubElement(case, "failure", message=c.message.splitlines()[0])
+            el.text = c.message
+    root = ET.Element("testsuites")
+    root.append(suite)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)

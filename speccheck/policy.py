@@ -1,0 +1,95 @@
+"""The policy: thresholds that turn measurements into pass/fail. Defaults live here;
+`[tool.speccheck]` in pyproject.toml, a `speccheck.toml`, `--policy FILE` and `--set key=value`
+override them, in that order."""
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class PolicyError(ValueError):
+    """A bad policy file or override (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    #: every config must repeat token for token (in-process and fresh-process repeats)
+    require_deterministic: bool = True
+    #: divergences that are not explained by a near-tie (see verify.classify_divergence)
+    max_high_confidence: int = 0
+    #: share of spec tokens equal to the baseline's teacher-forced argmax (the "99.6 %" figure)
+    min_token_agreement: float = 0.98
+    #: share of tokens matched before the first divergence, summed over prompts (0 = report only)
+    min_prefix_agreement: float = 0.0
+    #: mean text similarity of spec vs baseline outputs (0 = report only)
+    min_text_similarity: float = 0.0
+    #: thresholds scale with the engine's own measured path noise: tau = max(floor, multiple * noise)
+    #: (noise = 99th percentile |decode-path - prefill-path logprob| of the baseline's own tokens)
+    tie_noise_multiple: float = 10.0
+    low_noise_multiple: float = 40.0
+    tie_floor: float = 0.02
+    low_floor: float = 0.1
+    #: a spec config must have drafted (drafts > 0) and reach this many tokens per iteration
+    min_tokens_per_iter: float = 1.0
+    #: tokens per iteration may fall this much (relative) below the golden's before failing
+    max_acceptance_drop: float = 0.05
+    #: warm decode speedup over the baseline measured in the same suite (0 = report only)
+    min_speedup: float = 0.0
+
+    def with_overrides(self, overrides: dict[str, object], source: str) -> "Policy":
+        known = {f.name: f.type for f in fields(self)}
+        clean: dict[str, object] = {}
+        for key, value in overrides.items():
+            key = key.replace("-", "_")
+            if key not in known:
+                raise PolicyError(f"{source}: unknown policy key {key!r}; known keys: {', '.join(known)}.")
+            default = getattr(self, key)
+            try:
+                if isinstance(default, bool):
+                    if isinstance(value, str):
+                        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                            raise ValueError(value)
+                        value = value.lower() in ("true", "1", "yes")
+                    clean[key] = bool(value)
+                else:
+                    clean[key] = type(default)(value)
+            except (TypeError, ValueError):
+                raise PolicyError(f"{source}: policy key {key!r} wants a {type(default).__name__}, "
+                                  f"got {value!r}.") from None
+        return replace(self, **clean)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise PolicyError(f"{path}: cannot read policy TOML ({e}); fix the file or pass another "
+                          "with --policy.") from None
+
+
+def load_policy(policy_file: str | None = None, overrides: dict[str, str] | None = None,
+                cwd: Path | None = None) -> Policy:
+    cwd = cwd or Path.cwd()
+    policy = Policy()
+    pyproject = cwd / "pyproject.toml"
+    if pyproject.exists():
+        section = _read_toml(pyproject).get("tool", {}).get("speccheck", {})
+        policy = policy.with_overrides(section.get("policy", section) if isinstance(section, dict) else {},
+                                       f"{pyproject} [tool.speccheck]")
+    for path in ([cwd / "speccheck.toml"] if (cwd / "speccheck.toml").exists() else []) + \
+            ([Path(policy_file)] if policy_file else []):
+        if not path.exists():
+            raise PolicyError(f"--policy {path}: no such file.")
+        data = _read_toml(path)
+        data = data.get("tool", {}).get("speccheck", data)
+        policy = policy.with_overrides(data.get("policy", data), str(path))
+    return policy.with_overrides(overrides or {}, "--set")

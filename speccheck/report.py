@@ -1,0 +1,157 @@
+"""Human-readable output of a SuiteResult: the `diff` text and the Markdown report with the
+seed article's tables (K, warm tok/s, tokens per iteration, acceptance p0.., agreement,
+determinism), plus the JSON summary."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from speccheck.evaluate import ConfigResult, SuiteResult
+from speccheck.types import SpecConfig
+from speccheck.verify import Divergence
+
+
+def _pct(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f} %"
+
+
+def _num(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def acceptance_str(r: ConfigResult, limit: int = 8) -> str:
+    if r.acceptance is None or not r.acceptance.per_pos:
+        return "-"
+    per = [f".{round(100 * p):02d}" if p < 1 else "1.0" for p in r.acceptance.per_pos[:limit]]
+    return "/".join(per) + ("/..." if len(r.acceptance.per_pos) > limit else "")
+
+
+def determinism_str(r: ConfigResult) -> str:
+    if r.identical_runs is None:
+        return "-"
+    return f"identical x{r.repeats}" if r.identical_runs else f"DIFFERS ({len(r.nondeterminism)})"
+
+
+def divergence_line(d: Divergence, detok=None, attribution: dict | None = None) -> str:
+    c = d.classification
+
+    def tok(t: int) -> str:
+        return f"{detok([t])!r}({t})" if detok else str(t)
+
+    rank = "absent" if c.spec_rank_in_base is None else f"rank {c.spec_rank_in_base + 1}"
+    line = (f"{d.prompt_id} @{d.position}: {tok(d.base_token)} -> {tok(d.spec_token)}  "
+            f"margin {c.base_margin:.3f}/{c.spec_margin:.3f} nats "
+            f"({_num(d.margin_in_noise)}x noise), spec token {rank} in baseline top-k  {c.cls}")
+    if attribution:
+        line += f"  [kernel path: {', '.join(attribution['attributed_to']) if isinstance(attribution['attributed_to'], list) else attribution['attributed_to']}]"
+    if d.context:
+        line += f"\n        context: {d.context!r}"
+    return line
+
+
+def diff_text(result: SuiteResult, detok=None) -> str:
+    out = [f"suite {result.suite}  ({result.meta.get('engine')} engine, corpus {result.meta.get('corpus')})",
+           f"path noise {result.noise:.4f} nats -> tau_tie {result.tau_tie:.3f}, tau_low {result.tau_low:.3f}", ""]
+    for r in result.configs:
+        out.append(f"{r.config}  —  {r.verdict.upper()}")
+        if r.failed_runs:
+            out.append("  engine failure  " + "; ".join(r.failed_runs))
+        out.append(f"  determinism   {r.check('deterministic').message}")
+        if r.config != "baseline":
+            out.append(f"  agreement     {r.prompts_exact}/{r.prompts} prompts exact · prefix "
+                       f"{_pct(r.prefix_agreement)} · teacher-forced {_pct(r.token_agreement)} · "
+                       f"text {_pct(r.text_similarity)}")
+            cc = r.class_counts
+            out.append(f"  divergences   {len(r.divergences)} first, {len(r.tf_divergences)} teacher-forced "
+                       f"(near_tie {cc.get('near_tie', 0)}, low_confidence {cc.get('low_confidence', 0)}, "
+                       f"high_confidence {cc.get('high_confidence', 0)})")
+            attr = {(a["prompt_id"], a["position"]): a for a in r.attribution}
+            for d in r.divergences:
+                out.append("    " + divergence_line(d, detok, attr.get((d.prompt_id, d.position))))
+            if r.acceptance is not None:
+                out.append(f"  acceptance    {r.acceptance.tokens_per_iter:.2f} tokens/iter · "
+                           f"rate {_pct(r.acceptance.acceptance_rate, 1)} · per position {acceptance_str(r, 16)}"
+                           + (f" · golden {r.golden_tokens_per_iter:.2f}" if r.golden_tokens_per_iter else ""))
+        sp = r.speed
+        out.append(f"  speed         warm {_num(sp.warm_tok_s)} tok/s"
+                   + (f" ({sp.speedup:.2f}x baseline)" if sp.speedup else "")
+                   + f" · cold {_num(sp.cold_tok_s)} tok/s · TTFT {_num(sp.ttft_s and sp.ttft_s * 1000)} ms")
+        for c in r.checks:
+            if not c.passed and not c.skipped:
+                out.append(f"  FAIL {c.name}: {c.message}")
+        out.append("")
+    return "\n".join(out)
+
+
+def sweep_table(result: SuiteResult) -> str:
+    """The seed article's K-sweep table, Markdown."""
+    rows = ["| config | K | decode tok/s (warm) | speedup | tokens / iteration | acceptance p0.. "
+            "| agreement (teacher-forced) | prefix agreement | determinism | verdict |",
+            "|---|---:|---:|---:|---:|---|---:|---:|---|---|"]
+    for r in result.configs:
+        cfg = SpecConfig.from_name(r.config)
+        tpi = "1.00" if cfg.is_baseline else _num(r.acceptance and r.acceptance.tokens_per_iter, "{:.2f}")
+        rows.append(
+            f"| {r.config} | {cfg.k or '-'} | {_num(r.speed.warm_tok_s)} | "
+            f"{'1.00x' if cfg.is_baseline else _num(r.speed.speedup, '{:.2f}x')} | {tpi} | "
+            f"{acceptance_str(r)} | {'-' if cfg.is_baseline else _pct(r.token_agreement)} | "
+            f"{'-' if cfg.is_baseline else _pct(r.prefix_agreement)} | {determinism_str(r)} | {r.verdict} |")
+    return "\n".join(rows)
+
+
+def best_configs(result: SuiteResult) -> dict[str, str]:
+    """Per method, the passing config with the highest warm tok/s."""
+    best: dict[str, ConfigResult] = {}
+    for r in result.configs:
+        cfg = SpecConfig.from_name(r.config)
+        if cfg.is_baseline or r.verdict != "pass" or r.speed.warm_tok_s is None:
+            continue
+        if cfg.method not in best or r.speed.warm_tok_s > best[cfg.method].speed.warm_tok_s:
+            best[cfg.method] = r
+    return {m: r.config for m, r in best.items()}
+
+
+def markdown_report(result: SuiteResult, detok=None) -> str:
+    ident = result.identity
+    lines = [f"# speccheck report — {result.suite}", "",
+             f"**Verdict: {'PASS' if result.passed else 'FAIL'}**", "",
+             "| | |", "|---|---|"]
+    for key in ("engine", "version", "model_id", "model_hash", "tokenizer_hash", "dtype", "device",
+                "torch", "vllm_version", "gpu"):
+        if key in ident:
+            lines.append(f"| {key} | `{ident[key]}` |")
+    lines += [f"| corpus | {result.meta.get('corpus')} (`{str(result.meta.get('corpus_hash'))[:16]}`) |",
+              f"| path noise | {result.noise:.4f} nats (tau_tie {result.tau_tie:.3f}, tau_low {result.tau_low:.3f}) |",
+              "", "## Configs", "", sweep_table(result), ""]
+    best = best_configs(result)
+    if best:
+        lines += ["Best passing config per method (warm tok/s): "
+                  + ", ".join(f"{m}: **{c}**" for m, c in best.items()), ""]
+    lines += ["## Divergences from the baseline", ""]
+    any_div = False
+    for r in result.configs:
+        if not r.divergences:
+            continue
+        any_div = True
+        attr = {(a["prompt_id"], a["position"]): a for a in r.attribution}
+        lines.append(f"### {r.config}")
+        lines.append("")
+        for d in r.divergences:
+            lines.append("- " + divergence_line(d, detok, attr.get((d.prompt_id, d.position))).replace("\n", "  \n"))
+        lines.append("")
+    if not any_div:
+        lines += ["None: every config reproduced the baseline token for token.", ""]
+    lines += ["## Checks", ""]
+    for r in result.configs:
+        for c in r.checks:
+            mark = "skip" if c.skipped else ("pass" if c.passed else "**FAIL**")
+            lines.append(f"- `{r.config}` {c.name}: {mark} — {c.message.splitlines()[0]}")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(result: SuiteResult, out_dir: Path, detok=None) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, js = out_dir / "report.md", out_dir / "report.json"
+    md.write_text(markdown_report(result, detok))
+    js.write_text(json.dumps(result.to_dict(), indent=1, default=str, ensure_ascii=False))
+    return md, js

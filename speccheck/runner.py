@@ -1,0 +1,281 @@
+"""The runner: corpus × matrix × repeats -> engine -> store, resumable.
+
+After the generation runs it does the two things verify/ needs from an engine: teacher-forced
+rescoring of every config's output by the (non-speculative) engine, and kernel-path
+attribution of each first divergence (re-scoring the divergent prefix under the engine's
+alternative kernel knobs). Both are stored next to the runs, so diff/gate/report never need an
+engine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from speccheck import __version__
+from speccheck.corpus import Corpus, load_corpus
+from speccheck.engines import Engine, EngineError, EngineUsageError, make_engine
+from speccheck.store import Store, Suite, suite_id
+from speccheck.types import RunRecord, SpecConfig
+from speccheck.verify import first_divergence
+
+
+@dataclass
+class RunPlan:
+    """Everything that identifies a suite plus what to run in it."""
+
+    engine: str = "reference"
+    model: str | None = None
+    draft: str | None = None
+    engine_args: dict[str, str] = field(default_factory=dict)
+    corpus: str = "default"
+    configs: list[SpecConfig] = field(default_factory=lambda: [SpecConfig()])
+    repeats: int = 2
+    top_k: int = 5
+    fresh_process_repeat: bool = True  # the last repeat runs in a fresh process
+    rescore: bool = True
+    attribute: bool = True
+
+    def suite_meta(self, corpus: Corpus) -> dict:
+        return {"engine": self.engine, "model": self.model, "draft": self.draft,
+                "engine_args": self.engine_args, "corpus": corpus.name, "corpus_hash": corpus.hash,
+                "top_k": self.top_k, "speccheck_version": __version__}
+
+
+Log = Callable[[str], None]
+
+
+def _print(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def open_suite(plan: RunPlan, store: Store, corpus: Corpus) -> Suite:
+    sid = suite_id(plan.engine, plan.model, plan.draft, plan.engine_args, corpus.name, corpus.hash)
+    return store.suite(sid, plan.suite_meta(corpus))
+
+
+def tokenized_inputs(suite: Suite, engine: Engine, corpus: Corpus) -> dict[str, np.ndarray]:
+    """Prompts are tokenised once per suite and stored, so every config sees identical input."""
+    inputs = suite.load_inputs()
+    if inputs is None or set(inputs) != {p.id for p in corpus.prompts}:
+        suite.write_inputs({p.id: engine.tokenize(p) for p in corpus.prompts})
+        inputs = suite.load_inputs()
+    assert inputs is not None
+    return inputs
+
+
+def run_one(engine: Engine, suite: Suite, corpus: Corpus, inputs: dict[str, np.ndarray],
+            config: SpecConfig, repeat: int, top_k: int, fresh_process: bool) -> RunRecord:
+    """Generate the whole corpus under one config and store it; an engine failure is stored
+    as a failed run (the matrix goes on), bad usage is raised."""
+    t0 = time.perf_counter()
+    record = RunRecord(config=config, identity={}, corpus=corpus.name, corpus_hash=corpus.hash,
+                       repeat=repeat, fresh_process=fresh_process)
+    try:
+        record.identity = {**engine.identity(), "speccheck_version": __version__}
+        prompts = corpus.prompts
+        record.completions = engine.generate(prompts, [inputs[p.id].tolist() for p in prompts],
+                                             config, top_k)
+    except EngineUsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any engine crash is recorded, not fatal to the matrix
+        record.status = "failed"
+        record.error = f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=8))
+    record.wall_s = time.perf_counter() - t0
+    suite.write_run(record)
+    return record
+
+
+def _summary_line(record: RunRecord) -> str:
+    if record.status != "ok":
+        first = (record.error or "").splitlines()[0] if record.error else ""
+        return f"{record.config.name:>12} r{record.repeat}  FAILED  {first}"
+    n = sum(c.n_tokens for c in record.completions)
+    dec = sum(c.decode_s for c in record.completions)
+    spec = record.spec_total()
+    tpi = f"  {1 + spec.accepted_tokens / spec.drafts:.2f} tok/iter" if spec and spec.drafts else ""
+    fresh = "  [fresh process]" if record.fresh_process else ""
+    rate = f"{n / dec:7.1f} tok/s" if dec > 0 else "      - tok/s"
+    return (f"{record.config.name:>12} r{record.repeat}  {len(record.completions)} prompts  "
+            f"{n:6d} tok  {rate}{tpi}{fresh}")
+
+
+def run_suite(plan: RunPlan, store: Store, log: Log = _print) -> Suite:
+    """Run every (config, repeat) not yet complete in the store, then rescore and attribute."""
+    corpus = load_corpus(plan.corpus)
+    suite = open_suite(plan, store, corpus)
+    store.set_latest(suite.id)
+    engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
+    try:
+        inputs = tokenized_inputs(suite, engine, corpus)
+        todo = [(c, r) for c in plan.configs for r in range(plan.repeats)
+                if not suite.is_complete(c.name, r)]
+        done = len(plan.configs) * plan.repeats - len(todo)
+        log(f"suite {suite.id}: {len(plan.configs)} configs x {plan.repeats} repeats on corpus "
+            f"{corpus.name} ({len(corpus.prompts)} prompts); {done} already stored, {len(todo)} to run")
+        for config, repeat in todo:
+            fresh = (plan.fresh_process_repeat and plan.repeats > 1 and repeat == plan.repeats - 1
+                     and not engine.fresh_process_per_config)
+            if fresh:
+                record = run_in_fresh_process(plan, store, suite, config, repeat)
+            else:
+                record = run_one(engine, suite, corpus, inputs, config, repeat, plan.top_k,
+                                 fresh_process=engine.fresh_process_per_config)
+            log(_summary_line(record))
+        if plan.rescore:
+            rescore_suite(engine, suite, [c.name for c in plan.configs], log)
+        if plan.attribute:
+            attribute_suite(plan, suite, [c.name for c in plan.configs if not c.is_baseline], log)
+    finally:
+        engine.close()
+    return suite
+
+
+# --- fresh-process repeats ---------------------------------------------------------------------
+
+def run_in_fresh_process(plan: RunPlan, store: Store, suite: Suite, config: SpecConfig,
+                         repeat: int) -> RunRecord:
+    """One (config, repeat) in a new Python process: catches state that leaks across runs
+    in-process (caches, allocator, JIT) and differences in process start-up."""
+    request = {"plan": {**plan.__dict__, "configs": [config.to_dict()]}, "store": str(store.root),
+               "suite": suite.id, "repeat": repeat}
+    proc = subprocess.run([sys.executable, "-m", "speccheck.runner", json.dumps(request)],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"})
+    if proc.returncode == 2:
+        raise EngineUsageError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else
+                               "fresh-process worker rejected its input")
+    if not suite.is_complete(config.name, repeat) and not suite.run_dir(config.name, repeat).exists():
+        record = RunRecord(config=config, identity={}, corpus=plan.corpus, corpus_hash=suite.meta["corpus_hash"],
+                           repeat=repeat, fresh_process=True, status="failed",
+                           error=f"fresh-process worker exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+        suite.write_run(record)
+        return record
+    return suite.load_run(config.name, repeat)
+
+
+def _worker_main(argv: Sequence[str]) -> int:
+    request = json.loads(argv[0])
+    p = request["plan"]
+    plan = RunPlan(**{**p, "configs": [SpecConfig(**c) for c in p["configs"]]})
+    store = Store(request["store"])
+    suite = store.suite(request["suite"])
+    corpus = load_corpus(plan.corpus)
+    try:
+        engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
+    except EngineUsageError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    try:
+        inputs = suite.load_inputs() or tokenized_inputs(suite, engine, corpus)
+        run_one(engine, suite, corpus, inputs, plan.configs[0], request["repeat"], plan.top_k,
+                fresh_process=True)
+    finally:
+        engine.close()
+    return 0
+
+
+# --- rescoring ---------------------------------------------------------------------------------
+
+def rescore_suite(engine: Engine, suite: Suite, config_names: Sequence[str], log: Log = _print) -> None:
+    """Teacher-forced baseline scores of each config's first repeat (the baseline included:
+    its decode-path vs prefill-path logprobs measure the engine's own path noise).
+
+    Only outputs that differ from the baseline's are scored again; identical ones share the
+    baseline's scores, which are exactly what the engine would give."""
+    if not suite.is_complete("baseline", 0):
+        return
+    base = suite.load_run("baseline", 0).by_prompt()
+    base_scores = suite.load_rescore("baseline", 0)
+    if base_scores is None:
+        base_scores = _score_record(engine, list(base.values()))
+        suite.write_rescore("baseline", 0, list(base_scores), list(base_scores.values()))
+    for name in config_names:
+        if name == "baseline" or not suite.is_complete(name, 0) or suite.load_rescore(name, 0) is not None:
+            continue
+        comps = suite.load_run(name, 0).completions
+        differ = [c for c in comps if c.prompt_id not in base
+                  or first_divergence(c.token_ids, base[c.prompt_id].token_ids) is not None]
+        scores = _score_record(engine, differ) if differ else {}
+        merged = {c.prompt_id: scores.get(c.prompt_id) or base_scores[c.prompt_id] for c in comps}
+        suite.write_rescore(name, 0, list(merged), list(merged.values()))
+        log(f"{name:>12} rescored teacher-forced ({len(differ)} of {len(comps)} outputs differ from baseline)")
+
+
+def _score_record(engine: Engine, comps) -> dict:
+    if not comps:
+        return {}
+    scored = engine.score([c.prompt_ids.tolist() for c in comps], [c.token_ids.tolist() for c in comps],
+                          top_k=comps[0].topk_ids.shape[1] or 5)
+    return {c.prompt_id: s for c, s in zip(comps, scored)}
+
+
+# --- kernel-path attribution -------------------------------------------------------------------
+
+def attribute_suite(plan: RunPlan, suite: Suite, config_names: Sequence[str], log: Log = _print) -> None:
+    """For each first divergence of a spec config from the baseline, re-score the common prefix
+    under every alternative kernel-path setting the engine offers and record which setting
+    produces which token at the divergent position."""
+    if not suite.is_complete("baseline", 0):
+        return
+    base = suite.load_run("baseline", 0).by_prompt()
+    todo: dict[str, list[dict]] = {}
+    for name in config_names:
+        if not suite.is_complete(name, 0) or suite.load_attribution(name) is not None:
+            continue
+        items = []
+        for c in suite.load_run(name, 0).completions:
+            b = base.get(c.prompt_id)
+            if b is None:
+                continue
+            pos = first_divergence(b.token_ids, c.token_ids)
+            if pos is None or pos >= min(b.n_tokens, c.n_tokens):
+                continue
+            items.append({"prompt_id": c.prompt_id, "position": int(pos),
+                          "base_token": int(b.token_ids[pos]), "spec_token": int(c.token_ids[pos]),
+                          "prompt_ids": b.prompt_ids.tolist(), "prefix": b.token_ids[:pos + 1].tolist()})
+        todo[name] = items
+    if not todo:
+        return
+    engine_cls_variants = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
+    try:
+        variants = engine_cls_variants.attribution_variants()
+    finally:
+        engine_cls_variants.close()
+    all_items = [it for items in todo.values() for it in items]
+    for label, args in variants.items():
+        if not all_items:
+            break
+        try:
+            engine = make_engine(plan.engine, plan.model, {**plan.engine_args, **args}, plan.draft)
+            try:
+                scored = engine.score([it["prompt_ids"] for it in all_items],
+                                      [it["prefix"] for it in all_items], top_k=2)
+            finally:
+                engine.close()
+        except (EngineError, EngineUsageError, RuntimeError) as e:
+            log(f"attribution variant {label} failed: {e}")
+            continue
+        for it, s in zip(all_items, scored):
+            it.setdefault("paths", {})[label] = int(s.topk_ids[it["position"], 0])
+    for name, items in todo.items():
+        for it in items:
+            paths = it.pop("paths", {})
+            it.pop("prompt_ids"), it.pop("prefix")
+            it["paths"] = paths
+            it["reproduces_spec"] = sorted(k for k, t in paths.items() if t == it["spec_token"])
+            it["reproduces_base"] = sorted(k for k, t in paths.items() if t == it["base_token"])
+            it["attributed_to"] = it["reproduces_spec"] or "unattributed"
+        suite.write_attribution(name, items)
+        if items:
+            log(f"{name:>12} attributed {len(items)} divergence(s) over {len(variants)} kernel paths")
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1:]))
