@@ -203,7 +203,8 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
                 continue
             result.prompts += 1
             divs = find_divergences(c.prompt_id, b.token_ids, b.topk_ids, b.topk_logprobs,
-                                    c.token_ids, c.topk_ids, c.topk_logprobs, tau_tie, tau_low, noise)
+                                    c.token_ids, c.topk_ids, c.topk_logprobs, tau_tie, tau_low, noise,
+                                    max_gap=tau_low)
             divs = [replace(d, context=decoded_context(detok, b, d.position)) for d in divs]
             result.divergences.extend(divs)
             n_cmp = max(b.n_tokens, c.n_tokens)
@@ -219,7 +220,8 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
                 tf_agree += int(agree.sum())
                 tf_total += len(agree)
                 tfd = teacher_forced_divergences(c.prompt_id, c.token_ids, c.topk_ids, c.topk_logprobs,
-                                                 s.topk_ids, s.topk_logprobs, tau_tie, tau_low, noise)
+                                                 s.topk_ids, s.topk_logprobs, tau_tie, tau_low, noise,
+                                                 max_gap=tau_low)
                 result.tf_divergences.extend(
                     replace(d, context=decoded_context(detok, c, d.position)) for d in tfd)
         result.prefix_agreement = matched / compared if compared else 1.0

@@ -103,7 +103,7 @@ def check(suite: Suite, root: Path, noise: float, policy) -> GoldenCheck:
         if g is None:
             continue
         d = find_divergences(c.prompt_id, g.token_ids, g.topk_ids, g.topk_logprobs, c.token_ids,
-                             c.topk_ids, c.topk_logprobs, tau_tie, tau_low, noise)
+                             c.topk_ids, c.topk_logprobs, tau_tie, tau_low, noise, max_gap=tau_low)
         exact += not d and g.n_tokens == c.n_tokens
         divs.extend(d)
     acceptance = {k: v["tokens_per_iter"] for k, v in meta.get("acceptance", {}).items()}

@@ -1,0 +1,126 @@
+"""pytest plugin: the gate as tests, one per (check, config), e.g. ``test_deterministic[mtp-k7]``.
+
+Registered through the ``pytest11`` entry point (and loaded by the repo's conftest.py). It adds
+the ``spec`` marker and ``--spec-*`` options; the matrix runs once per session into the store
+(resuming what is already there) and every generated test reads its verdict from there.
+To use the tests in your own repository, import them into a test module::
+
+    from speccheck.pytest_plugin import *  # noqa: F401,F403  (test_deterministic, ...)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+__all__ = ["test_deterministic", "test_agrees_with_baseline", "test_divergences_are_low_confidence",
+           "test_acceptance_not_regressed", "test_baseline_matches_golden"]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    g = parser.getgroup("speccheck", "speculative-decoding gate (speccheck)")
+    g.addoption("--spec-engine", default="reference", help="engine: reference | vllm | openai")
+    g.addoption("--spec-model", default=None, help="model path for the engine")
+    g.addoption("--spec-draft", default=None, help="external drafter path (dflash)")
+    g.addoption("--spec-method", action="append", default=[], help="method (repeatable)")
+    g.addoption("--spec-k", default=None, help="K values: 7, 1-12 or 1,3,7")
+    g.addoption("--spec-corpus", default="default", help="corpus name or file")
+    g.addoption("--spec-store", default=".speccheck", help="store directory")
+    g.addoption("--spec-golden", default="golden", help="golden directory")
+    g.addoption("--spec-repeats", default=2, type=int, help="repeats per config")
+    g.addoption("--spec-engine-arg", action="append", default=[], help="engine option key=value")
+    g.addoption("--spec-policy", default=None, help="policy TOML file")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "spec: speculative-decoding gate tests generated per config")
+
+
+def _plan(config: pytest.Config):
+    from speccheck.cli import _plan as plan_from_options
+
+    o = config.getoption
+    return plan_from_options(o("--spec-engine"), o("--spec-model"), o("--spec-draft"),
+                             tuple(o("--spec-method")), o("--spec-k"), (), o("--spec-corpus"),
+                             o("--spec-repeats"), 5, tuple(o("--spec-engine-arg")))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "spec_config" not in metafunc.fixturenames:
+        return
+    names = [c.name for c in _plan(metafunc.config).configs]
+    if metafunc.function.__name__ != "test_deterministic":
+        names = [n for n in names if n != "baseline"]
+    metafunc.parametrize("spec_config", names, ids=names)
+
+
+@pytest.fixture(scope="session")
+def spec_result(request: pytest.FixtureRequest):
+    """Run the matrix once per session (store-backed, resumable) and evaluate it."""
+    from speccheck.evaluate import evaluate_suite
+    from speccheck.golden import golden_acceptance
+    from speccheck.policy import load_policy
+    from speccheck.runner import run_suite
+    from speccheck.store import Store
+
+    cfg = request.config
+    plan = _plan(cfg)
+    reporter = cfg.pluginmanager.get_plugin("terminalreporter")
+
+    def log(msg: str) -> None:
+        if reporter is not None:
+            reporter.write_line(f"speccheck: {msg}")
+
+    suite = run_suite(plan, Store(cfg.getoption("--spec-store")), log=log)
+    policy = load_policy(cfg.getoption("--spec-policy"))
+    golden = Path(cfg.getoption("--spec-golden"))
+    result = evaluate_suite(suite, policy, [c.name for c in plan.configs], golden_acceptance(suite, golden))
+    return suite, result, policy, golden
+
+
+def _assert_check(spec_result, config: str, check: str) -> None:
+    _, result, _, _ = spec_result
+    c = result.get(config).check(check)
+    if c.skipped:
+        pytest.skip(c.message)
+    assert c.passed, f"{check} failed for {config}: {c.message}"
+
+
+@pytest.mark.spec
+def test_deterministic(spec_result, spec_config):
+    """Every repeat of the config (in-process and fresh-process) is identical token for token."""
+    _assert_check(spec_result, spec_config, "ran")
+    _assert_check(spec_result, spec_config, "deterministic")
+
+
+@pytest.mark.spec
+def test_agrees_with_baseline(spec_result, spec_config):
+    """Teacher-forced token agreement (and any other agreement floor the policy sets)."""
+    _assert_check(spec_result, spec_config, "agrees_with_baseline")
+
+
+@pytest.mark.spec
+def test_divergences_are_low_confidence(spec_result, spec_config):
+    """Every disagreement with the baseline is a classified near-tie or low-confidence flip."""
+    _assert_check(spec_result, spec_config, "divergences_are_low_confidence")
+
+
+@pytest.mark.spec
+def test_acceptance_not_regressed(spec_result, spec_config):
+    """The config really speculates and its tokens per iteration hold up (vs golden, if any)."""
+    _assert_check(spec_result, spec_config, "acceptance_not_regressed")
+
+
+@pytest.mark.spec
+def test_baseline_matches_golden(spec_result):
+    """Today's baseline equals the committed golden up to classified near-ties."""
+    from speccheck.golden import GoldenMismatch, check
+
+    suite, result, policy, golden = spec_result
+    try:
+        chk = check(suite, golden, result.noise, policy)
+    except GoldenMismatch as e:
+        if "no golden" in str(e):
+            pytest.skip(str(e))
+        raise
+    assert chk.passed, f"{len(chk.high)} high-confidence divergence(s) from golden {chk.path}: {chk.high[:3]}"
