@@ -1,0 +1,290 @@
+"""Greedy decoding for the reference model: baseline, and speculative with MTP or the DFlash
+block drafter (draft K, verify K+1 positions in one target forward, accept the longest
+matching prefix plus the target's own token, roll GDN/conv state and K/V back exactly).
+
+Kernel forms per phase and the planted faults are plain fields of :class:`Knobs`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from speccheck.types import SpecCounters
+
+from .model import (ATTN_FORMS, GDN_FORMS, Cache, DFlashDrafter, MTPModule, Qwen3_5TextModel,
+                    ReferenceConfig, set_nondeterministic)
+
+#: planted spec-decode bugs (engine arg ``fault=NAME``), one line each
+FAULTS = {
+    "stale-state": "after a rejected draft the GDN recurrent state is not rolled back "
+                   "(it keeps the rejected tokens' updates)",
+    "bonus-off-by-one": "the bonus token is taken from the position after the right one "
+                        "(the distribution conditioned on the rejected draft)",
+    "accept-top2": "a draft token is accepted when it is the target's top-1 or top-2 choice",
+    "nondeterministic": "the MLP down_proj sums its partial products in a run-to-run random "
+                        "order (seeded from os.urandom)",
+}
+
+
+@dataclass
+class Knobs:
+    """Which kernel form each phase uses, and the planted fault (None = clean).
+
+    Defaults follow real engines: chunked GDN for prefill and verify (many tokens),
+    recurrent GDN for one-token decode, one fused SDPA for verify, per-query for decode."""
+
+    gdn_prefill: str = "chunked"
+    gdn_decode: str = "recurrent"
+    gdn_verify: str = "chunked"
+    attn_decode: str = "single"
+    attn_verify: str = "multi"
+    fault: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("gdn_prefill", "gdn_decode", "gdn_verify"):
+            if getattr(self, name) not in GDN_FORMS:
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {GDN_FORMS}")
+        for name in ("attn_decode", "attn_verify"):
+            if getattr(self, name) not in ATTN_FORMS:
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {ATTN_FORMS}")
+        if self.fault is not None and self.fault not in FAULTS:
+            raise ValueError(f"fault={self.fault!r}: choose one of {tuple(FAULTS)}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]
+    topk_ids: np.ndarray  # [n, k]
+    topk_logprobs: np.ndarray  # [n, k]
+    finish_reason: str
+    ttft_s: float
+    decode_s: float
+    spec: SpecCounters | None = None
+    iterations: int = 0
+
+
+@dataclass
+class _Out:
+    """Accumulates generated tokens with their target distributions until a stop."""
+
+    max_tokens: int
+    eos: int
+    top_k: int
+    tokens: list[int] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
+    tk_ids: list[np.ndarray] = field(default_factory=list)
+    tk_lps: list[np.ndarray] = field(default_factory=list)
+    finish: str | None = None
+
+    def add(self, tokens: list[int], rows: torch.Tensor) -> None:
+        """tokens[i] was emitted from log-prob row rows[i] (fp32 [n, V])."""
+        vals, idx = rows.topk(self.top_k, dim=-1)
+        chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
+        vals, idx, chosen = vals.cpu().numpy(), idx.cpu().numpy(), chosen.cpu().numpy()
+        for i, t in enumerate(tokens):
+            if self.finish is not None:
+                return
+            self.tokens.append(int(t))
+            self.lps.append(float(chosen[i]))
+            self.tk_ids.append(idx[i])
+            self.tk_lps.append(vals[i])
+            if t == self.eos:
+                self.finish = "stop"
+            elif len(self.tokens) >= self.max_tokens:
+                self.finish = "length"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Decoder:
+    """Runs one request at a time (batch 1) on the given networks."""
+
+    def __init__(self, cfg: ReferenceConfig, target: Qwen3_5TextModel, mtp: MTPModule | None,
+                 drafter: DFlashDrafter | None, knobs: Knobs):
+        self.cfg, self.target, self.mtp, self.drafter, self.knobs = cfg, target, mtp, drafter, knobs
+        self.device = target.embed_tokens.weight.device
+        set_nondeterministic([m for m in (target, mtp, drafter) if m is not None],
+                             knobs.fault == "nondeterministic")
+
+    # ------------------------------------------------------------------ public
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_tokens: int, method: str = "baseline",
+                 k: int = 0, top_k: int = 5) -> Generation:
+        if method == "baseline":
+            return self._baseline(prompt_ids, max_tokens, top_k)
+        if method not in ("mtp", "dflash"):
+            raise ValueError(f"unknown method {method!r}: choose baseline, mtp or dflash")
+        if k < 1:
+            raise ValueError(f"method {method} needs K >= 1, got {k}")
+        return self._speculative(prompt_ids, max_tokens, method, k, top_k)
+
+    @torch.inference_mode()
+    def score(self, prompt_ids: list[int], continuation: list[int], top_k: int = 5):
+        """Teacher-forced top-k and forced-token logprobs of ``continuation`` through the
+        prefill path. Returns (topk_ids [n,k], topk_logprobs [n,k], token_logprobs [n])."""
+        n = len(continuation)
+        if n == 0:
+            return (np.zeros((0, top_k), np.int32), np.zeros((0, top_k), np.float32),
+                    np.zeros(0, np.float32))
+        ids = list(prompt_ids) + list(continuation)
+        cache = Cache(len(self.target.layers), len(ids) + 1)
+        h, _ = self.target(self._t(ids)[None], cache, gdn_form=self.knobs.gdn_prefill,
+                           attn_form="multi")
+        rows = torch.log_softmax(self.target.logits(h[0, len(prompt_ids) - 1: len(ids) - 1]), -1)
+        vals, idx = rows.topk(top_k, dim=-1)
+        tok = rows.gather(1, self._t(continuation)[:, None])[:, 0]
+        return idx.cpu().numpy(), vals.cpu().numpy(), tok.cpu().numpy()
+
+    # ------------------------------------------------------------------ internals
+
+    def _t(self, ids) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    def _prefill(self, prompt_ids, max_len, aux_layers=()):
+        if not prompt_ids:
+            raise ValueError("empty prompt: at least one token is needed")
+        cache = Cache(len(self.target.layers), max_len)
+        h, aux = self.target(self._t(prompt_ids)[None], cache, gdn_form=self.knobs.gdn_prefill,
+                             attn_form="multi", aux_layers=aux_layers)
+        row = torch.log_softmax(self.target.logits(h[0, -1:]), -1)
+        return cache, h[0], aux, row
+
+    def _baseline(self, prompt_ids, max_tokens, top_k) -> Generation:
+        out = _Out(max_tokens, self.cfg.eos_token_id, top_k)
+        t0 = time.perf_counter()
+        cache, _, _, row = self._prefill(prompt_ids, len(prompt_ids) + max_tokens + 2)
+        tok = int(row[0].argmax())
+        out.add([tok], row)
+        _sync(self.device)
+        t1 = time.perf_counter()
+        while out.finish is None:
+            h, _ = self.target(self._t([tok])[None], cache, gdn_form=self.knobs.gdn_decode,
+                               attn_form=self.knobs.attn_decode)
+            row = torch.log_softmax(self.target.logits(h[0]), -1)
+            tok = int(row[0].argmax())
+            out.add([tok], row)
+        _sync(self.device)
+        t2 = time.perf_counter()
+        return Generation(out.tokens, out.lps, np.array(out.tk_ids), np.array(out.tk_lps),
+                          out.finish, t1 - t0, t2 - t1, None, len(out.tokens) - 1)
+
+    def _speculative(self, prompt_ids, max_tokens, method, k, top_k) -> Generation:
+        if method == "mtp" and self.mtp is None:
+            raise ValueError("method mtp needs the MTP weights (mtp.* in model.safetensors)")
+        if method == "dflash" and self.drafter is None:
+            raise ValueError("method dflash needs the drafter (drafter.safetensors)")
+        fault = self.knobs.fault
+        aux_ids = tuple(self.cfg.drafter.target_layer_ids) if method == "dflash" else ()
+        max_len = len(prompt_ids) + max_tokens + k + 4
+        out = _Out(max_tokens, self.cfg.eos_token_id, top_k)
+        counters = SpecCounters(accepted_per_pos=[0] * k)
+        t0 = time.perf_counter()
+        cache, hidden, aux, row = self._prefill(prompt_ids, max_len, aux_ids)
+        tokens = list(prompt_ids)
+        x = int(row[0].argmax())
+        tokens.append(x)
+        out.add([x], row)
+        _sync(self.device)
+        t1 = time.perf_counter()
+
+        draft_state = self._draft_init(method, max_len)
+        # target outputs for positions whose successors are known but the drafter has not seen
+        pending_h = hidden
+        pending_aux = torch.cat([aux[i][0] for i in aux_ids], -1) if aux_ids else None
+        iterations = 0
+        while out.finish is None:
+            p = len(tokens) - 1  # position of x (fed to the target in this verify)
+            if method == "mtp":
+                drafts = self._draft_mtp(draft_state, tokens, pending_h, k)
+            else:
+                drafts = self._draft_dflash(draft_state, tokens, pending_aux, k)
+            feed = self._t([x] + drafts)[None]
+            h, aux = self.target(feed, cache, gdn_form=self.knobs.gdn_verify,
+                                 attn_form=self.knobs.attn_verify, per_position=True,
+                                 aux_layers=aux_ids)
+            rows = torch.log_softmax(self.target.logits(h[0]), -1)  # [k+1, V]
+            top2 = rows.topk(2, dim=-1).indices.cpu().tolist()
+            m = 0
+            while m < k and (drafts[m] == top2[m][0]
+                             or (fault == "accept-top2" and drafts[m] == top2[m][1])):
+                m += 1
+            bonus_pos = min(m + 1, k) if fault == "bonus-off-by-one" else m
+            bonus = top2[bonus_pos][0]
+            emitted = drafts[:m] + [bonus]
+            row_idx = list(range(m)) + [bonus_pos]
+            out.add(emitted, rows[row_idx])
+            cache.commit(m + 1, roll_back_gdn=fault != "stale-state")
+            iterations += 1
+            counters.drafts += 1
+            counters.draft_tokens += k
+            counters.accepted_tokens += m
+            for i in range(m):
+                counters.accepted_per_pos[i] += 1
+            tokens.extend(emitted)
+            x = bonus
+            assert cache.length == len(tokens) - 1 == p + m + 1
+            pending_h = h[0, : m + 1]
+            if aux_ids:
+                pending_aux = torch.cat([aux[i][0, : m + 1] for i in aux_ids], -1)
+        _sync(self.device)
+        t2 = time.perf_counter()
+        return Generation(out.tokens, out.lps, np.array(out.tk_ids), np.array(out.tk_lps),
+                          out.finish, t1 - t0, t2 - t1, counters, iterations)
+
+    # ------------------------------------------------------------------ drafters
+
+    def _draft_init(self, method, max_len):
+        if method == "mtp":
+            return Cache(len(self.mtp.layers), max_len)
+        dc = self.cfg.drafter
+        shape = (1, dc.num_key_value_heads, max_len, dc.head_dim)
+        w = self.target.embed_tokens.weight
+        return {"len": 0,
+                "k": [w.new_zeros(shape) for _ in self.drafter.layers],
+                "v": [w.new_zeros(shape) for _ in self.drafter.layers]}
+
+    def _draft_mtp(self, mcache: Cache, tokens, pending_h, k) -> list[int]:
+        """MTP entry at position t takes (embedding of token t+1, target hidden at t).
+        Feed the newly verified positions, then recurse on the module's own hidden."""
+        n = pending_h.shape[0]
+        p = len(tokens) - 1
+        assert mcache.length == p - n
+        emb = self.target.embed_tokens(self._t(tokens[p - n + 1: p + 1]))[None]
+        mh = self.mtp(emb, pending_h[None], mcache)[:, -1:]
+        drafts = [int(self.target.logits(mh[0, -1]).argmax())]
+        for _ in range(k - 1):
+            emb = self.target.embed_tokens(self._t(drafts[-1:]))[None]
+            mh = self.mtp(emb, mh, mcache)
+            drafts.append(int(self.target.logits(mh[0, -1]).argmax()))
+        mcache.length = p  # drop the speculative positions
+        return drafts
+
+    def _draft_dflash(self, st: dict, tokens, pending_aux, k) -> list[int]:
+        """Append the newly verified positions to the drafter's context K/V, then one
+        forward over the block [x, mask * k] at positions p..p+k."""
+        n = pending_aux.shape[0]
+        p = len(tokens) - 1
+        start = st["len"]
+        assert start == p - n
+        pos = torch.arange(start, p, device=self.device)
+        for li, (ck, cv) in enumerate(self.drafter.context_kv(pending_aux[None], pos)):
+            st["k"][li][:, :, start:p] = ck
+            st["v"][li][:, :, start:p] = cv
+        st["len"] = p
+        block = [tokens[-1]] + [self.cfg.mask_token_id] * k
+        emb = self.target.embed_tokens(self._t(block))[None]
+        bpos = torch.arange(p, p + k + 1, device=self.device)
+        ctx = [(kk[:, :, :p], vv[:, :, :p]) for kk, vv in zip(st["k"], st["v"])]
+        hb = self.drafter(emb, bpos, ctx)
+        return self.target.logits(hb[0, 1:]).argmax(-1).tolist()

@@ -1,0 +1,678 @@
+"""A small but real Qwen3.5-family model: hybrid Gated-DeltaNet / gated attention target,
+one MTP module, and a DFlash-style block drafter.
+
+Module and parameter names mirror Hugging Face transformers' ``Qwen3_5TextModel``
+(``embed_tokens``, ``layers.N.linear_attn.*`` / ``layers.N.self_attn.*``, ``mlp.*``,
+``input_layernorm``, ``post_attention_layernorm``, ``norm``; tied lm head), vLLM's
+``Qwen3_5MultiTokenPredictor`` (``fc``, ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``,
+``layers.0.*``, ``norm``; saved under ``mtp.``) and vLLM's ``DFlashQwen3Model``
+(``fc``, ``hidden_norm``, ``layers.N.*``, ``norm``), so a state dict exports by renaming
+prefixes only.
+
+Numerics follow the family: Qwen3.5 RMSNorm scales by ``(1 + weight)`` in fp32, the GDN
+output norm is a plain-weight gated RMSNorm, GDN runs in fp32 with an fp32 recurrent state,
+logits are fp32. GDN has two forms (recurrent step, chunked parallel) and attention two
+forms (``multi``: one SDPA over all new queries, ``single``: one query at a time); which
+form runs is chosen per call, so decode and verify can differ exactly as real kernels do.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GDN_FORMS = ("chunked", "recurrent")
+ATTN_FORMS = ("single", "multi")
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass
+class DrafterConfig:
+    """DFlash block drafter (vLLM ``DFlashQwen3ForCausalLM`` shape)."""
+
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 512
+    block_size: int = 8
+    target_layer_ids: list[int] = field(default_factory=lambda: [1, 4, 6])
+    rope_theta: float = 10000.0
+
+
+@dataclass
+class ReferenceConfig:
+    """Everything needed to rebuild the networks; saved as ``config.json`` next to the weights."""
+
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 8
+    layer_types: list[str] = field(
+        default_factory=lambda: ["linear_attention"] * 3 + ["full_attention"]
+        + ["linear_attention"] * 3 + ["full_attention"]
+    )
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    partial_rotary_factor: float = 0.25
+    rope_theta: float = 10000.0
+    linear_num_key_heads: int = 4
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 64
+    linear_value_head_dim: int = 64
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 8192
+    mtp_num_hidden_layers: int = 1
+    chunk_size: int = 64
+    eos_token_id: int = 0
+    mask_token_id: int = 1
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ReferenceConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"config.json: unknown fields {sorted(unknown)}; known: {sorted(known)}")
+        d = dict(d)
+        if isinstance(d.get("drafter"), dict):
+            dk = {f.name for f in fields(DrafterConfig)}
+            bad = set(d["drafter"]) - dk
+            if bad:
+                raise ValueError(f"config.json: unknown drafter fields {sorted(bad)}; known: {sorted(dk)}")
+            d["drafter"] = DrafterConfig(**d["drafter"])
+        return cls(**d)
+
+
+# --------------------------------------------------------------------------- small pieces
+
+
+class Qwen3_5RMSNorm(nn.Module):
+    """Zero-centred RMSNorm of the family: ``x̂ * (1 + w)`` computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    """Plain RMSNorm (``x̂ * w``), as in Qwen3 / vLLM's RMSNorm, used by the drafter."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.weight.float()).type_as(x)
+
+
+class Qwen3_5RMSNormGated(nn.Module):
+    """GDN output norm: plain-weight RMSNorm per head, then ``* silu(z)`` (as HF)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        h = h * F.silu(gate.float())
+        return h.to(dtype)
+
+
+class Fault:
+    """Which planted bug is active (``None`` = clean); see decode.FAULTS."""
+
+    name: str | None = None
+
+
+class NondetLinear(nn.Linear):
+    """nn.Linear whose reduction order can be randomised run to run (fault
+    ``nondeterministic``): the input dim is split at random points and the partial
+    products are summed in random order in the working dtype."""
+
+    nondet_rng: random.Random | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rng = self.nondet_rng
+        if rng is None:
+            return super().forward(x)
+        n = self.in_features
+        cuts = sorted(rng.sample(range(1, n), 3))
+        bounds = list(zip([0] + cuts, cuts + [n]))
+        rng.shuffle(bounds)
+        out = None
+        for a, b in bounds:
+            part = F.linear(x[..., a:b], self.weight[:, a:b])
+            out = part if out is None else out + part
+        return out
+
+
+class Qwen3_5MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = NondetLinear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_cos_sin(positions: torch.Tensor, rot_dim: int, theta: float, dtype) -> tuple:
+    """Neox-style RoPE tables for ``rot_dim`` leading dims; computed in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32,
+                                             device=positions.device) / rot_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [..., T, D]; rotates the first ``cos.shape[-1]`` dims (partial rotary)."""
+    r = cos.shape[-1]
+    xr, xp = x[..., :r], x[..., r:]
+    x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+    rot = torch.cat([-x2, x1], dim=-1)
+    return torch.cat([xr * cos + rot * sin, xp], dim=-1)
+
+
+# --------------------------------------------------------------------------- gated delta rule
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _gdn_prep(q, k, v, g, beta):
+    """[B,T,H,D] inputs -> fp32 [B,H,T,D], q/k L2-normalised, q scaled by 1/sqrt(D)."""
+    q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))
+    g, beta = g.transpose(1, 2).float(), beta.transpose(1, 2).float()
+    q = l2norm(q) * (q.shape[-1] ** -0.5)
+    k = l2norm(k)
+    return q, k, v, g, beta
+
+
+def gdn_recurrent(q, k, v, g, beta, state, per_position: bool = False):
+    """Gated delta rule, one token at a time (the decode kernel).
+
+    q,k: [B,T,H,Dk]; v: [B,T,H,Dv]; g (log decay, <=0), beta: [B,T,H]; state: fp32
+    [B,H,Dk,Dv]. Returns output [B,T,H,Dv] (fp32), final state and, if asked, the state
+    after every position [B,T,H,Dk,Dv] (for exact rollback after a rejected draft).
+    """
+    q, k, v, g, beta = _gdn_prep(q, k, v, g, beta)
+    T = q.shape[2]
+    outs, states = [], []
+    s = state
+    for t in range(T):
+        s = s * g[:, :, t].exp()[..., None, None]
+        kt = k[:, :, t]
+        kv_mem = (s * kt[..., None]).sum(-2)
+        delta = (v[:, :, t] - kv_mem) * beta[:, :, t][..., None]
+        s = s + kt[..., None] * delta[..., None, :]
+        outs.append((s * q[:, :, t][..., None]).sum(-2))
+        if per_position:
+            states.append(s)
+    out = torch.stack(outs, dim=2).transpose(1, 2)
+    return out, s, (torch.stack(states, dim=1) if per_position else None)
+
+
+def gdn_chunked(q, k, v, g, beta, state, chunk_size: int = 64, per_position: bool = False):
+    """Gated delta rule in the chunked parallel (WY / UT-transform) form (the prefill
+    kernel). Same contract as :func:`gdn_recurrent`; ``state`` may be None (zeros)."""
+    q, k, v, g, beta = _gdn_prep(q, k, v, g, beta)
+    B, H, T, Dk = k.shape
+    Dv = v.shape[-1]
+    if state is None:
+        state = q.new_zeros(B, H, Dk, Dv)
+    C = min(chunk_size, T)  # short inputs (verify) are one chunk, unpadded
+    pad = (C - T % C) % C
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (T + pad) // C
+    q, k, v = (x.reshape(B, H, n, C, -1) for x in (q, k, v))
+    g, beta = g.reshape(B, H, n, C), beta.reshape(B, H, n, C)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = g.cumsum(-1)
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * decay
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    ut = ut.masked_fill(~lower, 0.0).tril(-1) + eye
+    u = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(ut, k_beta * cum.exp()[..., None], upper=False,
+                                      unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_dec = q * cum.exp()[..., None]
+    k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    outs, states = [], []
+    s = state
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ s
+        outs.append(q_dec[:, :, i] @ s + intra[:, :, i] @ v_new)
+        if per_position:
+            # S_t = exp(cum_t) S + sum_{j<=t} exp(cum_t - cum_j) k_j v_new_j^T
+            pos = torch.einsum("bhij,bhjk,bhjv->bhikv", decay[:, :, i], k[:, :, i], v_new)
+            states.append(pos + cum[:, :, i].exp()[..., None, None] * s[:, :, None])
+        s = s * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
+    out = torch.stack(outs, dim=2).reshape(B, H, n * C, Dv)[:, :, :T].transpose(1, 2)
+    per = None
+    if per_position:
+        per = torch.cat(states, dim=2)[:, :, :T].transpose(1, 2)  # [B,T,H,Dk,Dv]
+        s = per[:, -1]
+    elif pad:
+        # the padded tail has g=0, beta=0: no decay, no update, so s is already exact
+        pass
+    return out, s, per
+
+
+# --------------------------------------------------------------------------- cache
+
+
+class Cache:
+    """Per-sequence inference state (batch 1): GDN recurrent state (fp32) and conv state
+    per linear layer, K/V per attention layer, and the number of positions seen.
+
+    Verify forwards leave per-position candidates in ``pending`` so that
+    :meth:`commit` can keep exactly the first ``n`` new positions (exact rollback)."""
+
+    def __init__(self, n_layers: int, max_len: int):
+        self.length = 0
+        self.max_len = max_len
+        self.gdn: list = [None] * n_layers
+        self.conv: list = [None] * n_layers
+        self.k: list = [None] * n_layers
+        self.v: list = [None] * n_layers
+        self.pending: dict = {}
+
+    def commit(self, n_new: int, roll_back_gdn: bool = True) -> None:
+        """Keep the first ``n_new`` positions of the last forward and drop the rest."""
+        for i, p in self.pending.items():
+            kind = p[0]
+            if kind == "gdn":
+                per_state, per_conv = p[1], p[2]
+                self.conv[i] = per_conv[:, n_new - 1]
+                self.gdn[i] = per_state[:, n_new - 1] if roll_back_gdn else per_state[:, -1]
+        self.pending = {}
+        self.length += n_new
+
+    def snapshot(self) -> tuple:
+        """A copy of the state at the current position (cheap: a few small tensors)."""
+        return (self.length, [None if s is None else s.clone() for s in self.gdn],
+                [None if s is None else s.clone() for s in self.conv])
+
+    def restore(self, snap: tuple) -> None:
+        """Back to a snapshot; attention K/V beyond its length is simply ignored."""
+        self.length, gdn, conv = snap
+        self.gdn = [None if s is None else s.clone() for s in gdn]
+        self.conv = [None if s is None else s.clone() for s in conv]
+        self.pending = {}
+
+
+# --------------------------------------------------------------------------- target layers
+
+
+class Qwen3_5GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ReferenceConfig):
+        super().__init__()
+        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.chunk_size = cfg.chunk_size
+        h = cfg.hidden_size
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, bias=False,
+                                groups=self.conv_dim, padding=self.kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.nv).uniform_(1, 16)))
+        self.norm = Qwen3_5RMSNormGated(self.dv, eps=cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.nv, bias=False)
+        self.in_proj_a = nn.Linear(h, self.nv, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: Cache | None = None, idx: int = 0,
+                form: str = "chunked", per_position: bool = False) -> torch.Tensor:
+        B, T, _ = x.shape
+        mixed = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
+        z = self.in_proj_z(x).reshape(B, T, self.nv, self.dv)
+        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        w = self.conv1d.weight  # [C, 1, K]
+        if cache is None:
+            conv_out = F.conv1d(mixed, w, padding=self.kernel - 1, groups=self.conv_dim)[..., :T]
+            state = None
+        else:
+            prev = cache.conv[idx]
+            if prev is None:
+                prev = mixed.new_zeros(B, self.conv_dim, self.kernel - 1)
+            full = torch.cat([prev, mixed], dim=-1)  # [B, C, K-1+T]
+            conv_out = F.conv1d(full, w, groups=self.conv_dim)
+            state = cache.gdn[idx]
+            if state is None:
+                state = x.new_zeros(B, self.nv, self.dk, self.dv, dtype=torch.float32)
+        conv_out = F.silu(conv_out).transpose(1, 2)
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(B, T, self.nk, self.dk)
+        k = k.reshape(B, T, self.nk, self.dk)
+        v = v.reshape(B, T, self.nv, self.dv)
+        if self.nv != self.nk:
+            q = q.repeat_interleave(self.nv // self.nk, dim=2)
+            k = k.repeat_interleave(self.nv // self.nk, dim=2)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if form == "recurrent":
+            if state is None:
+                state = q.new_zeros(B, self.nv, self.dk, self.dv, dtype=torch.float32)
+            out, s, per = gdn_recurrent(q, k, v, g, beta, state, per_position)
+        elif form == "chunked":
+            out, s, per = gdn_chunked(q, k, v, g, beta, state, self.chunk_size, per_position)
+        else:
+            raise ValueError(f"unknown GDN form {form!r}; choose one of {GDN_FORMS}")
+        if cache is not None:
+            if per_position:
+                # conv window after position t: inputs t+1 .. t+K-1 of `full`
+                K1 = self.kernel - 1
+                per_conv = full.unfold(-1, K1, 1)[:, :, 1:].permute(0, 2, 1, 3)  # [B,T,C,K-1]
+                cache.pending[idx] = ("gdn", per, per_conv)
+            else:
+                cache.gdn[idx] = s
+                cache.conv[idx] = full[..., -(self.kernel - 1):]
+        out = self.norm(out.to(x.dtype), z)
+        return self.out_proj(out.reshape(B, T, self.value_dim))
+
+
+def _attend(q, K, V, start: int, form: str, causal_offset: bool = True):
+    """q: [B,H,T,D] at positions start..start+T-1; K,V: [B,Hkv,start+T,D] (all visible
+    keys). ``multi`` = one SDPA with a causal mask, ``single`` = one SDPA per query."""
+    T = q.shape[2]
+    if form == "multi":
+        if T == 1:
+            return F.scaled_dot_product_attention(q, K, V, enable_gqa=True)
+        L = K.shape[2]
+        mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)
+        return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=True)
+    if form == "single":
+        outs = [F.scaled_dot_product_attention(q[:, :, i:i + 1], K[:, :, : start + i + 1],
+                                               V[:, :, : start + i + 1], enable_gqa=True)
+                for i in range(T)]
+        return torch.cat(outs, dim=2)
+    raise ValueError(f"unknown attention form {form!r}; choose one of {ATTN_FORMS}")
+
+
+class Qwen3_5Attention(nn.Module):
+    """Gated full attention: q_proj yields query and output gate, per-head q/k norms,
+    partial RoPE, GQA."""
+
+    def __init__(self, cfg: ReferenceConfig):
+        super().__init__()
+        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.rot = int(self.d * cfg.partial_rotary_factor)
+        self.theta = cfg.rope_theta
+        self.q_proj = nn.Linear(h, self.nh * self.d * 2, bias=False)
+        self.k_proj = nn.Linear(h, self.nkv * self.d, bias=False)
+        self.v_proj = nn.Linear(h, self.nkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.d, h, bias=False)
+        self.q_norm = Qwen3_5RMSNorm(self.d, eps=cfg.rms_norm_eps)
+        self.k_norm = Qwen3_5RMSNorm(self.d, eps=cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cache: Cache | None = None, idx: int = 0,
+                form: str = "multi", start: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        qg = self.q_proj(x).view(B, T, self.nh, 2 * self.d)
+        q, gate = qg[..., : self.d], qg[..., self.d:].reshape(B, T, self.nh * self.d)
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.d)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        pos = torch.arange(start, start + T, device=x.device)
+        cos, sin = rope_cos_sin(pos, self.rot, self.theta, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            if cache.k[idx] is None:
+                cache.k[idx] = k.new_zeros(B, self.nkv, cache.max_len, self.d)
+                cache.v[idx] = v.new_zeros(B, self.nkv, cache.max_len, self.d)
+            if start + T > cache.max_len:
+                raise RuntimeError(f"cache overflow: {start + T} > {cache.max_len} positions")
+            cache.k[idx][:, :, start:start + T] = k
+            cache.v[idx][:, :, start:start + T] = v
+            o = _attend(q, cache.k[idx][:, :, : start + T], cache.v[idx][:, :, : start + T],
+                        start, form)
+        o = o.transpose(1, 2).reshape(B, T, self.nh * self.d)
+        return self.o_proj(o * torch.sigmoid(gate))
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, cfg: ReferenceConfig, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "linear_attention":
+            self.linear_attn = Qwen3_5GatedDeltaNet(cfg)
+        elif layer_type == "full_attention":
+            self.self_attn = Qwen3_5Attention(cfg)
+        else:
+            raise ValueError(f"unknown layer type {layer_type!r}")
+        self.mlp = Qwen3_5MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = Qwen3_5RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3_5RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cache=None, idx=0, start=0, gdn_form="chunked", attn_form="multi",
+                per_position=False):
+        h = self.input_layernorm(x)
+        if self.layer_type == "linear_attention":
+            h = self.linear_attn(h, cache, idx, gdn_form, per_position)
+        else:
+            h = self.self_attn(h, cache, idx, attn_form, start)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# --------------------------------------------------------------------------- target
+
+
+class Qwen3_5TextModel(nn.Module):
+    """The target. state_dict keys equal HF ``Qwen3_5TextModel``'s; lm head tied."""
+
+    def __init__(self, cfg: ReferenceConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = Qwen3_5RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from final-normed hidden states (tied embedding as lm head)."""
+        return F.linear(h, self.embed_tokens.weight).float()
+
+    def forward(self, ids: torch.Tensor, cache: Cache | None = None, *, gdn_form="chunked",
+                attn_form="multi", per_position=False, aux_layers=()):
+        """ids [B,T]. Without a cache: a full-sequence (training) forward from position 0.
+        With a cache: continues at ``cache.length``; with ``per_position`` the GDN layers
+        leave per-position states for :meth:`Cache.commit`, otherwise the cache advances.
+
+        Returns (final-normed hidden [B,T,H], {layer_id: output of that layer [B,T,H]})."""
+        x = self.embed_tokens(ids)
+        start = 0 if cache is None else cache.length
+        aux = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cache, i, start, gdn_form, attn_form, per_position)
+            if i in aux_layers:
+                aux[i] = x
+        if cache is not None and not per_position:
+            cache.length += ids.shape[1]
+        return self.norm(x), aux
+
+
+class MTPModule(nn.Module):
+    """vLLM ``Qwen3_5MultiTokenPredictor``: norm(embed(t+1)) ⊕ norm(hidden(t)) -> fc ->
+    one gated-attention decoder layer -> norm; logits through the target's lm head."""
+
+    def __init__(self, cfg: ReferenceConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = Qwen3_5RMSNorm(h, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = Qwen3_5RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(cfg, "full_attention")
+                                    for _ in range(cfg.mtp_num_hidden_layers))
+        self.norm = Qwen3_5RMSNorm(h, cfg.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cache: Cache | None = None,
+                attn_form: str = "multi") -> torch.Tensor:
+        """embeds: embedding of token t+1, hidden: target (or previous MTP) hidden at t,
+        both [B,T,H], at positions cache.length.. (or 0.. without a cache)."""
+        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1)
+        x = self.fc(x)
+        start = 0 if cache is None else cache.length
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cache, i, start, attn_form=attn_form)
+        if cache is not None:
+            cache.length += embeds.shape[1]
+        return self.norm(x)
+
+
+# --------------------------------------------------------------------------- DFlash drafter
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention without output gate; queries are block slots, keys/values are the
+    context (from target hidden states) followed by the block itself; non-causal."""
+
+    def __init__(self, cfg: ReferenceConfig):
+        super().__init__()
+        dc = cfg.drafter
+        h = cfg.hidden_size
+        self.nh, self.nkv, self.d, self.theta = (dc.num_attention_heads, dc.num_key_value_heads,
+                                                 dc.head_dim, dc.rope_theta)
+        self.q_proj = nn.Linear(h, self.nh * self.d, bias=False)
+        self.k_proj = nn.Linear(h, self.nkv * self.d, bias=False)
+        self.v_proj = nn.Linear(h, self.nkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.d, h, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.d)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions, self.d, self.theta, k.dtype)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, positions, ctx_k, ctx_v, mask=None):
+        """x: [B,T,H] block slots at ``positions``; ctx_k/v: [B,Hkv,L,D]; mask (optional,
+        bool [T, L+T], True = may attend) for batched training blocks."""
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.d)).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions, self.d, self.theta, q.dtype)
+        q = apply_rope(q, cos, sin)
+        k, v = self.kv(x, positions)
+        K, V = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.d))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: ReferenceConfig):
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = Qwen3_5MLP(cfg.hidden_size, cfg.drafter.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, ctx_k, ctx_v, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """vLLM ``DFlashQwen3Model``: context = hidden_norm(fc(concat of target layer outputs
+    at ``target_layer_ids``)), projected to K/V by every layer; the block is
+    [last token, mask, mask, ...] and attends to the context and to itself non-causally.
+    Embedding and lm head are the target's."""
+
+    def __init__(self, cfg: ReferenceConfig):
+        super().__init__()
+        dc = cfg.drafter
+        h = cfg.hidden_size
+        self.fc = nn.Linear(h * len(dc.target_layer_ids), h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(dc.num_hidden_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def context_kv(self, aux: torch.Tensor, positions: torch.Tensor) -> list[tuple]:
+        """aux: [B,L,n*H] concatenated target layer outputs -> per-layer (K, V)."""
+        ctx = self.hidden_norm(self.fc(aux))
+        return [layer.self_attn.kv(ctx, positions) for layer in self.layers]
+
+    def forward(self, block_embeds, positions, ctx_kv, mask=None) -> torch.Tensor:
+        x = block_embeds
+        for layer, (ck, cv) in zip(self.layers, ctx_kv):
+            x = layer(x, positions, ck, cv, mask)
+        return self.norm(x)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def init_weights(module: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Deterministic init (fixed seed): normal(0, std) linears/embeddings, family defaults
+    for norms, A_log, dt_bias; conv as uniform."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in sorted(module.named_parameters()):
+        with torch.no_grad():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1, 16, generator=gen).log())
+            elif name.endswith("dt_bias"):
+                p.fill_(1.0)
+            elif "conv1d" in name:
+                bound = 1 / math.sqrt(p.shape[-1])
+                p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=gen))
+            elif p.ndim == 1:
+                # Qwen3_5RMSNorm starts at 0 (scale 1+w); plain/gated norms at 1
+                p.fill_(0.0 if _is_zero_centred(module, name) else 1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def _is_zero_centred(root: nn.Module, pname: str) -> bool:
+    mod = root.get_submodule(pname.rsplit(".", 1)[0])
+    return isinstance(mod, Qwen3_5RMSNorm)
+
+
+def set_nondeterministic(modules: list[nn.Module], on: bool) -> None:
+    """Fault ``nondeterministic``: seed every MLP down_proj's reduction order from
+    os.urandom so two runs differ."""
+    for root in modules:
+        for m in root.modules():
+            if isinstance(m, NondetLinear):
+                m.nondet_rng = random.Random(os.urandom(8)) if on else None
