@@ -1,0 +1,316 @@
+"""The vllm engine without a GPU: conversion of vLLM's outputs and metrics, argument
+parsing, the speculative_config mapping, the DFlash K hint, and worker failure handling.
+
+Fixtures in tests/fixtures/vllm/ are plain JSON of what vLLM returned. Each says where it
+came from in its ``source`` field: ``captured`` (scripts/capture_vllm_fixtures.py on the
+H200 with real vLLM) or ``constructed`` (the same script's ``--construct`` mode: built from
+vLLM 0.26.0's own Logprob/FlatLogprobs classes and its metrics reader over prometheus
+counters named as vLLM names them, with made-up numbers). The tests hold for both.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from speccheck.engines.base import EngineError, EngineUsageError
+from speccheck.engines.vllm import (
+    VllmEngine,
+    check_speculated,
+    completion_from_dict,
+    eos_token_ids,
+    k_hint_note,
+    parse_value,
+    scored_from_dict,
+    spec_counters_delta,
+    speculative_config,
+    split_engine_args,
+)
+from speccheck.engines.vllm_worker import metrics_to_dicts, request_output_to_dict
+from speccheck.types import Completion, Prompt, SpecConfig, SpecCounters
+
+FIX = Path(__file__).parent / "fixtures" / "vllm"
+
+
+def fixture(name: str) -> dict:
+    return json.loads((FIX / name).read_text())
+
+
+def spec_fixtures() -> list[str]:
+    return sorted(p.name for p in FIX.glob("*_k*.json"))
+
+
+# ---------------------------------------------------------------- outputs -> Completion
+
+def test_baseline_output_becomes_completion_with_greedy_topk():
+    fx = fixture("baseline.json")
+    out = fx["row"]["output"]
+    c = completion_from_dict("p0", fx["row"], fx["top_k"], spec=False)
+    assert c.token_ids.tolist() == out["outputs"][0]["token_ids"]
+    assert c.prompt_ids.tolist() == out["prompt_token_ids"]
+    assert c.topk_ids.shape == (c.n_tokens, fx["top_k"])
+    # temperature 0: every chosen token is the top-1 of its own position
+    assert (c.topk_ids[:, 0] == c.token_ids).all()
+    np.testing.assert_allclose(c.logprobs, c.topk_logprobs[:, 0], rtol=0, atol=1e-6)
+    assert (np.diff(c.topk_logprobs, axis=1) <= 0).all(), "top-k must be sorted best first"
+    assert c.spec is None
+    m = out["metrics"]
+    if m:
+        assert c.ttft_s == pytest.approx(m["first_token_latency"])
+        assert c.decode_s == pytest.approx(m["last_token_ts"] - m["first_token_ts"])
+
+
+@pytest.mark.parametrize("name", spec_fixtures())
+def test_spec_output_counters_are_consistent(name):
+    fx = fixture(name)
+    k = fx["speculative_config"]["num_speculative_tokens"]
+    c = completion_from_dict("p0", fx["row"], fx["top_k"], spec=True)
+    s = c.spec
+    assert s is not None and s.drafts > 0
+    assert s.draft_tokens == s.drafts * k
+    assert len(s.accepted_per_pos) == k
+    assert s.accepted_tokens == sum(s.accepted_per_pos)
+    assert list(s.accepted_per_pos) == sorted(s.accepted_per_pos, reverse=True)
+    # greedy: one token from prefill, then 1 + accepted per verify step (cut at max_tokens)
+    assert c.n_tokens <= 1 + s.drafts + s.accepted_tokens
+    assert (c.topk_ids[:, 0] == c.token_ids).all()
+
+
+def test_counter_delta_subtracts_before_and_sums_label_sets():
+    after = fixture(spec_fixtures()[0])["row"]["metrics_after"]
+    # a second engine (data parallel) reports the same names under other labels
+    other = copy.deepcopy(after)
+    for r in other:
+        r["labels"] = {**r["labels"], "engine": "1"}
+    two = spec_counters_delta([], after + other)
+    one = spec_counters_delta([], after)
+    assert two.drafts == 2 * one.drafts and two.accepted_tokens == 2 * one.accepted_tokens
+    assert two.accepted_per_pos == [2 * x for x in one.accepted_per_pos]
+    assert spec_counters_delta(after, after) == SpecCounters(0, 0, 0, [0] * len(one.accepted_per_pos))
+
+
+def test_get_metrics_dump_has_the_spec_counters_vllm_names():
+    names = {r["name"] for r in fixture(spec_fixtures()[0])["get_metrics"]}
+    for n in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+              "vllm:spec_decode_num_accepted_tokens",
+              "vllm:spec_decode_num_accepted_tokens_per_pos"):
+        assert n in names
+
+
+# ---------------------------------------------------------------- prompt logprobs -> Scored
+
+def test_prompt_logprobs_become_scored_continuation():
+    fx = fixture("prompt_logprobs.json")
+    out = fx["row"]["output"]
+    full, plp = out["prompt_token_ids"], out["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(full)
+    p = len(full) // 2
+    s = scored_from_dict(fx["row"], p, fx["top_k"])
+    n = len(full) - p
+    assert s.topk_ids.shape == (n, fx["top_k"]) and s.token_logprobs.shape == (n,)
+    for i in range(n):
+        entry = plp[p + i][str(full[p + i])]
+        assert s.token_logprobs[i] == pytest.approx(entry["logprob"], abs=1e-6)
+        # the forced token is in the top-k exactly when its rank is <= k
+        assert (full[p + i] in s.topk_ids[i]) == (entry["rank"] <= fx["top_k"])
+        assert s.token_logprobs[i] <= s.topk_logprobs[i, 0] + 1e-6
+
+
+def test_short_prompt_logprobs_are_an_engine_error():
+    row = copy.deepcopy(fixture("prompt_logprobs.json")["row"])
+    row["output"]["prompt_logprobs"] = row["output"]["prompt_logprobs"][:-1]
+    with pytest.raises(EngineError, match="prompt logprobs"):
+        scored_from_dict(row, 2, 5)
+
+
+# ---------------------------------------------------------------- worker-side converters
+
+def test_request_output_to_dict_reads_vllm_shaped_objects():
+    """Test double: SimpleNamespace objects with RequestOutput/CompletionOutput/Logprob's
+    attribute names (vllm/outputs.py, vllm/logprobs.py), since vLLM is not installed here."""
+    lp = lambda v, r: SimpleNamespace(logprob=v, rank=r, decoded_token=None)  # noqa: E731
+    comp = SimpleNamespace(index=0, text="", token_ids=[7, 3], cumulative_logprob=None,
+                           logprobs=[{7: lp(-0.1, 1), 3: lp(-2.5, 2)},
+                                     {3: lp(-0.3, 1), 9: lp(-1.5, 2)}],
+                           finish_reason="length", stop_reason=None)
+    out = SimpleNamespace(request_id="0", prompt_token_ids=[1, 2], prompt_logprobs=None,
+                          outputs=[comp], finished=True, metrics=None)
+    d = request_output_to_dict(out)
+    json.dumps(d)  # plain data only
+    c = completion_from_dict("p", {"output": d, "wall_s": 0.5}, 2, spec=False)
+    assert c.token_ids.tolist() == [7, 3]
+    assert c.topk_ids.tolist() == [[7, 3], [3, 9]]
+    assert c.decode_s == pytest.approx(0.5)
+
+
+def test_metrics_to_dicts_keeps_kinds_and_filters_by_prefix():
+    """Test double: stand-ins with the dataclass names of vllm/v1/metrics/reader.py."""
+    Counter = type("Counter", (), {})
+    Vector = type("Vector", (), {})
+    c, v = Counter(), Vector()
+    c.name, c.labels, c.value = "vllm:spec_decode_num_drafts", {"engine": "0"}, 4
+    v.name, v.labels, v.values = "vllm:spec_decode_num_accepted_tokens_per_pos", {}, [3, 1]
+    other = Counter()
+    other.name, other.labels, other.value = "vllm:num_requests", {}, 1
+    rows = metrics_to_dicts([c, v, other], "vllm:spec_decode_")
+    assert [r["type"] for r in rows] == ["counter", "vector"]
+    assert spec_counters_delta([], rows) == SpecCounters(4, 0, 0, [3, 1])
+
+
+# ---------------------------------------------------------------- engine args
+
+def test_parse_value_types():
+    assert parse_value("4") == 4 and parse_value("0.5") == 0.5
+    assert parse_value("true") is True and parse_value("False") is False
+    assert parse_value('{"gdn_prefill_backend": "triton"}') == {"gdn_prefill_backend": "triton"}
+    assert parse_value("TRITON_ATTN") == "TRITON_ATTN"
+
+
+def test_split_engine_args_routes_each_kind():
+    a = split_engine_args({
+        "attention_backend": "TRITON_ATTN", "max_model_len": "4096",
+        "additional_config": '{"gdn_prefill_backend": "triton"}',
+        "env.VLLM_USE_FLASHINFER_SAMPLER": "0", "sampling.ignore_eos": "true",
+        "spec.attention_backend": "FLASH_ATTN", "worker": "per-config", "enforce_eager": "1"})
+    assert a["llm"] == {"attention_backend": "TRITON_ATTN", "max_model_len": 4096,
+                        "additional_config": {"gdn_prefill_backend": "triton"},
+                        "enforce_eager": 1}
+    assert a["env"] == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert a["sampling"] == {"ignore_eos": True}
+    assert a["spec"] == {"attention_backend": "FLASH_ATTN"}
+    assert a["own"] == {"worker": "per-config"}
+
+
+@pytest.mark.parametrize("bad", [{"speculative_config": "{}"}, {"worker": "sometimes"},
+                                 {"env.": "1"}])
+def test_bad_engine_args_are_usage_errors(bad):
+    with pytest.raises(EngineUsageError):
+        split_engine_args(bad)
+
+
+# ---------------------------------------------------------------- speculative_config
+
+def test_speculative_config_mapping():
+    assert speculative_config(SpecConfig(), None, {}) is None
+    assert speculative_config(SpecConfig("mtp", 3), "/d", {}) == {
+        "method": "mtp", "num_speculative_tokens": 3}
+    assert speculative_config(SpecConfig("dflash", 7), "/d", {"attention_backend": "TRITON_ATTN"}) == {
+        "method": "dflash", "model": "/d", "num_speculative_tokens": 7,
+        "attention_backend": "TRITON_ATTN"}
+    assert speculative_config(SpecConfig("dflash", 7), "/d", {},
+                              {"attention_backend": "FLASH_ATTN"})["attention_backend"] == "FLASH_ATTN"
+    assert speculative_config(SpecConfig("eagle3", 4), "/e", {}) == {
+        "method": "eagle3", "num_speculative_tokens": 4, "model": "/e"}
+    assert speculative_config(SpecConfig("ngram", 2), None, {}, {"prompt_lookup_max": 4}) == {
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}
+    with pytest.raises(EngineUsageError, match="--draft"):
+        speculative_config(SpecConfig("dflash", 7), None, {})
+
+
+# ---------------------------------------------------------------- K hint and engine setup
+
+def write_json(path: Path, data: dict) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(data))
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    target, draft = tmp_path / "target", tmp_path / "drafter"
+    write_json(target, {"architectures": ["Qwen3_5ForConditionalGeneration"],
+                        "text_config": {"eos_token_id": 2}})
+    write_json(draft, {"architectures": ["DFlashDraftModel"],
+                       "dflash_config": {"block_size": 8, "mask_token_id": 5,
+                                         "target_layer_ids": [1, 3]}})
+    return target, draft
+
+
+def test_k_hint_reads_block_size(dirs):
+    target, draft = dirs
+    eng = VllmEngine(model=str(target), draft=str(draft))
+    assert eng.default_k("dflash") == 7
+    assert eng.default_k("mtp") is None
+    assert k_hint_note(SpecConfig("dflash", 7), str(draft)) is None
+    assert "block_size is 8" in k_hint_note(SpecConfig("dflash", 3), str(draft))
+    assert VllmEngine(model=str(target)).default_k("dflash") is None
+
+
+def test_engine_usage_errors(tmp_path, dirs):
+    with pytest.raises(EngineUsageError, match="--model"):
+        VllmEngine(model=None)
+    with pytest.raises(EngineUsageError, match="config.json"):
+        VllmEngine(model=str(tmp_path))
+    with pytest.raises(EngineUsageError, match="--draft"):
+        VllmEngine(model=str(dirs[0]), draft=str(tmp_path / "nowhere"))
+
+
+def test_eos_ids_from_text_config(dirs):
+    assert eos_token_ids(str(dirs[0])) == [2]
+
+
+def test_identity_records_requested_knobs_and_env(dirs):
+    eng = VllmEngine(model=str(dirs[0]), engine_args={
+        "attention_backend": "TRITON_ATTN", "additional_config": '{"gdn_prefill_backend": "triton"}',
+        "env.VLLM_USE_FLASHINFER_SAMPLER": "0"})
+    ident = eng.identity()
+    assert ident["engine"] == "vllm"
+    assert ident["attention_backend"] == "TRITON_ATTN"
+    assert ident["gdn_prefill_backend"] == "triton"
+    assert ident["env"]["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert ident["kernel_knobs"]["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+
+
+def test_zero_drafts_is_flagged():
+    def comp(drafts):
+        return Completion("p", [1], [5, 6, 7], [0, 0, 0], [[5], [6], [7]], [[0], [0], [0]],
+                          spec=SpecCounters(drafts, 3 * drafts, drafts, [drafts, 0, 0]))
+    check_speculated(SpecConfig("mtp", 3), [comp(2), comp(0)])
+    with pytest.raises(EngineError, match="did not speculate"):
+        check_speculated(SpecConfig("mtp", 3), [comp(0), comp(0)])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
+                    reason="checks the failure path of a worker that cannot import vLLM")
+def test_worker_crash_is_an_engine_error_with_log_tail(dirs):
+    eng = VllmEngine(model=str(dirs[0]), engine_args={"warmup": "false"})
+    try:
+        with pytest.raises(EngineError, match="vllm"):
+            eng.generate([Prompt("a", "x", 4, text="hi")], [[1, 2]], SpecConfig(), 5)
+        assert eng.last_call_fresh_process
+    finally:
+        eng.close()
+
+
+# ---------------------------------------------------------------- real vLLM (GPU box)
+
+@pytest.mark.gpu
+def test_vllm_end_to_end_on_gpu():
+    """Needs vLLM, CUDA and SPECCHECK_VLLM_MODEL (an exported target with mtp.* weights)."""
+    import os
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    model = os.environ.get("SPECCHECK_VLLM_MODEL")
+    if not model:
+        pytest.skip("set SPECCHECK_VLLM_MODEL to an exported target checkpoint")
+    args = {"attention_backend": "TRITON_ATTN", "enforce_eager": "true",
+            "additional_config": '{"gdn_prefill_backend": "triton"}',
+            "env.VLLM_USE_FLASHINFER_SAMPLER": "0", "gpu_memory_utilization": "0.3"}
+    eng = VllmEngine(model=model, engine_args=args)
+    try:
+        prompts = [Prompt("a", "code", 16, text="def add(a, b):\n")]
+        ids = [eng.tokenize(p) for p in prompts]
+        base = eng.generate(prompts, ids, SpecConfig(), 5)
+        mtp = eng.generate(prompts, ids, SpecConfig("mtp", 3), 5)
+        assert base[0].n_tokens > 0 and mtp[0].spec.drafts > 0
+        scored = eng.score(ids, [base[0].token_ids.tolist()], 5)
+        assert (scored[0].topk_ids[:, 0] == base[0].token_ids).mean() > 0.9
+    finally:
+        eng.close()
