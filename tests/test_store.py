@@ -1,0 +1,102 @@
+"""The store: atomic run directories, exact round trips, resume markers, corrupted files."""
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from speccheck.store import Store, StoreError, suite_id
+from speccheck.types import Completion, RunRecord, Scored, SpecConfig, SpecCounters
+
+
+def completion(pid, n, k=5, seed=0):
+    rng = np.random.default_rng(seed)
+    lp = -np.sort(rng.random((n, k)), axis=1).astype(np.float32)
+    return Completion(pid, rng.integers(0, 100, 7), rng.integers(0, 4096, n), lp[:, 0],
+                      rng.integers(0, 4096, (n, k)), lp, text=f"t{pid}", ttft_s=0.1, decode_s=0.5,
+                      spec=SpecCounters(3, 9, 4, [2, 1, 1]))
+
+
+def record(config="mtp-k3", repeat=0, comps=None, status="ok"):
+    return RunRecord(SpecConfig.from_name(config), {"engine": "x"}, "smoke", "h", repeat, False,
+                     status=status, completions=comps if comps is not None else [completion("a", 5)])
+
+
+@pytest.fixture
+def suite(tmp_path):
+    return Store(tmp_path / "st").suite("s1", {"corpus_hash": "h"})
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=5), k=st.integers(2, 6))
+def test_round_trip_is_exact(tmp_path_factory, lengths, k):
+    suite = Store(tmp_path_factory.mktemp("st")).suite("s", {"corpus_hash": "h"})
+    comps = [completion(f"p{i}", n, k, seed=i) for i, n in enumerate(lengths)]
+    suite.write_run(record(comps=comps))
+    back = suite.load_run("mtp-k3", 0).completions
+    assert [c.prompt_id for c in back] == [c.prompt_id for c in comps]
+    for a, b in zip(comps, back):
+        for field in ("prompt_ids", "token_ids", "logprobs", "topk_ids", "topk_logprobs"):
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+        assert b.spec == a.spec and b.text == a.text
+
+
+def test_failed_run_is_not_complete_and_is_replaced(suite):
+    suite.write_run(record(status="failed", comps=[]))
+    assert not suite.is_complete("mtp-k3", 0)
+    suite.write_run(record())
+    assert suite.is_complete("mtp-k3", 0)
+    assert [p.name for p in suite.run_dir("mtp-k3", 0).parent.iterdir()] == ["r0"]
+
+
+def test_configs_sorted_baseline_first(suite):
+    for name in ["mtp-k10", "dflash-k7", "mtp-k2", "baseline"]:
+        suite.write_run(record(name if name != "baseline" else "baseline"))
+    assert suite.configs() == ["baseline", "dflash-k7", "mtp-k2", "mtp-k10"]
+
+
+def test_corrupted_arrays_give_clear_error(suite):
+    suite.write_run(record())
+    (suite.run_dir("mtp-k3", 0) / "arrays.npz").write_bytes(b"not a zip")
+    with pytest.raises(StoreError, match="arrays.npz.*corrupted"):
+        suite.load_run("mtp-k3", 0)
+
+
+def test_pickled_object_arrays_are_refused(suite):
+    suite.write_run(record())
+    path = suite.run_dir("mtp-k3", 0) / "arrays.npz"
+    np.savez(path, token_ids=np.array([{"evil": 1}], dtype=object))
+    with pytest.raises(StoreError):
+        suite.load_run("mtp-k3", 0)
+
+
+def test_rescore_round_trip(suite):
+    s = [Scored(np.arange(10).reshape(2, 5), -np.ones((2, 5)), np.array([-0.1, -0.2]))]
+    suite.write_rescore("mtp-k3", 0, ["a"], s)
+    back = suite.load_rescore("mtp-k3", 0)["a"]
+    np.testing.assert_array_equal(back.topk_ids, s[0].topk_ids)
+    np.testing.assert_array_equal(back.token_logprobs, s[0].token_logprobs)
+
+
+def test_latest_and_missing_suite(tmp_path):
+    store = Store(tmp_path)
+    with pytest.raises(StoreError, match="holds no runs"):
+        store.latest()
+    store.suite("abc", {"corpus_hash": "h"})
+    store.set_latest("abc")
+    assert store.latest().id == "abc"
+    with pytest.raises(StoreError, match="no suite 'zzz'"):
+        store.suite("zzz")
+
+
+def test_suite_id_separates_engine_args():
+    a = suite_id("reference", None, None, {}, "default", "h")
+    b = suite_id("reference", None, None, {"fault": "stale-state"}, "default", "h")
+    assert a != b and a.startswith("reference-default-default-")
+
+
+def test_manifest_is_plain_json(suite):
+    path = suite.write_run(record()) / "manifest.json"
+    m = json.loads(path.read_text())
+    assert m["complete"] is True and m["config"]["method"] == "mtp" and m["completions"][0]["n_tokens"] == 5
