@@ -1,0 +1,487 @@
+"""The `openai` engine: a running OpenAI-compatible server (vLLM, or `speccheck serve`).
+
+This is how the seed's users run vLLM (docker, port 8000, a served model name, an API key).
+Generation goes through ``/v1/completions`` with the prompt as token ids, ``temperature: 0``,
+``logprobs: k`` and ``return_tokens_as_token_ids`` (top-k keyed ``token_id:N``, so no token
+string has to be mapped back); rescoring uses vLLM's ``prompt_logprobs`` extension. Spec
+counters come from ``/metrics`` (Prometheus text), scraped before and after every request,
+so each completion carries its own counters. Requests are sent one at a time.
+
+The server runs ONE config; the SpecConfig given to generate() says which one the user
+believes it runs, and the metrics must agree (drafts > 0 for a speculative config, no
+speculation for the baseline, the same K) -- otherwise EngineUsageError.
+
+Timing: ``decode_s`` is the wall time of the whole (non-streaming) request, prefill and
+HTTP included; ``ttft_s`` is not measured (0.0). Good enough to compare configs on one server.
+
+The API key is read from the environment variable named by ``api_key_env`` (default
+OPENAI_API_KEY) and only ever sent as ``Authorization: Bearer``: it is not kept in identity,
+errors, logs or reprs.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import Any, Sequence
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from speccheck.engines.base import Engine, EngineError, EngineUsageError
+from speccheck.types import Completion, Prompt, Scored, SpecConfig, SpecCounters
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+#: engine args (``--engine-arg key=value``); ``method``/``k`` are accepted and ignored: the
+#: SpecConfig handed to generate() is what the server is checked against.
+ARGS = {
+    "base_url": "server URL (default http://127.0.0.1:8000)",
+    "served_model": "model name the server serves (default: the one /v1/models lists)",
+    "api_key_env": "environment variable holding the API key (default OPENAI_API_KEY)",
+    "timeout": "seconds per HTTP request (default 600)",
+    "retries": "retries after a connection error, timeout or 5xx (default 3)",
+    "backoff": "first retry delay in seconds, doubled each retry (default 1.0)",
+    "tokenizer": "path to tokenizer.json to tokenize locally (default: the server's /tokenize)",
+    "method": "ignored (the config under test says what the server runs)",
+    "k": "ignored (as method)",
+}
+
+# vLLM's counters (vllm/v1/spec_decode/metrics.py, SpecDecodingProm); scraped with _total.
+DRAFTS = "vllm:spec_decode_num_drafts_total"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+REQUESTS = "vllm:request_success_total"
+PROBE_TEXT = "speccheck tokenizer probe: Hello, world! 0123456789 日本語のテキスト\n\tdef f(x): return x"
+
+
+# --- pure helpers (tested on their own) -----------------------------------------------------
+
+def parse_metrics(text: str) -> dict[str, Any]:
+    """The spec-decode counters and finished-request count of a Prometheus text page, summed
+    over label sets (several engines under data parallelism). ``spec`` is None when the
+    server exports no spec counters at all: vLLM registers them only when it speculates."""
+    sums: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == PER_POS:
+                p = int(s.labels.get("position", -1))
+                per_pos[p] = per_pos.get(p, 0.0) + s.value
+            elif s.name in (DRAFTS, DRAFT_TOKENS, ACCEPTED, REQUESTS):
+                sums[s.name] = sums.get(s.name, 0.0) + s.value
+    spec = None
+    if DRAFTS in sums or per_pos:
+        spec = SpecCounters(int(sums.get(DRAFTS, 0)), int(sums.get(DRAFT_TOKENS, 0)),
+                            int(sums.get(ACCEPTED, 0)),
+                            [int(per_pos.get(p, 0)) for p in range(max(per_pos, default=-1) + 1)])
+    requests = int(sums[REQUESTS]) if REQUESTS in sums else None
+    return {"spec": spec, "requests": requests}
+
+
+def counters_delta(before: SpecCounters | None, after: SpecCounters | None) -> SpecCounters | None:
+    if after is None:
+        return None
+    before = before or SpecCounters()
+    pos = [a - (before.accepted_per_pos[i] if i < len(before.accepted_per_pos) else 0)
+           for i, a in enumerate(after.accepted_per_pos)]
+    return SpecCounters(after.drafts - before.drafts, after.draft_tokens - before.draft_tokens,
+                        after.accepted_tokens - before.accepted_tokens, pos)
+
+
+def token_id(key: str) -> int:
+    """``token_id:123`` (return_tokens_as_token_ids) or ``123`` (prompt_logprobs keys)."""
+    try:
+        return int(key.removeprefix("token_id:"))
+    except ValueError:
+        raise EngineError(f"server returned a token key {key!r} where a token id was expected "
+                          "(does it honour return_tokens_as_token_ids?)") from None
+
+
+def _lp(value: Any) -> float:
+    """A logprob from a completion's top_logprobs (float) or prompt_logprobs (Logprob dict)."""
+    return float(value["logprob"] if isinstance(value, dict) else value)
+
+
+def topk_from_dict(entries: dict, k: int, where: str) -> tuple[list[int], list[float]]:
+    """The k best (id, logprob) of one position's logprob dict, best first (ties: lower id).
+
+    A prompt_logprobs dict also holds the prompt's own token, which may rank below k: where
+    ranks are given, only ranks 1..k count."""
+    items = [(token_id(t), _lp(v), v.get("rank") if isinstance(v, dict) else None)
+             for t, v in entries.items()]
+    if any(r is not None for _, _, r in items):
+        items = [x for x in items if x[2] is not None and x[2] <= k]
+    items.sort(key=lambda x: (-x[1], x[0]))
+    if len(items) < k:
+        raise EngineError(f"{where}: the server returned {len(items)} logprobs where {k} were "
+                          "asked (vLLM caps them at --max-logprobs)")
+    return [t for t, _, _ in items[:k]], [lp for _, lp, _ in items[:k]]
+
+
+def completion_from_choice(prompt: Prompt, prompt_ids: Sequence[int], choice: dict, k: int,
+                           wall_s: float, spec: SpecCounters | None) -> Completion:
+    """One vLLM /v1/completions choice (logprobs with token_id:N keys) -> Completion."""
+    lp = choice.get("logprobs") or {}
+    tokens = lp.get("tokens") or []
+    ids = choice.get("token_ids")
+    if ids is None:
+        ids = [token_id(t) for t in tokens]
+    if len(tokens) != len(ids) or len(lp.get("top_logprobs") or []) != len(ids):
+        raise EngineError(f"prompt {prompt.id}: the server returned {len(ids)} tokens but "
+                          f"{len(tokens)} logprob entries")
+    topk_ids, topk_lps = [], []
+    for i, entries in enumerate(lp.get("top_logprobs") or []):
+        t, l = topk_from_dict(entries or {}, k, f"prompt {prompt.id}, position {i}")
+        topk_ids.append(t)
+        topk_lps.append(l)
+    return Completion(
+        prompt_id=prompt.id, prompt_ids=np.asarray(prompt_ids), token_ids=np.asarray(ids),
+        logprobs=np.asarray(lp.get("token_logprobs") or [], dtype=np.float32),
+        topk_ids=np.asarray(topk_ids, dtype=np.int32).reshape(len(ids), k),
+        topk_logprobs=np.asarray(topk_lps, dtype=np.float32).reshape(len(ids), k),
+        text=choice.get("text") or "", finish_reason=choice.get("finish_reason") or "length",
+        ttft_s=0.0, decode_s=wall_s, spec=spec)
+
+
+def scored_from_prompt_logprobs(prompt_logprobs: list, full: Sequence[int], start: int,
+                                k: int) -> Scored:
+    """vLLM's prompt_logprobs of ``full`` -> Scored for positions start.. (the continuation)."""
+    n = len(full) - start
+    ids = np.zeros((n, k), np.int32)
+    lps = np.zeros((n, k), np.float32)
+    tok = np.zeros(n, np.float32)
+    if len(prompt_logprobs) != len(full):
+        raise EngineError(f"the server returned {len(prompt_logprobs)} prompt logprobs for "
+                          f"{len(full)} prompt tokens")
+    for j in range(n):
+        entries = prompt_logprobs[start + j] or {}
+        forced = full[start + j]
+        by_id = {token_id(t): _lp(v) for t, v in entries.items()}
+        if forced not in by_id:
+            raise EngineError(f"prompt_logprobs at position {start + j} lack the prompt's own "
+                              f"token {forced}")
+        tok[j] = by_id[forced]
+        t, l = topk_from_dict(entries, k, f"prompt_logprobs position {start + j}")
+        ids[j], lps[j] = t, l
+    return Scored(topk_ids=ids, topk_logprobs=lps, token_logprobs=tok)
+
+
+def _error_message(r: httpx.Response) -> str:
+    """The server's own words: vLLM's {"error": {"message"}}, older {"message"}, FastAPI's
+    {"detail"}, or the raw text (trimmed)."""
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text.strip()[:300] or r.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message") or err)
+        return str(err or body.get("message") or body.get("detail") or body)[:300]
+    return str(body)[:300]
+
+
+# --- the engine ------------------------------------------------------------------------------
+
+class OpenAIEngine(Engine):
+    name = "openai"
+    methods = None  # whatever the server runs (mtp, dflash, eagle, ngram, ...)
+
+    def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
+                 draft: str | None = None) -> None:
+        super().__init__(model, engine_args, draft)
+        unknown = sorted(set(self.engine_args) - set(ARGS))
+        if unknown:
+            raise EngineUsageError(
+                f"unknown --engine-arg {', '.join(unknown)} for engine openai; it takes: "
+                + "; ".join(f"{k} ({v})" for k, v in ARGS.items()))
+        a = self.engine_args
+        self.base_url = str(a.get("base_url") or DEFAULT_BASE_URL).rstrip("/")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise EngineUsageError(f"--engine-arg base_url={self.base_url!r} is not an http(s) "
+                                   "URL: give e.g. base_url=http://127.0.0.1:8000")
+        self.api_key_env = str(a.get("api_key_env") or "OPENAI_API_KEY")
+        self.timeout = self._number("timeout", 600.0)
+        self.retries = int(self._number("retries", 3))
+        self.backoff = self._number("backoff", 1.0)
+        self._served = a.get("served_model") or model
+        self._local_tok = None
+        self._tokenizer_path = a.get("tokenizer")
+        if self._tokenizer_path:
+            from tokenizers import Tokenizer
+            try:
+                self._local_tok = Tokenizer.from_file(str(self._tokenizer_path))
+            except Exception as e:
+                raise EngineUsageError(f"--engine-arg tokenizer={self._tokenizer_path}: cannot "
+                                       f"load it as a tokenizers tokenizer.json ({e})") from None
+        key = os.environ.get(self.api_key_env)
+        if "api_key_env" in a and not key:
+            raise EngineUsageError(f"--api-key-env names {self.api_key_env}, but that environment "
+                                   f"variable is not set: export {self.api_key_env}=<key>")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._client = httpx.Client(headers=headers,
+                                    timeout=httpx.Timeout(self.timeout,
+                                                          connect=min(self.timeout, 10.0)))
+        self._info: dict | None = None
+
+    def __repr__(self) -> str:
+        return f"OpenAIEngine(base_url={self.base_url!r}, served_model={self._served!r})"
+
+    def _number(self, key: str, default: float) -> float:
+        v = self.engine_args.get(key)
+        if v is None:
+            return default
+        try:
+            x = float(v)
+        except ValueError:
+            x = -1.0
+        if x < 0:
+            raise EngineUsageError(f"--engine-arg {key}={v!r} must be a non-negative number")
+        return x
+
+    # --- HTTP ---------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
+        """One request with retries and backoff for what may pass (connection refused,
+        timeouts, 5xx); 4xx are the user's to fix and fail at once with a usage error."""
+        url = self.base_url + path
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                r = self._client.request(method, url, json=body)
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                continue
+            if r.status_code < 400:
+                return r
+            msg = _error_message(r)
+            if r.status_code in (401, 403):
+                have = ("is set but the server rejected its value" if os.environ.get(
+                    self.api_key_env) else "is not set, so no key was sent")
+                raise EngineUsageError(
+                    f"the server at {self.base_url} refused {path} with HTTP {r.status_code} "
+                    f"({msg}): the API key comes from the environment variable "
+                    f"{self.api_key_env}, which {have}. Export {self.api_key_env} with the "
+                    "server's --api-key, or name another variable with --api-key-env.")
+            if r.status_code == 404:
+                raise EngineUsageError(
+                    f"the server at {self.base_url} answered 404 for {path} ({msg}): check "
+                    "--base-url, and --served-model against the server's /v1/models.")
+            if r.status_code < 500:
+                raise EngineUsageError(f"the server at {self.base_url} rejected {path} with "
+                                       f"HTTP {r.status_code}: {msg}")
+            last = f"HTTP {r.status_code}: {msg}"
+        raise EngineError(f"the server at {self.base_url} did not answer {method} {path} after "
+                          f"{self.retries + 1} attempts (last: {last}); is it running and "
+                          "reachable? (--base-url, --engine-arg timeout/retries)")
+
+    def _json(self, method: str, path: str, body: dict | None = None) -> Any:
+        r = self._request(method, path, body)
+        try:
+            return r.json()
+        except ValueError:
+            raise EngineError(f"the server at {self.base_url} answered {path} with non-JSON "
+                              f"text: {r.text[:200]!r}") from None
+
+    # --- server facts -------------------------------------------------------------------
+
+    def _server(self) -> dict:
+        """/v1/models (authenticated: a wrong key fails here, first) and /version, once."""
+        if self._info is not None:
+            return self._info
+        models = self._json("GET", "/v1/models").get("data") or []
+        names = [m.get("id") for m in models]
+        if self._served is None:
+            if len(names) != 1:
+                raise EngineUsageError(f"the server at {self.base_url} serves {len(names)} "
+                                       f"models ({', '.join(map(str, names)) or 'none'}): name "
+                                       "one with --served-model")
+            self._served = names[0]
+        elif self._served not in names:
+            raise EngineUsageError(f"the server at {self.base_url} does not serve "
+                                   f"{self._served!r}; it serves: {', '.join(map(str, names))} "
+                                   "(--served-model)")
+        entry = next(m for m in models if m.get("id") == self._served)
+        try:
+            version = self._json("GET", "/version")
+        except EngineUsageError:  # not every OpenAI-compatible server has /version
+            version = {}
+        self._info = {"model": entry, "version": version}
+        return self._info
+
+    def _metrics(self) -> dict:
+        try:
+            r = self._request("GET", "/metrics")
+        except EngineUsageError as e:
+            raise EngineUsageError(f"{e} speccheck reads the spec-decode counters from vLLM's "
+                                   "Prometheus /metrics; it must be reachable.") from None
+        return parse_metrics(r.text)
+
+    def _metrics_after(self, before: dict) -> dict:
+        """Metrics once our request is counted: vLLM records stats right after it hands the
+        output over, so a scrape can race it; wait (briefly) until the request shows."""
+        after = self._metrics()
+        deadline = time.monotonic() + 2.0
+        while (before["requests"] is not None and after["requests"] is not None
+               and after["requests"] <= before["requests"] and time.monotonic() < deadline):
+            time.sleep(0.02)
+            after = self._metrics()
+        if before["requests"] is not None and after["requests"] is not None \
+                and after["requests"] - before["requests"] > 1:
+            raise EngineUsageError(
+                f"other requests reached the server at {self.base_url} during speccheck's run "
+                f"({after['requests'] - before['requests']} finished during one request): spec "
+                "counters and timings would mix; give speccheck the server to itself.")
+        return after
+
+    def identity(self) -> dict:
+        info = self._server()
+        m = self._metrics()
+        ident = {
+            "engine": "openai",
+            "base_url": self.base_url,
+            "served_model": self._served,
+            "model_root": info["model"].get("root"),
+            "max_model_len": info["model"].get("max_model_len"),
+            "server_version": info["version"].get("version"),
+            "server_spec_k": len(m["spec"].accepted_per_pos) if m["spec"] else 0,
+            "tokenizer": self._tokenizer_path or "server",
+            "tokenizer_hash": self._tokenizer_hash(),
+        }
+        served_by = info["version"].get("speccheck")
+        if served_by:  # speccheck serve: the engine behind it says which kernels ran
+            ident["server_engine"] = served_by.get("engine_identity")
+        return ident
+
+    def _tokenizer_hash(self) -> str:
+        if self._tokenizer_path:
+            with open(self._tokenizer_path, "rb") as f:
+                return hashlib.sha256(f.read()).hexdigest()[:16]
+        # The server's tokenizer file is out of reach: fingerprint its behaviour instead.
+        ids = self._tokenize_text(PROBE_TEXT)
+        return "probe-" + hashlib.sha256(repr(ids).encode()).hexdigest()[:16]
+
+    def default_k(self, method: str) -> int | None:
+        """The K the server drafts with (vLLM exports one per-position counter per K)."""
+        if method == "baseline":
+            return None
+        spec = self._metrics()["spec"]
+        return len(spec.accepted_per_pos) if spec and spec.accepted_per_pos else None
+
+    # --- tokenizer ----------------------------------------------------------------------
+
+    def _tokenize_text(self, text: str) -> list[int]:
+        if self._local_tok is not None:
+            return list(self._local_tok.encode(text).ids)
+        return self._post_tokenize({"prompt": text})
+
+    def _post_tokenize(self, body: dict) -> list[int]:
+        self._server()
+        try:
+            out = self._json("POST", "/tokenize", {"model": self._served, **body})
+        except EngineUsageError as e:
+            raise EngineUsageError(f"{e} Without vLLM's /tokenize, give --engine-arg "
+                                   "tokenizer=PATH/tokenizer.json.") from None
+        return [int(t) for t in out["tokens"]]
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Text as is; chat messages through the server's chat template (vLLM /tokenize
+        with ``messages``), or Prompt.as_text() when tokenizing locally."""
+        if prompt.messages is not None and self._local_tok is None:
+            return self._post_tokenize({"messages": list(prompt.messages),
+                                        "add_generation_prompt": True})
+        return self._tokenize_text(prompt.as_text())
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        ids = [int(t) for t in ids]
+        if self._local_tok is not None:
+            return self._local_tok.decode(ids)
+        self._server()
+        return str(self._json("POST", "/detokenize", {"model": self._served, "tokens": ids})
+                   ["prompt"])
+
+    # --- generation ---------------------------------------------------------------------
+
+    def _check_static(self, config: SpecConfig, spec: SpecCounters | None) -> None:
+        """What the server is configured to do, before anything runs."""
+        running = (f"speculative decoding with K={len(spec.accepted_per_pos)}" if spec
+                   else "no speculative decoding (its /metrics has no vllm:spec_decode_* "
+                   "counters; a vLLM started with --disable-log-stats exports none)")
+        if config.is_baseline and spec is not None:
+            raise EngineUsageError(f"the server at {self.base_url} runs {running}, but --method "
+                                   "says baseline: start the server without a speculative "
+                                   "config, or pass the --method/--k it runs.")
+        if not config.is_baseline and spec is None:
+            raise EngineUsageError(f"the server at {self.base_url} runs {running}, but --method "
+                                   f"says {config.method} --k {config.k}: start it with that "
+                                   "speculative config, or pass --method baseline.")
+        if spec is not None and spec.accepted_per_pos and len(spec.accepted_per_pos) != config.k:
+            raise EngineUsageError(f"the server at {self.base_url} runs {running}, but --k says "
+                                   f"{config.k}: pass --k {len(spec.accepted_per_pos)}, or "
+                                   "restart the server with the K you mean.")
+
+    def generate(self, prompts: Sequence[Prompt], prompt_ids: Sequence[Sequence[int]],
+                 config: SpecConfig, top_k: int) -> list[Completion]:
+        self._server()
+        before = self._metrics()
+        self._check_static(config, before["spec"])
+        out: list[Completion] = []
+        for prompt, ids in zip(prompts, prompt_ids, strict=True):
+            body = {"model": self._served, "prompt": [int(t) for t in ids],
+                    "max_tokens": int(prompt.max_tokens), "temperature": 0,
+                    "logprobs": int(top_k), "return_tokens_as_token_ids": True,
+                    "return_token_ids": True}
+            t0 = time.perf_counter()
+            resp = self._json("POST", "/v1/completions", body)
+            wall = time.perf_counter() - t0
+            after = self._metrics_after(before)
+            spec = counters_delta(before["spec"], after["spec"])
+            before = after
+            choices = resp.get("choices") or []
+            if len(choices) != 1:
+                raise EngineError(f"prompt {prompt.id}: expected one choice from the server, "
+                                  f"got {len(choices)}")
+            out.append(completion_from_choice(prompt, ids, choices[0], top_k, wall, spec))
+        self._check_drafted(config, out)
+        return out
+
+    def _check_drafted(self, config: SpecConfig, out: list[Completion]) -> None:
+        """A speculative config must have drafted; a server configured to speculate that
+        did not (older vLLM skipped drafting for requests asking for logprobs) proves nothing."""
+        if config.is_baseline or not any(c.n_tokens >= 3 for c in out):
+            return
+        drafts = sum(c.spec.drafts for c in out if c.spec is not None)
+        if drafts == 0:
+            raise EngineUsageError(
+                f"the server at {self.base_url} is configured to speculate (K={config.k}) but "
+                f"drafted nothing over {sum(c.n_tokens for c in out)} generated tokens, so "
+                f"--method {config.method} is not what ran: some vLLM versions skip drafting "
+                "for requests that ask for logprobs; use a vLLM that drafts with logprobs.")
+
+    def score(self, prompt_ids: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
+              top_k: int) -> list[Scored]:
+        self._server()
+        out = []
+        for p, c in zip(prompt_ids, continuations, strict=True):
+            full = [int(t) for t in p] + [int(t) for t in c]
+            if not c:
+                out.append(Scored(np.zeros((0, top_k), np.int32),
+                                  np.zeros((0, top_k), np.float32), np.zeros(0, np.float32)))
+                continue
+            body = {"model": self._served, "prompt": full, "max_tokens": 1, "temperature": 0,
+                    "prompt_logprobs": int(top_k), "return_token_ids": True}
+            resp = self._json("POST", "/v1/completions", body)
+            choice = (resp.get("choices") or [{}])[0]
+            plp = choice.get("prompt_logprobs")
+            if plp is None:
+                raise EngineError(f"the server at {self.base_url} returned no prompt_logprobs "
+                                  "(vLLM's extension); speccheck needs them to rescore")
+            out.append(scored_from_prompt_logprobs(plp, full, len(p), top_k))
+        return out
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,503 @@
+"""`speccheck serve`: an OpenAI-compatible HTTP server in front of an in-process engine.
+
+It speaks the subset of vLLM's OpenAI server that the `openai` engine uses, with vLLM's
+JSON shapes, auth rules and Prometheus metric names, so that the `openai` engine runs end
+to end in CI and users can rehearse gating a deployment without a GPU. Like a vLLM server
+it serves ONE config (baseline, or one method at one K).
+
+Endpoints (shapes as in vLLM's ``entrypoints/openai`` protocol):
+  GET  /health, /ping          200, no auth (like vLLM)
+  GET  /version                {"version": ...} plus ``speccheck``: engine identity, config
+  GET  /metrics                Prometheus text; ``vllm:spec_decode_*`` counters only when the
+                               config speculates (vLLM registers them only then)
+  GET  /v1/models              the one served model
+  POST /v1/completions         greedy only (temperature 0); token-id or text prompt(s),
+                               ``logprobs``, ``prompt_logprobs``, ``return_tokens_as_token_ids``,
+                               ``return_token_ids``, ``max_tokens``
+  POST /tokenize, /detokenize  vLLM's extensions
+
+Requests run one at a time (a lock) so results and timings do not depend on concurrency.
+Standard library ``http.server`` only: no web framework to install.
+"""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import os
+import threading
+import time
+import uuid
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+import speccheck
+from speccheck.engines.base import Engine, EngineError, EngineUsageError
+from speccheck.types import Completion, Prompt, SpecConfig
+
+#: Paths reachable without the API key, as in vLLM's AuthenticationMiddleware (PUBLIC_ENDPOINTS).
+PUBLIC_PATHS = ("/health", "/ping", "/load", "/version", "/metrics")
+DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+
+
+class RequestError(Exception):
+    """A client error, answered with an OpenAI-style error body."""
+
+    def __init__(self, status: HTTPStatus, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+class SpecMetrics:
+    """vLLM's Prometheus counters, in a registry of this server's own (several servers can
+    live in one test process). Names and labels as vLLM's SpecDecodingProm and stat loggers."""
+
+    def __init__(self, served_model: str, config: SpecConfig) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name", "engine"]
+        self.values = [served_model, "0"]
+
+        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
+            return Counter(name, doc, labels + (extra or []), registry=self.registry)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens",
+                                         "Number of generation tokens processed.")
+        self.request_success = counter("vllm:request_success", "Count of successfully "
+                                       "processed requests.", ["finished_reason"])
+        self.spec = not config.is_baseline
+        if self.spec:
+            self.drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+            self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                        "Number of draft tokens.")
+            self.accepted = counter("vllm:spec_decode_num_accepted_tokens",
+                                    "Number of accepted tokens.")
+            per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                              "Accepted tokens per draft position.", ["position"])
+            # vLLM creates one child per position 0..K-1 up front, so they show even at zero.
+            self.per_pos = [per_pos.labels(*self.values, str(p)) for p in range(config.k)]
+            for c in (self.drafts, self.draft_tokens, self.accepted):
+                c.labels(*self.values)
+
+    def observe(self, prompt_len: int, c: Completion) -> None:
+        self.prompt_tokens.labels(*self.values).inc(prompt_len)
+        self.generation_tokens.labels(*self.values).inc(c.n_tokens)
+        self.request_success.labels(*self.values, c.finish_reason).inc()
+        if self.spec and c.spec is not None:
+            self.drafts.labels(*self.values).inc(c.spec.drafts)
+            self.draft_tokens.labels(*self.values).inc(c.spec.draft_tokens)
+            self.accepted.labels(*self.values).inc(c.spec.accepted_tokens)
+            for counter, n in zip(self.per_pos, c.spec.accepted_per_pos):
+                counter.inc(n)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ServeState:
+    """Everything a request handler needs: the engine, its one config, the key, the lock."""
+
+    def __init__(self, engine: Engine, config: SpecConfig, served_model: str,
+                 api_key: str | None, max_model_len: int = 32768) -> None:
+        self.engine = engine
+        self.config = config
+        self.served_model = served_model
+        self._api_key = api_key
+        self.max_model_len = max_model_len
+        self.lock = threading.Lock()
+        self.metrics = SpecMetrics(served_model, config)
+        self.created = int(time.time())
+
+    def __repr__(self) -> str:  # never show the key
+        return f"ServeState(model={self.served_model!r}, config={self.config.name})"
+
+    def authorized(self, path: str, header: str | None) -> bool:
+        if self._api_key is None or any(path == p or path.startswith(p + "/")
+                                        for p in PUBLIC_PATHS):
+            return True
+        scheme, _, token = (header or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.encode(), self._api_key.encode())
+
+    # --- endpoint bodies (pure functions of the request, under the lock) ------------------
+
+    def version(self) -> dict:
+        with self.lock:
+            identity = self.engine.identity()
+        return {"version": speccheck.__version__,
+                "speccheck": {"server": "speccheck serve", "config": self.config.to_dict(),
+                              "engine_identity": identity}}
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.served_model, "object": "model", "created": self.created,
+            "owned_by": "speccheck", "root": self.engine.model or self.served_model,
+            "parent": None, "max_model_len": self.max_model_len, "permission": []}]}
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.served_model:
+            raise RequestError(HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.",
+                               "model")
+
+    def _prompt_from_text(self, text: str | None = None, messages: list | None = None,
+                          max_tokens: int = 0) -> Prompt:
+        msgs = tuple(dict(m) for m in messages) if messages is not None else None
+        return Prompt(id="request", category="serve", max_tokens=max(max_tokens, 1),
+                      text=text, messages=msgs)
+
+    def tokenize(self, body: dict) -> dict:
+        self._check_model(body)
+        if isinstance(body.get("messages"), list):
+            prompt = self._prompt_from_text(messages=body["messages"])
+        elif isinstance(body.get("prompt"), str):
+            prompt = self._prompt_from_text(text=body["prompt"])
+        else:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "field `prompt` (a string) or "
+                               "`messages` (a list) is required", "prompt")
+        with self.lock:
+            ids = [int(t) for t in self.engine.tokenize(prompt)]
+            strs = ([self.engine.detokenize([t]) for t in ids]
+                    if body.get("return_token_strs") else None)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    def detokenize(self, body: dict) -> dict:
+        self._check_model(body)
+        tokens = body.get("tokens")
+        if not _is_id_list(tokens):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "field `tokens` must be a list of "
+                               "non-negative token ids", "tokens")
+        with self.lock:
+            return {"prompt": self.engine.detokenize(tokens)}
+
+    def completions(self, body: dict) -> dict:
+        self._check_model(body)
+        req = _parse_completion_request(body)
+        choices, n_prompt, n_gen = [], 0, 0
+        for prompt in req["prompts"]:
+            with self.lock:
+                ids = (prompt if isinstance(prompt, list) else
+                       [int(t) for t in self.engine.tokenize(self._prompt_from_text(prompt))])
+                if len(ids) + req["max_tokens"] > self.max_model_len:
+                    raise RequestError(HTTPStatus.BAD_REQUEST, f"This model's maximum context "
+                                       f"length is {self.max_model_len} tokens; the request "
+                                       f"asks for {len(ids) + req['max_tokens']}.", "max_tokens")
+                choice, n = self._complete_one(len(choices), ids, req)
+            choices.append(choice)
+            n_prompt += len(ids)
+            n_gen += n
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": self.served_model, "choices": choices,
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
+                          "total_tokens": n_prompt + n_gen}}
+
+    def _complete_one(self, index: int, ids: list[int], req: dict) -> tuple[dict, int]:
+        k_out = req["logprobs"]
+        width = max(2, k_out or 0)
+        prompt = Prompt(id=f"request-{index}", category="serve", max_tokens=req["max_tokens"])
+        c = self.engine.generate([prompt], [ids], self.config, width)[0]
+        self.metrics.observe(len(ids), c)
+        as_ids = bool(req["return_tokens_as_token_ids"])
+        tok = self._token_str_fn(as_ids)
+        choice: dict[str, Any] = {"index": index, "text": c.text or self.engine.detokenize(
+            c.token_ids.tolist()), "logprobs": None, "finish_reason": c.finish_reason,
+            "stop_reason": None}
+        if k_out is not None:
+            choice["logprobs"] = _completion_logprobs(c, k_out, tok)
+        if req["prompt_logprobs"] is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(ids, req["prompt_logprobs"])
+        if req["return_token_ids"]:
+            choice["prompt_token_ids"] = list(ids)
+            choice["token_ids"] = c.token_ids.tolist()
+        return choice, c.n_tokens
+
+    def _token_str_fn(self, as_ids: bool) -> Callable[[int], str]:
+        if as_ids:
+            return lambda t: f"token_id:{t}"
+        return lambda t: self.engine.detokenize([t])
+
+    def _prompt_logprobs(self, ids: list[int], k: int) -> list:
+        """vLLM's ``prompt_logprobs``: None for the first token, then at each position a dict
+        keyed by token id with the prompt's own token and the top-k (Logprob objects)."""
+        if len(ids) < 2:
+            return [None] * len(ids)
+        s = self.engine.score([ids[:1]], [ids[1:]], max(k, 1))[0]
+        out: list = [None]
+        for j, token in enumerate(ids[1:]):
+            entry: dict[str, dict] = {}
+            top = [(int(t), float(lp)) for t, lp in zip(s.topk_ids[j][:k], s.topk_logprobs[j][:k])]
+            rank = next((r + 1 for r, (t, _) in enumerate(top) if t == token), None)
+            # rank is exact inside the top-k; outside it the engine does not say (None).
+            entry[str(token)] = _logprob_obj(float(s.token_logprobs[j]), rank,
+                                             self.engine.detokenize([token]))
+            for r, (t, lp) in enumerate(top):
+                entry.setdefault(str(t), _logprob_obj(lp, r + 1, self.engine.detokenize([t])))
+            out.append(entry)
+        return out
+
+
+def _logprob_obj(lp: float, rank: int | None, decoded: str) -> dict:
+    return {"logprob": max(lp, -9999.0), "rank": rank, "decoded_token": decoded}
+
+
+def _completion_logprobs(c: Completion, k: int, tok: Callable[[int], str]) -> dict:
+    """vLLM's CompletionLogProbs: per position the chosen token first, then the top-k,
+    keyed by token string (``token_id:N`` with return_tokens_as_token_ids); at most k+1."""
+    tokens, token_lps, tops, offsets, pos = [], [], [], [], 0
+    for i, t in enumerate(c.token_ids.tolist()):
+        s = tok(t)
+        tokens.append(s)
+        token_lps.append(max(float(c.logprobs[i]), -9999.0))
+        top = {s: token_lps[-1]}
+        for tid, lp in zip(c.topk_ids[i][:k].tolist(), c.topk_logprobs[i][:k].tolist()):
+            top.setdefault(tok(tid), max(float(lp), -9999.0))
+        tops.append(top)
+        offsets.append(pos)
+        pos += len(s)
+    return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens,
+            "top_logprobs": tops}
+
+
+def _is_id_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                       for t in x)
+
+
+def _parse_completion_request(body: dict) -> dict:
+    """Validate a /v1/completions body; anything this server cannot honour is a 400, not
+    silently ignored (a gate must not run on a request it did not mean)."""
+    bad = lambda msg, param: RequestError(HTTPStatus.BAD_REQUEST, msg, param)  # noqa: E731
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or _is_id_list(prompt) and prompt:
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (_is_id_list(p) and p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise bad("field `prompt` must be a non-empty string, a list of token ids, or a list "
+                  "of either", "prompt")
+    temperature = body.get("temperature")
+    if temperature is None or float(temperature) != 0.0:
+        raise bad(f"speccheck serve decodes greedily only: send \"temperature\": 0 (got "
+                  f"{temperature!r}; vLLM's default when absent is 1.0)", "temperature")
+    for field, ok in (("stream", False), ("echo", False), ("use_beam_search", False)):
+        if body.get(field, ok) not in (ok, None):
+            raise bad(f"`{field}` is not supported by speccheck serve", field)
+    if body.get("n", 1) != 1:
+        raise bad("`n` must be 1 (greedy decoding gives one answer)", "n")
+    max_tokens = body.get("max_tokens")
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise bad("`max_tokens` must be a positive integer", "max_tokens")
+    out = {"prompts": prompts, "max_tokens": max_tokens}
+    for field in ("logprobs", "prompt_logprobs"):
+        v = body.get(field)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not
+                              0 <= v <= MAX_LOGPROBS):
+            raise bad(f"`{field}` must be an integer in 0..{MAX_LOGPROBS}", field)
+        out[field] = v
+    out["return_tokens_as_token_ids"] = bool(body.get("return_tokens_as_token_ids"))
+    out["return_token_ids"] = bool(body.get("return_token_ids"))
+    return out
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: the client reuses one connection
+    server: "SpeccheckHTTPServer"
+
+    def log_message(self, format: str, *args: Any) -> None:  # request lines only, and quiet
+        if self.server.verbose:
+            super().log_message(format, *args)
+
+    def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, obj: Any) -> None:
+        self._send(status, json.dumps(obj).encode())
+
+    def _error(self, status: HTTPStatus, message: str, param: str | None = None) -> None:
+        self._json(status, {"error": {"message": message, "type": status.phrase.replace(" ", ""),
+                                      "param": param, "code": int(status)}})
+
+    def _dispatch(self, method: str) -> None:
+        state = self.server.state
+        path = self.path.split("?", 1)[0]
+        body: dict = {}
+        if method == "POST":
+            n = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(n) if n else b""
+        if not state.authorized(path, self.headers.get("Authorization")):
+            self._json(HTTPStatus.UNAUTHORIZED, {"error": "Unauthorized"})  # vLLM's exact body
+            return
+        routes: dict[tuple[str, str], Callable[[dict], Any]] = {
+            ("GET", "/version"): lambda b: state.version(),
+            ("GET", "/v1/models"): lambda b: state.models(),
+            ("POST", "/v1/completions"): state.completions,
+            ("POST", "/tokenize"): state.tokenize,
+            ("POST", "/detokenize"): state.detokenize,
+        }
+        try:
+            if method == "GET" and path in ("/health", "/ping"):
+                self._send(HTTPStatus.OK, b"")
+                return
+            if method == "GET" and path == "/metrics":
+                self._send(HTTPStatus.OK, state.metrics.text(), CONTENT_TYPE_LATEST)
+                return
+            fn = routes.get((method, path))
+            if fn is None:
+                self._json(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})  # FastAPI's body
+                return
+            if method == "POST":
+                try:
+                    body = json.loads(raw or b"{}")
+                except ValueError as e:
+                    raise RequestError(HTTPStatus.BAD_REQUEST, f"request body is not JSON: {e}")
+                if not isinstance(body, dict):
+                    raise RequestError(HTTPStatus.BAD_REQUEST, "request body must be an object")
+            self._json(HTTPStatus.OK, fn(body))
+        except RequestError as e:
+            self._error(e.status, str(e), e.param)
+        except EngineUsageError as e:
+            self._error(HTTPStatus.BAD_REQUEST, str(e))
+        except Exception as e:  # the engine failed: a 500 like vLLM's, message included
+            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}")
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+
+class SpeccheckHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, addr: tuple[str, int], state: ServeState, verbose: bool = False):
+        self.state = state
+        self.verbose = verbose
+        super().__init__(addr, _Handler)
+
+    @property
+    def base_url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+
+def _config(method: str, k: int | None, engine: Engine) -> SpecConfig:
+    if method == "baseline":
+        if k:
+            raise EngineUsageError(f"--k {k} given with --method baseline: the baseline takes "
+                                   "no K; drop --k or name a speculative method")
+        return SpecConfig()
+    if engine.methods is not None and method not in engine.methods:
+        raise EngineUsageError(f"--method {method}: this engine runs baseline or "
+                               f"{', '.join(engine.methods)}")
+    if k is None:
+        k = engine.default_k(method)
+        if k is None:
+            raise EngineUsageError(f"--method {method} needs --k (how many tokens to draft)")
+    try:
+        return SpecConfig(method, int(k))
+    except ValueError as e:
+        raise EngineUsageError(f"--method {method} --k {k}: {e}") from None
+
+
+def _api_key(api_key_env: str | None) -> str | None:
+    """The key from the variable the user named; a named but unset variable is an error
+    (serving unauthenticated by accident is worse than refusing to start)."""
+    if not api_key_env:
+        return None
+    key = os.environ.get(api_key_env)
+    if not key:
+        raise EngineUsageError(f"--api-key-env names {api_key_env}, but that environment "
+                               f"variable is not set or empty: export {api_key_env}=<key>, or "
+                               "drop --api-key-env to serve without authentication")
+    return key
+
+
+def build_server(host: str = "127.0.0.1", port: int = 8000, method: str = "baseline",
+                 k: int | None = None, api_key_env: str | None = None,
+                 engine_args: dict | None = None, model: str | None = None, *,
+                 engine: Engine | None = None, engine_name: str = "reference",
+                 served_model: str | None = None, verbose: bool = False) -> SpeccheckHTTPServer:
+    """Load the engine and bind (port 0 picks a free port); does not start serving."""
+    if engine is None:
+        from speccheck.engines import make_engine
+        engine = make_engine(engine_name, model, engine_args)
+    config = _config(method, k, engine)
+    name = served_model or model or f"speccheck-{engine_name}"
+    state = ServeState(engine, config, name, _api_key(api_key_env))
+    try:
+        return SpeccheckHTTPServer((host, port), state, verbose)
+    except OSError as e:
+        raise EngineUsageError(f"cannot listen on {host}:{port} ({e.strerror or e}): choose "
+                               "another --port or --host") from None
+
+
+def serve(host: str = "127.0.0.1", port: int = 8000, method: str = "baseline",
+          k: int | None = None, api_key_env: str | None = None,
+          engine_args: dict | None = None, model: str | None = None) -> None:
+    """Serve until interrupted (Ctrl-C). Prints the URL and what it serves."""
+    server = build_server(host, port, method, k, api_key_env, engine_args, model, verbose=True)
+    st = server.state
+    auth = f"Bearer key from ${api_key_env}" if api_key_env else "no authentication"
+    print(f"speccheck serve: {server.base_url}  model {st.served_model!r}, config "
+          f"{st.config.name}, {auth}", flush=True)
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key_env:
+        print(f"warning: listening on {host} without --api-key-env: anyone who can reach "
+              "this address can use it", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        st.engine.close()
+
+
+def start_server_in_thread(method: str = "baseline", k: int | None = None,
+                           api_key_env: str | None = None, engine_args: dict | None = None,
+                           model: str | None = None, *, host: str = "127.0.0.1",
+                           port: int = 0, engine: Engine | None = None,
+                           served_model: str | None = None) -> tuple[str, Callable[[], None]]:
+    """Start a server on a background thread (free port by default): (base_url, stop)."""
+    server = build_server(host, port, method, k, api_key_env, engine_args, model,
+                          engine=engine, served_model=served_model)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              name="speccheck-serve", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return server.base_url, stop
+
+
+@contextlib.contextmanager
+def running_server(method: str = "baseline", k: int | None = None,
+                   api_key_env: str | None = None, engine_args: dict | None = None,
+                   model: str | None = None, **kw: Any) -> Iterator[str]:
+    """``with running_server("mtp", 3) as url:`` -- a served engine for the block's length."""
+    url, stop = start_server_in_thread(method, k, api_key_env, engine_args, model, **kw)
+    try:
+        yield url
+    finally:
+        stop()
+
+
+__all__ = ["serve", "build_server", "start_server_in_thread", "running_server",
+           "SpeccheckHTTPServer", "ServeState", "EngineError"]

@@ -1,0 +1,256 @@
+"""The `openai` engine end to end against `speccheck serve` (real servers on free loopback
+ports, in front of the real reference engine), plus its pure parsing helpers."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from speccheck.corpus import load_corpus
+from speccheck.engines import EngineError, EngineUsageError, make_engine
+from speccheck.engines.openai import (OpenAIEngine, counters_delta, parse_metrics,
+                                      scored_from_prompt_logprobs)
+from speccheck.serve import running_server
+from speccheck.types import SpecConfig, SpecCounters
+
+TOP_K = 5
+SERVER_KEY_ENV = "SPECCHECK_TEST_SERVER_KEY"
+CLIENT_KEY_ENV = "SPECCHECK_TEST_CLIENT_KEY"
+SECRET = "sk-right-0123456789abcdef"
+WRONG = "sk-wrong-fedcba9876543210"
+
+
+@pytest.fixture(scope="module")
+def ref():
+    e = make_engine("reference")
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Smoke prompts (text and chat), shortened: the wire is under test, not the model."""
+    return [dataclasses.replace(p, max_tokens=10) for p in load_corpus("smoke").prompts[:3]]
+
+
+def _client(url: str, **args) -> OpenAIEngine:
+    return OpenAIEngine(engine_args={"base_url": url, "retries": "0", **args})
+
+
+@pytest.mark.parametrize("config", ["baseline", "mtp-k3", "dflash-k3"])
+def test_reproduces_in_process_engine(config, ref, prompts):
+    """Token ids, top-k and logprobs through HTTP equal the in-process engine's; each
+    completion's spec counters (from /metrics before/after) equal the engine's own."""
+    cfg = SpecConfig.from_name(config)
+    with running_server(cfg.method, cfg.k or None) as url:  # its own engine instance
+        eng = _client(url)
+        ids = [eng.tokenize(p) for p in prompts]
+        assert ids == [ref.tokenize(p) for p in prompts]
+        got = eng.generate(prompts, ids, cfg, TOP_K)
+        ident = eng.identity()
+    want = [ref.generate([p], [i], cfg, TOP_K)[0] for p, i in zip(prompts, ids)]
+    for g, w in zip(got, want):
+        assert g.prompt_id == w.prompt_id and g.n_tokens > 0
+        np.testing.assert_array_equal(g.token_ids, w.token_ids)
+        np.testing.assert_array_equal(g.topk_ids, w.topk_ids)
+        np.testing.assert_allclose(g.topk_logprobs, w.topk_logprobs, atol=1e-6)
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-6)
+        assert g.topk_ids.shape == (g.n_tokens, TOP_K)
+        assert g.text == w.text and g.finish_reason == w.finish_reason
+        assert g.decode_s > 0
+        if cfg.is_baseline:
+            assert g.spec is None or g.spec.drafts == 0
+        else:
+            assert g.spec == w.spec
+    if not cfg.is_baseline:
+        assert sum(c.spec.drafts for c in got) > 0
+    assert ident["engine"] == "openai" and ident["base_url"] == url
+    assert ident["server_spec_k"] == cfg.k
+    assert ident["server_engine"] == ref.identity()
+
+
+def test_score_matches_in_process(ref, prompts):
+    ids = [ref.tokenize(p) for p in prompts]
+    conts = [c.token_ids.tolist() for c in ref.generate(prompts, ids, SpecConfig(), TOP_K)]
+    with running_server("mtp", 2) as url:
+        got = _client(url).score(ids, conts, TOP_K)
+    want = ref.score(ids, conts, TOP_K)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.topk_ids, w.topk_ids)
+        np.testing.assert_allclose(g.topk_logprobs, w.topk_logprobs, atol=1e-4)
+        np.testing.assert_allclose(g.token_logprobs, w.token_logprobs, atol=1e-4)
+
+
+def test_config_must_match_what_the_server_runs(ref, prompts):
+    p = prompts[:1]
+    with running_server("baseline", engine=ref) as url:
+        eng = _client(url)
+        ids = [eng.tokenize(p[0])]
+        with pytest.raises(EngineUsageError, match=r"runs no speculative decoding.*says mtp"):
+            eng.generate(p, ids, SpecConfig("mtp", 3), TOP_K)
+    with running_server("mtp", 3, engine=ref) as url:
+        eng = _client(url)
+        with pytest.raises(EngineUsageError, match=r"K=3.*says baseline"):
+            eng.generate(p, ids, SpecConfig(), TOP_K)
+        with pytest.raises(EngineUsageError, match=r"K=3, but --k says 2"):
+            eng.generate(p, ids, SpecConfig("mtp", 2), TOP_K)
+        assert eng.default_k("mtp") == 3
+
+
+def test_wrong_api_key_names_the_variable_not_the_key(ref, prompts, monkeypatch):
+    monkeypatch.setenv(SERVER_KEY_ENV, SECRET)
+    with running_server("baseline", api_key_env=SERVER_KEY_ENV, engine=ref) as url:
+        monkeypatch.setenv(CLIENT_KEY_ENV, WRONG)
+        eng = _client(url, api_key_env=CLIENT_KEY_ENV)
+        with pytest.raises(EngineUsageError) as err:
+            eng.identity()
+        msg = str(err.value)
+        assert CLIENT_KEY_ENV in msg and "401" in msg
+        assert WRONG not in msg and SECRET not in msg and WRONG not in repr(eng)
+
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        with pytest.raises(EngineUsageError, match="OPENAI_API_KEY, which is not set"):
+            _client(url).identity()
+
+        monkeypatch.setenv(CLIENT_KEY_ENV, SECRET)
+        good = _client(url, api_key_env=CLIENT_KEY_ENV)
+        ident = good.identity()
+        assert SECRET not in json.dumps(ident)
+        out = good.generate(prompts[:1], [good.tokenize(prompts[0])], SpecConfig(), TOP_K)
+        assert out[0].n_tokens > 0
+
+    monkeypatch.delenv(CLIENT_KEY_ENV)
+    with pytest.raises(EngineUsageError, match=f"{CLIENT_KEY_ENV}.*not set"):
+        _client("http://127.0.0.1:1", api_key_env=CLIENT_KEY_ENV)
+
+
+def test_unknown_served_model_is_usage_error(ref):
+    with running_server("baseline", engine=ref, served_model="the-model") as url:
+        with pytest.raises(EngineUsageError, match="does not serve 'other'.*the-model"):
+            _client(url, served_model="other").identity()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_server_fails_after_bounded_retries():
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    eng = OpenAIEngine(engine_args={"base_url": url, "retries": "2", "backoff": "0.01",
+                                    "timeout": "2"})
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match="after 3 attempts") as err:
+        eng.identity()
+    assert url in str(err.value) and not isinstance(err.value, EngineUsageError)
+    assert time.monotonic() - t0 < 10
+
+
+def test_5xx_is_retried_then_engine_error():
+    """A stub server (a test double, not vLLM) that answers every request with 503."""
+    hits = []
+
+    class Always503(BaseHTTPRequestHandler):
+        def do_GET(self):
+            hits.append(self.path)
+            body = b'{"error": {"message": "engine is sleeping", "code": 503}}'
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Always503)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        eng = OpenAIEngine(engine_args={"base_url": f"http://127.0.0.1:{server.server_port}",
+                                        "retries": "2", "backoff": "0.01"})
+        with pytest.raises(EngineError, match=r"after 3 attempts.*503: engine is sleeping"):
+            eng.identity()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert hits == ["/v1/models"] * 3
+
+
+def test_bad_engine_args():
+    with pytest.raises(EngineUsageError, match="unknown --engine-arg colour"):
+        OpenAIEngine(engine_args={"colour": "blue"})
+    with pytest.raises(EngineUsageError, match="base_url"):
+        OpenAIEngine(engine_args={"base_url": "localhost:8000"})
+    with pytest.raises(EngineUsageError, match="timeout"):
+        OpenAIEngine(engine_args={"timeout": "soon"})
+
+
+# --- pure helpers, on text in vLLM's exact exposition format ----------------------------------
+
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="qwen"} 0.0
+# HELP vllm:request_success_total Count of successfully processed requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{engine="0",finished_reason="length",model_name="qwen"} 7.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="qwen"} 2.0
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="qwen"} 40.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="qwen"} 10.0
+# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{engine="0",model_name="qwen"} 1.7e+09
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="qwen"} 100.0
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="qwen"} 61.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="qwen",position="0"} 35.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="qwen",position="1"} 26.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="qwen",position="0"} 0.0
+"""
+
+
+def test_parse_metrics_sums_label_sets():
+    m = parse_metrics(VLLM_METRICS)
+    assert m["requests"] == 9
+    assert m["spec"] == SpecCounters(50, 100, 61, [35, 26])
+    baseline = "\n".join(l for l in VLLM_METRICS.splitlines() if "spec_decode" not in l) + "\n"
+    assert parse_metrics(baseline) == {"spec": None, "requests": 9}
+    assert parse_metrics("") == {"spec": None, "requests": None}
+
+
+def test_counters_delta():
+    before = SpecCounters(5, 15, 7, [4, 2, 1])
+    after = SpecCounters(9, 27, 12, [7, 4, 1])
+    assert counters_delta(before, after) == SpecCounters(4, 12, 5, [3, 2, 0])
+    assert counters_delta(None, after) == after
+    assert counters_delta(before, None) is None
+
+
+def test_scored_from_vllm_prompt_logprobs():
+    """Keys are token ids as JSON strings, values vLLM Logprob objects; the prompt's own
+    token is in the dict even outside the top-k."""
+    full = [11, 12, 13]
+    plp = [None,
+           {"12": {"logprob": -0.1, "rank": 1, "decoded_token": "b"},
+            "40": {"logprob": -2.5, "rank": 2, "decoded_token": "z"}},
+           {"13": {"logprob": -3.0, "rank": 5, "decoded_token": "c"},
+            "7": {"logprob": -0.2, "rank": 1, "decoded_token": "x"},
+            "8": {"logprob": -1.9, "rank": 2, "decoded_token": "y"}}]
+    s = scored_from_prompt_logprobs(plp, full, 1, 2)
+    assert s.topk_ids.tolist() == [[12, 40], [7, 8]]
+    np.testing.assert_allclose(s.token_logprobs, [-0.1, -3.0])
+    with pytest.raises(EngineError, match="2 logprobs where 3"):
+        scored_from_prompt_logprobs(plp, full, 1, 3)

@@ -1,0 +1,169 @@
+"""`speccheck serve` speaks vLLM's OpenAI server dialect: shapes, auth, errors, metrics.
+
+Each server is a real one on a free loopback port, in front of the real reference engine."""
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from speccheck.engines import EngineUsageError, make_engine
+from speccheck.serve import build_server, running_server
+from speccheck.types import Prompt
+
+KEY_ENV = "SPECCHECK_TEST_SERVE_KEY"
+SECRET = "sk-serve-test-1234567890"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = make_engine("reference")
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def mtp_url(engine):
+    with running_server("mtp", 2, engine=engine, served_model="ref-mtp") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def ids(engine):
+    return engine.tokenize(Prompt("p", "code", 6, text="def add(a, b):\n    return"))
+
+
+def _complete(url: str, **body) -> httpx.Response:
+    body = {"temperature": 0, "max_tokens": 6, **body}
+    return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+
+def _spec_samples(text: str) -> dict[tuple[str, str | None], float]:
+    return {(s.name, s.labels.get("position")): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.startswith("vllm:spec_decode")}
+
+
+def test_info_endpoints(mtp_url, engine):
+    assert httpx.get(mtp_url + "/health").status_code == 200
+    version = httpx.get(mtp_url + "/version").json()
+    assert version["version"] and version["speccheck"]["config"] == {"method": "mtp", "k": 2,
+                                                                     "draft": None}
+    assert version["speccheck"]["engine_identity"] == engine.identity()
+    models = httpx.get(mtp_url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["ref-mtp"]
+
+
+def test_token_id_prompt_logprobs_shape(mtp_url, ids, engine):
+    r = _complete(mtp_url, prompt=ids, logprobs=3, return_tokens_as_token_ids=True,
+                  return_token_ids=True)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(choice["token_ids"]) == len(lp["tokens"]) == len(lp["top_logprobs"]) > 0
+    assert lp["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    for tok, top, chosen in zip(lp["tokens"], lp["top_logprobs"], lp["token_logprobs"]):
+        assert len(top) <= 4 and top[tok] == chosen  # chosen token first, then the top-3
+        assert chosen == max(top.values())  # greedy: the chosen token is the top-1
+    assert choice["text"] == engine.detokenize(choice["token_ids"])
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_text_prompt_equals_token_prompt(mtp_url, ids):
+    by_ids = _complete(mtp_url, prompt=ids, return_token_ids=True).json()["choices"][0]
+    by_text = _complete(mtp_url, prompt="def add(a, b):\n    return",
+                        return_token_ids=True).json()["choices"][0]
+    assert by_text["prompt_token_ids"] == ids
+    assert by_text["token_ids"] == by_ids["token_ids"]
+
+
+def test_tokens_as_strings_and_offsets(mtp_url, ids, engine):
+    lp = _complete(mtp_url, prompt=ids, logprobs=2).json()["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]).startswith(lp["tokens"][0])
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i])
+                                 for i in range(len(lp["tokens"]))]
+
+
+def test_prompt_logprobs_like_vllm(mtp_url, ids, engine):
+    choice = _complete(mtp_url, prompt=ids, max_tokens=1,
+                       prompt_logprobs=3).json()["choices"][0]
+    plp = choice["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    scored = engine.score([ids[:1]], [ids[1:]], 3)[0]
+    for j, entry in enumerate(plp[1:]):
+        own = entry[str(ids[j + 1])]
+        assert own["logprob"] == pytest.approx(float(scored.token_logprobs[j]), abs=1e-6)
+        ranked = sorted((v["rank"], int(t)) for t, v in entry.items() if v["rank"] and
+                        v["rank"] <= 3)
+        assert [t for _, t in ranked] == scored.topk_ids[j].tolist()
+
+
+def test_rejects_what_it_cannot_honour(mtp_url, ids):
+    no_temp = httpx.post(mtp_url + "/v1/completions", json={"prompt": ids}, timeout=30)
+    assert no_temp.status_code == 400 and "temperature" in no_temp.json()["error"]["message"]
+    assert _complete(mtp_url, prompt=ids, temperature=0.7).status_code == 400
+    assert _complete(mtp_url, prompt=ids, stream=True).status_code == 400
+    assert _complete(mtp_url, prompt=[]).status_code == 400
+    wrong = _complete(mtp_url, prompt=ids, model="gpt-4")
+    assert wrong.status_code == 404
+    assert wrong.json()["error"]["message"] == "The model `gpt-4` does not exist."
+    assert httpx.get(mtp_url + "/v1/nothing").status_code == 404
+
+
+def test_tokenize_detokenize(mtp_url, engine, ids):
+    out = httpx.post(mtp_url + "/tokenize", json={"prompt": "def add(a, b):\n    return"}).json()
+    assert out["tokens"] == ids and out["count"] == len(ids)
+    chat = ({"role": "user", "content": "hi"},)
+    out = httpx.post(mtp_url + "/tokenize", json={"messages": list(chat)}).json()
+    assert out["tokens"] == engine.tokenize(Prompt("c", "chat", 4, messages=chat))
+    back = httpx.post(mtp_url + "/detokenize", json={"tokens": ids}).json()
+    assert back["prompt"] == engine.detokenize(ids)
+
+
+def test_metrics_count_drafts_per_position(mtp_url, ids):
+    before = _spec_samples(httpx.get(mtp_url + "/metrics").text)
+    assert {p for (name, p) in before if name.endswith("per_pos_total")} == {"0", "1"}
+    _complete(mtp_url, prompt=ids, max_tokens=8)
+    after = _spec_samples(httpx.get(mtp_url + "/metrics").text)
+    drafts = after[("vllm:spec_decode_num_drafts_total", None)] - \
+        before[("vllm:spec_decode_num_drafts_total", None)]
+    draft_tokens = after[("vllm:spec_decode_num_draft_tokens_total", None)] - \
+        before[("vllm:spec_decode_num_draft_tokens_total", None)]
+    accepted = after[("vllm:spec_decode_num_accepted_tokens_total", None)] - \
+        before[("vllm:spec_decode_num_accepted_tokens_total", None)]
+    per_pos = [after[("vllm:spec_decode_num_accepted_tokens_per_pos_total", p)]
+               - before[("vllm:spec_decode_num_accepted_tokens_per_pos_total", p)]
+               for p in ("0", "1")]
+    assert drafts > 0 and draft_tokens == 2 * drafts
+    assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1]
+
+
+def test_baseline_server_exports_no_spec_counters(engine, ids):
+    with running_server("baseline", engine=engine) as url:
+        assert _complete(url, prompt=ids).status_code == 200
+        text = httpx.get(url + "/metrics").text
+    assert "vllm:request_success_total" in text and not _spec_samples(text)
+
+
+def test_bearer_auth_like_vllm(engine, ids, monkeypatch):
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    with running_server("baseline", api_key_env=KEY_ENV, engine=engine) as url:
+        for path in ("/health", "/metrics", "/version"):
+            assert httpx.get(url + path).status_code == 200, path
+        denied = httpx.get(url + "/v1/models")
+        assert denied.status_code == 401 and denied.json() == {"error": "Unauthorized"}
+        assert httpx.post(url + "/tokenize", json={"prompt": "x"}).status_code == 401
+        wrong = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        ok = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {SECRET}"})
+        assert ok.status_code == 200
+
+
+def test_refuses_to_start_on_bad_options(engine, monkeypatch):
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    with pytest.raises(EngineUsageError, match=KEY_ENV):
+        build_server(port=0, api_key_env=KEY_ENV, engine=engine)
+    with pytest.raises(EngineUsageError, match="baseline takes no K"):
+        build_server(port=0, method="baseline", k=3, engine=engine)
+    with pytest.raises(EngineUsageError, match="K must be"):
+        build_server(port=0, method="mtp", k=0, engine=engine)
