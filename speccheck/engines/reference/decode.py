@@ -42,12 +42,13 @@ class Knobs:
     attn_decode: str = "single"
     attn_verify: str = "multi"
     fault: str | None = None
+    attn_prefill: str = "multi"
 
     def __post_init__(self) -> None:
         for name in ("gdn_prefill", "gdn_decode", "gdn_verify"):
             if getattr(self, name) not in GDN_FORMS:
                 raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {GDN_FORMS}")
-        for name in ("attn_decode", "attn_verify"):
+        for name in ("attn_prefill", "attn_decode", "attn_verify"):
             if getattr(self, name) not in ATTN_FORMS:
                 raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {ATTN_FORMS}")
         if self.fault is not None and self.fault not in FAULTS:
@@ -140,7 +141,7 @@ class Decoder:
         ids = list(prompt_ids) + list(continuation)
         cache = Cache(len(self.target.layers), len(ids) + 1)
         h, _ = self.target(self._t(ids)[None], cache, gdn_form=self.knobs.gdn_prefill,
-                           attn_form="multi")
+                           attn_form=self.knobs.attn_prefill)
         rows = torch.log_softmax(self.target.logits(h[0, len(prompt_ids) - 1: len(ids) - 1]), -1)
         vals, idx = rows.topk(top_k, dim=-1)
         tok = rows.gather(1, self._t(continuation)[:, None])[:, 0]
@@ -156,7 +157,7 @@ class Decoder:
             raise ValueError("empty prompt: at least one token is needed")
         cache = Cache(len(self.target.layers), max_len)
         h, aux = self.target(self._t(prompt_ids)[None], cache, gdn_form=self.knobs.gdn_prefill,
-                             attn_form="multi", aux_layers=aux_layers)
+                             attn_form=self.knobs.attn_prefill, aux_layers=aux_layers)
         row = torch.log_softmax(self.target.logits(h[0, -1:]), -1)
         return cache, h[0], aux, row
 

@@ -1,0 +1,261 @@
+"""The embedded reference engine: the shipped small Qwen3.5-family model, in process.
+
+Weights directory (the package's ``weights/`` or ``model=DIR``)::
+
+    config.json         ReferenceConfig (model shape, drafter shape, special token ids)
+    model.safetensors   target (HF Qwen3_5TextModel names) + mtp.* (vLLM Qwen3.5 MTP names)
+    drafter.safetensors DFlash drafter (vLLM DFlashQwen3Model names)
+    tokenizer.json      byte-level BPE (``tokenizers``), <|endoftext|> and <|mask|>
+
+Without trained weights the networks get a fixed-seed random init, so everything runs (and
+is deterministic) before training has happened.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from speccheck.engines.base import Engine, EngineError, EngineUsageError
+from speccheck.types import Completion, Prompt, Scored, SpecConfig
+
+from .decode import FAULTS, Decoder, Knobs
+from .model import (ATTN_FORMS, GDN_FORMS, DFlashDrafter, MTPModule, Qwen3_5TextModel,
+                    ReferenceConfig, init_weights)
+
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+
+#: engine args (``--engine-arg key=value``) -> (allowed values or None, default, one-line doc)
+ENGINE_ARGS = {
+    "gdn_prefill": (GDN_FORMS, "chunked", "GDN form for the prompt (and for score())"),
+    "gdn_decode": (GDN_FORMS, "recurrent", "GDN form for one-token decode steps"),
+    "gdn_verify": (GDN_FORMS, "chunked", "GDN form for the K+1-token verify forward"),
+    "attn_prefill": (ATTN_FORMS, "multi", "attention form for the prompt (and for score())"),
+    "attn_decode": (ATTN_FORMS, "single", "attention form for one-token decode steps"),
+    "attn_verify": (ATTN_FORMS, "multi", "attention form for the verify forward"),
+    "dtype": (("bf16", "fp32"), "bf16", "weights/activations dtype (GDN state, norms, logits fp32)"),
+    "device": (("auto", "cpu", "cuda"), "auto", "auto = cuda when available"),
+    "threads": (None, "", "torch CPU threads (empty = torch default)"),
+    "fault": (("none",) + tuple(FAULTS), "none", "planted spec-decode bug for self-tests"),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _sha256(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def parse_engine_args(args: dict[str, str]) -> dict[str, str]:
+    """Validated engine args with defaults filled in; EngineUsageError names the bad one."""
+    unknown = sorted(set(args) - set(ENGINE_ARGS))
+    if unknown:
+        valid = "; ".join(f"{k} ({'|'.join(v[0]) if v[0] else 'int'}, default {v[1] or 'auto'})"
+                          for k, v in ENGINE_ARGS.items())
+        raise EngineUsageError(f"unknown --engine-arg {', '.join(unknown)} for the reference "
+                               f"engine; valid: {valid}")
+    out = {k: str(args.get(k, v[1])) for k, v in ENGINE_ARGS.items()}
+    for k, (allowed, _, _) in ENGINE_ARGS.items():
+        if allowed and out[k] not in allowed:
+            raise EngineUsageError(f"--engine-arg {k}={out[k]!r} is not valid for the reference "
+                                   f"engine; choose one of {', '.join(allowed)}")
+    if out["threads"] and not (out["threads"].isdigit() and int(out["threads"]) > 0):
+        raise EngineUsageError(f"--engine-arg threads={out['threads']!r}: give a positive integer")
+    return out
+
+
+def load_networks(model_dir: Path, cfg: ReferenceConfig | None = None, draft: Path | None = None):
+    """(config, target, mtp, drafter, trained) from a weights directory, fp32 on CPU.
+    Missing files mean a fixed-seed random init of that part."""
+    from safetensors.torch import load_file
+
+    cfg_path = model_dir / "config.json"
+    if cfg is None:
+        cfg = (ReferenceConfig.from_dict(json.loads(cfg_path.read_text()))
+               if cfg_path.is_file() else ReferenceConfig())
+    target, mtp, drafter = Qwen3_5TextModel(cfg), MTPModule(cfg), DFlashDrafter(cfg)
+    init_weights(target, 0)
+    init_weights(mtp, 1)
+    init_weights(drafter, 2)
+    trained = False
+    mfile = model_dir / "model.safetensors"
+    if mfile.is_file():
+        sd = load_file(str(mfile))
+        _load(target, {k: v for k, v in sd.items() if not k.startswith("mtp.")}, mfile)
+        msd = {k[4:]: v for k, v in sd.items() if k.startswith("mtp.")}
+        if msd:
+            _load(mtp, msd, mfile)
+        else:
+            mtp = None
+        trained = True
+    dfile = model_dir / "drafter.safetensors"
+    if draft is not None:
+        dfile = draft / "drafter.safetensors" if draft.is_dir() else draft
+        if not dfile.is_file():
+            raise EngineUsageError(f"--draft {draft}: no drafter.safetensors there")
+    if dfile.is_file():
+        _load(drafter, load_file(str(dfile)), dfile)
+    elif trained:
+        drafter = None
+    return cfg, target, mtp, drafter, trained
+
+
+def _load(module: torch.nn.Module, sd: dict, path: Path) -> None:
+    sd = {k: v.float() for k, v in sd.items()}
+    missing, unexpected = module.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise EngineUsageError(f"{path}: weights do not match the config (missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]}); re-run the training script or "
+                               f"point model= at a complete weights directory")
+
+
+class ReferenceEngine(Engine):
+    name = "reference"
+    methods = ("mtp", "dflash")
+
+    def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
+                 draft: str | None = None) -> None:
+        super().__init__(model, engine_args, draft)
+        self.args = parse_engine_args(self.engine_args)
+        self.model_dir = Path(model) if model else WEIGHTS_DIR
+        if not self.model_dir.is_dir():
+            raise EngineUsageError(f"--model {self.model_dir}: not a directory; give a directory "
+                                   f"with config.json, model.safetensors, tokenizer.json")
+        tok_path = self.model_dir / "tokenizer.json"
+        if not tok_path.is_file():
+            tok_path = WEIGHTS_DIR / "tokenizer.json"
+        if not tok_path.is_file():
+            raise EngineUsageError(f"no tokenizer.json in {self.model_dir} or {WEIGHTS_DIR}")
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(tok_path))
+        self.tok_path = tok_path
+        if self.args["threads"]:
+            torch.set_num_threads(int(self.args["threads"]))
+        dev = self.args["device"]
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        if dev == "cuda" and not torch.cuda.is_available():
+            raise EngineUsageError("--engine-arg device=cuda but CUDA is not available here")
+        self.device = torch.device(dev)
+        if dev == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cudnn.deterministic = True
+        cfg = None
+        if not (self.model_dir / "config.json").is_file():
+            cfg = ReferenceConfig(eos_token_id=self._special("<|endoftext|>"),
+                                  mask_token_id=self._special("<|mask|>"),
+                                  vocab_size=self.tokenizer.get_vocab_size())
+        self.cfg, target, mtp, drafter, self.trained = load_networks(
+            self.model_dir, cfg, Path(draft) if draft else None)
+        dtype = DTYPES[self.args["dtype"]]
+        self.target, self.mtp, self.drafter = (
+            None if m is None else m.to(self.device, dtype).eval() for m in (target, mtp, drafter))
+        fault = None if self.args["fault"] == "none" else self.args["fault"]
+        self.knobs = Knobs(self.args["gdn_prefill"], self.args["gdn_decode"],
+                           self.args["gdn_verify"], self.args["attn_decode"],
+                           self.args["attn_verify"], fault, self.args["attn_prefill"])
+        self.decoder = Decoder(self.cfg, self.target, self.mtp, self.drafter, self.knobs)
+
+    def _special(self, token: str) -> int:
+        i = self.tokenizer.token_to_id(token)
+        if i is None:
+            raise EngineUsageError(f"{self.tok_path}: tokenizer has no {token} token")
+        return i
+
+    # ------------------------------------------------------------------ Engine API
+
+    def identity(self) -> dict:
+        from speccheck import __version__
+
+        files = {n: _sha256(self.model_dir / n)
+                 for n in ("config.json", "model.safetensors", "drafter.safetensors")}
+        h = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+        return {
+            "engine": self.name,
+            "speccheck_version": __version__,
+            "model": "speccheck-reference-qwen3_5-tiny" + ("" if self.trained else "-untrained"),
+            "model_path": str(self.model_dir),
+            "model_sha256": h,
+            "weights_sha256": files,
+            "draft": self.draft,
+            "tokenizer_sha256": _sha256(self.tok_path),
+            "dtype": self.args["dtype"],
+            "device": str(self.device),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "knobs": {k: self.args[k] for k in ("gdn_prefill", "gdn_decode", "gdn_verify",
+                                                "attn_prefill", "attn_decode", "attn_verify")},
+            "fault": self.args["fault"],
+            "block_size": self.cfg.drafter.block_size,
+        }
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt.as_text()).ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def generate(self, prompts: Sequence[Prompt], prompt_ids: Sequence[Sequence[int]],
+                 config: SpecConfig, top_k: int) -> list[Completion]:
+        if config.method not in ("baseline",) + self.methods:
+            raise EngineUsageError(f"--method {config.method!r} is not offered by the reference "
+                                   f"engine; choose baseline, mtp or dflash")
+        out = []
+        for prompt, ids in zip(prompts, prompt_ids):
+            try:
+                g = self.decoder.generate(list(ids), prompt.max_tokens, config.method, config.k,
+                                          top_k)
+            except ValueError as e:
+                raise EngineUsageError(f"prompt {prompt.id}: {e}") from e
+            except RuntimeError as e:
+                raise EngineError(f"reference engine failed on prompt {prompt.id}: {e}") from e
+            out.append(Completion(prompt.id, list(ids), g.token_ids, g.logprobs, g.topk_ids,
+                                  g.topk_logprobs, self.detokenize(g.token_ids), g.finish_reason,
+                                  g.ttft_s, g.decode_s, g.spec))
+        return out
+
+    def score(self, prompt_ids: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
+              top_k: int) -> list[Scored]:
+        out = []
+        for p, c in zip(prompt_ids, continuations):
+            ids, lps, tok = self.decoder.score(list(p), list(c), top_k)
+            out.append(Scored(ids, lps, tok))
+        return out
+
+    def attribution_variants(self) -> dict[str, dict[str, str]]:
+        """Other kernel paths for the same network: GDN all-recurrent / all-chunked,
+        attention all-single / all-multi, and fp32 (each only if it differs from now)."""
+        a = self.args
+        variants = {
+            "gdn=recurrent": {"gdn_prefill": "recurrent", "gdn_decode": "recurrent",
+                              "gdn_verify": "recurrent"},
+            "gdn=chunked": {"gdn_prefill": "chunked", "gdn_decode": "chunked",
+                            "gdn_verify": "chunked"},
+            "attn=single": {"attn_prefill": "single", "attn_decode": "single",
+                            "attn_verify": "single"},
+            "attn=multi": {"attn_prefill": "multi", "attn_decode": "multi", "attn_verify": "multi"},
+            "dtype=fp32": {"dtype": "fp32"},
+        }
+        return {label: v for label, v in variants.items()
+                if any(a[key] != val for key, val in v.items())}
+
+    def default_k(self, method: str) -> int | None:
+        if method == "dflash":
+            return self.cfg.drafter.block_size - 1
+        if method == "mtp":
+            return 3
+        return None
+
+    def close(self) -> None:
+        self.decoder = None
