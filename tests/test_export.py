@@ -208,3 +208,110 @@ def test_bad_target_layer_ids_are_refused():
 def test_missing_weights_dir_is_a_clear_error(tmp_path):
     with pytest.raises(ex.ExportError, match="config.json"):
         ex.export_reference(tmp_path / "out", weights_dir=tmp_path / "nowhere")
+
+
+def _load(module, state, prefix):
+    module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)},
+                           strict=True)
+    return module
+
+
+def test_mtp_export_matches_transformers_building_blocks(reference, exported):
+    """vLLM's Qwen3_5MultiTokenPredictor rebuilt from transformers' Qwen3.5 layers and the exported
+    mtp.* tensors: fc(cat[pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)]) -> one
+    full-attention decoder layer at position t -> norm -> shared lm head."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
+
+    cfg, target, mtp, _, tok = reference
+    out, _ = exported
+    sd = ex.read_checkpoint(out / "model.safetensors")
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tc = hf.config
+    h = cfg.hidden_size
+    layer = _load(q35.Qwen3_5DecoderLayer(tc, tc.layer_types.index("full_attention")), sd,
+                  "mtp.layers.0.").eval()
+    fc = _load(torch.nn.Linear(2 * h, h, bias=False), sd, "mtp.fc.")
+    norms = {n: _load(q35.Qwen3_5RMSNorm(h, cfg.rms_norm_eps), sd, f"mtp.{n}.")
+             for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    rotary = q35.Qwen3_5TextRotaryEmbedding(tc)
+    worst = 0.0
+    with torch.no_grad():
+        for ids in _prompts(tok):
+            x = torch.tensor([ids])
+            hid = hf.model(x).last_hidden_state[:, :-1]  # post final norm, as vLLM passes it
+            emb = hf.model.embed_tokens(x[:, 1:])
+            z = fc(torch.cat([norms["pre_fc_norm_embedding"](emb), norms["pre_fc_norm_hidden"](hid)], -1))
+            pos = torch.arange(z.shape[1])[None]
+            z = layer(z, position_embeddings=rotary(z, pos), attention_mask=None, position_ids=pos)
+            want = hf.lm_head(norms["norm"](z))[0]
+            rh, _ = target(x)
+            got = target.logits(mtp(target.embed_tokens(x[:, 1:]), rh[:, :-1]))[0]
+            worst = max(worst, (got - want).abs().max().item())
+    print(f"MTP max |dlogit| reference vs transformers blocks: {worst:.2e}")
+    assert worst < 1e-4
+
+
+def test_dflash_export_matches_vllm_algorithm(reference, exported):
+    """vLLM's DFlashQwen3Model rebuilt from transformers' Qwen3 pieces, the exported draft config
+    and tensors: context = hidden_norm(fc(cat of target layer outputs at target_layer_ids)), which
+    only feeds each layer's k_proj/k_norm/RoPE and v_proj; the block [x, mask...] attends to
+    context + block without a causal mask; plain RMSNorm; the target's embedding and lm head.
+    Target layer outputs come from transformers' hidden_states at index i+1 (vLLM's aux id)."""
+    from transformers.models.qwen3 import modeling_qwen3 as q3
+
+    cfg, target, _, drafter, tok = reference
+    if drafter is None:
+        pytest.skip("no drafter weights")
+    out, _ = exported
+    dcfg = transformers.AutoConfig.from_pretrained(out / "drafter")
+    sd = ex.read_checkpoint(out / "drafter" / "model.safetensors")
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    h, d = dcfg.hidden_size, dcfg.head_dim
+    nh, nkv = dcfg.num_attention_heads, dcfg.num_key_value_heads
+
+    def norm(name, dim=h):
+        return _load(q3.Qwen3RMSNorm(dim, dcfg.rms_norm_eps), sd, name + ".")
+
+    def lin(name):
+        return lambda x: torch.nn.functional.linear(x, sd[name + ".weight"])
+
+    rotary = q3.Qwen3RotaryEmbedding(dcfg)
+    k = cfg.drafter.block_size - 1
+    worst = 0.0
+    with torch.no_grad():
+        for ids in _prompts(tok):
+            L = len(ids) - 1
+            x = torch.tensor([ids[:L]])
+            states = hf.model(x, output_hidden_states=True).hidden_states
+            aux = torch.cat([states[i] for i in dcfg.eagle_aux_hidden_state_layer_ids], -1)
+            ctx = norm("hidden_norm")(lin("fc")(aux))  # [1, L, h]
+            block = torch.tensor([[ids[L]] + [dcfg.dflash_config["mask_token_id"]] * k])
+            y = hf.model.embed_tokens(block)
+            cos_c, sin_c = rotary(ctx, torch.arange(L)[None])
+            cos_b, sin_b = rotary(y, torch.arange(L, L + k + 1)[None])
+            for i in range(dcfg.num_hidden_layers):
+                p = f"layers.{i}."
+                kc = norm(p + "self_attn.k_norm", d)(lin(p + "self_attn.k_proj")(ctx).view(1, L, nkv, d))
+                vc = lin(p + "self_attn.v_proj")(ctx).view(1, L, nkv, d).transpose(1, 2)
+                kc = q3.apply_rotary_pos_emb(kc.transpose(1, 2), kc.transpose(1, 2), cos_c, sin_c)[1]
+                a = norm(p + "input_layernorm")(y)
+                q = norm(p + "self_attn.q_norm", d)(lin(p + "self_attn.q_proj")(a).view(1, k + 1, nh, d))
+                kb = norm(p + "self_attn.k_norm", d)(lin(p + "self_attn.k_proj")(a).view(1, k + 1, nkv, d))
+                vb = lin(p + "self_attn.v_proj")(a).view(1, k + 1, nkv, d).transpose(1, 2)
+                q, kb = q3.apply_rotary_pos_emb(q.transpose(1, 2), kb.transpose(1, 2), cos_b, sin_b)
+                K = q3.repeat_kv(torch.cat([kc, kb], 2), nh // nkv)
+                V = q3.repeat_kv(torch.cat([vc, vb], 2), nh // nkv)
+                att = torch.softmax(q @ K.transpose(-1, -2) * d ** -0.5, -1) @ V
+                y = y + lin(p + "self_attn.o_proj")(att.transpose(1, 2).reshape(1, k + 1, nh * d))
+                m = norm(p + "post_attention_layernorm")(y)
+                y = y + lin(p + "mlp.down_proj")(torch.nn.functional.silu(lin(p + "mlp.gate_proj")(m))
+                                                 * lin(p + "mlp.up_proj")(m))
+            want = hf.lm_head(norm("norm")(y))[0]
+            # the reference drafter, fed the reference target's own layer outputs
+            _, raux = target(x, aux_layers=tuple(cfg.drafter.target_layer_ids))
+            raux = torch.cat([raux[i] for i in cfg.drafter.target_layer_ids], -1)
+            ckv = drafter.context_kv(raux, torch.arange(L))
+            got = target.logits(drafter(target.embed_tokens(block), torch.arange(L, L + k + 1), ckv))[0]
+            worst = max(worst, (got - want).abs().max().item())
+    print(f"DFlash max |dlogit| reference vs vLLM algorithm on transformers pieces: {worst:.2e}")
+    assert worst < 1e-4
