@@ -113,15 +113,16 @@ def _suite(store_dir: str, suite_id: str | None):
 
 
 def _detok_for(suite):
-    """Decode token ids for human-readable evidence, with the reference tokenizer when the suite
-    ran on the reference engine (other engines store text only)."""
-    if suite.meta.get("engine") != "reference":
+    """Decode token ids for human-readable evidence. Only for the reference engine, which loads
+    in a second with no server or GPU; other engines' evidence shows ids (and stored text)."""
+    meta = suite.meta
+    if meta.get("engine") != "reference":
         return None
     try:
-        from speccheck.engines.reference.engine import load_tokenizer
+        from speccheck.engines import make_engine
 
-        tok = load_tokenizer(suite.meta.get("model"))
-        return lambda ids: tok.decode(list(ids), skip_special_tokens=False)
+        engine = make_engine("reference", meta.get("model"), meta.get("engine_args"), meta.get("draft"))
+        return engine.detokenize
     except Exception:  # noqa: BLE001 - evidence without decoded text is still evidence
         return None
 

@@ -32,6 +32,20 @@ def determinism_str(r: ConfigResult) -> str:
     return f"identical x{r.repeats}" if r.identical_runs else f"DIFFERS ({len(r.nondeterminism)})"
 
 
+def attribution_str(a: dict) -> str:
+    """Which re-scored kernel path gives which token at the divergent position."""
+    if not a.get("paths"):
+        return "kernel path: unattributed (no alternative paths)"
+    spec, base = a.get("reproduces_spec") or [], a.get("reproduces_base") or []
+    if spec and not base:
+        head = f"attributed to {', '.join(spec)}"
+    elif spec and base:
+        head = f"paths split: spec token from {', '.join(spec)}; baseline token from {', '.join(base)}"
+    else:
+        head = "unattributed: no alternative path reproduces the spec token"
+    return head
+
+
 def divergence_line(d: Divergence, detok=None, attribution: dict | None = None) -> str:
     c = d.classification
 
@@ -43,7 +57,7 @@ def divergence_line(d: Divergence, detok=None, attribution: dict | None = None) 
             f"margin {c.base_margin:.3f}/{c.spec_margin:.3f} nats "
             f"({_num(d.margin_in_noise)}x noise), spec token {rank} in baseline top-k  {c.cls}")
     if attribution:
-        line += f"  [kernel path: {', '.join(attribution['attributed_to']) if isinstance(attribution['attributed_to'], list) else attribution['attributed_to']}]"
+        line += f"  [{attribution_str(attribution)}]"
     if d.context:
         line += f"\n        context: {d.context!r}"
     return line
