@@ -43,15 +43,16 @@ def _random_reference():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """(cfg, target, mtp, drafter, tokenizer_json) — shipped weights when present."""
-    if (ex.default_weights_dir() / "model.safetensors").is_file():
-        cfg, target, mtp, drafter, tok = ex.load_reference(ex.default_weights_dir())
-        target, mtp = target.float(), mtp.float()
-        drafter = drafter.float() if drafter is not None else None
+    """(cfg, target, mtp, drafter, tokenizer_json), fp32 — the shipped trained weights when present."""
+    from speccheck.engines.reference.engine import load_networks
+
+    weights = ex.default_weights_dir()
+    if (weights / "model.safetensors").is_file():
+        cfg, target, mtp, drafter, _ = load_networks(weights)
     else:
         cfg, target, mtp, drafter = _random_reference()
-        tok = None
-    if tok is None:
+    tok = weights / "tokenizer.json"
+    if not tok.is_file():
         from speccheck.engines.reference.tokenizer_train import build_tokenizer
         tok = tmp_path_factory.mktemp("tok") / "tokenizer.json"
         build_tokenizer(TEXTS * 5, vocab_size=300).save(str(tok))
@@ -206,8 +207,19 @@ def test_bad_target_layer_ids_are_refused():
 
 
 def test_missing_weights_dir_is_a_clear_error(tmp_path):
-    with pytest.raises(ex.ExportError, match="config.json"):
+    with pytest.raises(ex.ExportError, match="model.safetensors"):
         ex.export_reference(tmp_path / "out", weights_dir=tmp_path / "nowhere")
+
+
+def test_export_reference_writes_what_the_engine_runs(tmp_path):
+    """The CLI path: the package's weights (or the engine's fixed-seed init) end to end."""
+    summary = ex.export_reference(tmp_path / "ref")
+    assert (tmp_path / "ref" / "config.json").is_file()
+    assert (tmp_path / "ref" / "tokenizer.json").is_file()
+    assert summary["mtp_tensors"] > 0 and summary["target_tensors"] > 0
+    sd = ex.read_checkpoint(tmp_path / "ref" / "model.safetensors")
+    assert any(k.startswith("mtp.") for k in sd)
+    assert all(k.startswith(("model.language_model.", "mtp.")) for k in sd)
 
 
 def _load(module, state, prefix):

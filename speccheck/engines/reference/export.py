@@ -404,64 +404,53 @@ def export_modules(out_dir: str | Path, cfg, target, mtp, drafter=None,
     return summary
 
 
-def _split_reference_state(state: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
-    """model.safetensors of the reference engine -> (target state, MTP state), accepting
-    target names with or without a ``model.`` prefix."""
-    target, mtp = {}, {}
-    for k, v in state.items():
-        if k.startswith("mtp."):
-            mtp[k[len("mtp."):]] = v
-        else:
-            target[k.removeprefix("model.")] = v
-    return target, mtp
-
-
-def load_reference(weights_dir: str | Path):
-    """(cfg, target, mtp, drafter, tokenizer_json) from a reference weights directory:
-    ``config.json`` (ReferenceConfig), ``model.safetensors`` (target + ``mtp.*``),
-    ``drafter.safetensors`` (optional), ``tokenizer.json`` (optional)."""
-    from .model import DFlashDrafter, MTPModule, Qwen3_5TextModel, ReferenceConfig
-
-    d = Path(weights_dir)
-    cfg_path, model_path = d / "config.json", d / "model.safetensors"
-    for p in (cfg_path, model_path):
-        if not p.is_file():
-            raise ExportError(f"{p} not found: the reference weights directory needs config.json and "
-                              f"model.safetensors (train them with the reference training script, "
-                              f"or pass the directory that holds them)")
-    cfg = ReferenceConfig.from_dict(json.loads(cfg_path.read_text()))
-    target_state, mtp_state = _split_reference_state(load_file(str(model_path)))
-    target = Qwen3_5TextModel(cfg)
-    target.load_state_dict(target_state, strict=True)
-    mtp = None
-    if mtp_state:
-        mtp = MTPModule(cfg)
-        mtp.load_state_dict(mtp_state, strict=True)
-    drafter = None
-    if (d / "drafter.safetensors").is_file():
-        drafter = DFlashDrafter(cfg)
-        dstate = {k.removeprefix("drafter."): v for k, v in load_file(str(d / "drafter.safetensors")).items()}
-        drafter.load_state_dict(dstate, strict=True)
-    dtype = target.embed_tokens.weight.dtype
-    for m in (target, mtp, drafter):
-        if m is not None:
-            m.to(dtype).eval()
-    tok = d / "tokenizer.json"
-    return cfg, target, mtp, drafter, (tok if tok.is_file() else None)
-
-
 def default_weights_dir() -> Path:
     """Where the reference engine ships its trained weights."""
     return Path(__file__).resolve().parent / "weights"
 
 
-def export_reference(out_dir: str | Path, weights_dir: str | Path | None = None) -> dict:
-    """``speccheck export-reference DIR``: the shipped (or given) reference checkpoint as a
-    Hugging Face Qwen3.5 dir with ``mtp.*`` + a DFlash draft dir at ``DIR/drafter``.
+def _stored_dtype(path: Path) -> torch.dtype | None:
+    """dtype of the first floating tensor of a safetensors file (None: no file)."""
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
 
-    Returns a summary (paths, tensor counts, dtype) for the CLI to print.
+    with safe_open(str(path), "pt") as f:
+        for k in f.keys():
+            t = f.get_slice(k)
+            dt = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(t.get_dtype())
+            if dt is not None:
+                return dt
+    return None
+
+
+def export_reference(out_dir: str | Path, weights_dir: str | Path | None = None) -> dict:
+    """``speccheck export-reference DIR``: the network the reference engine runs, as a Hugging Face
+    Qwen3.5 dir with ``mtp.*`` plus a DFlash draft dir at ``DIR/drafter``.
+
+    ``weights_dir`` None = the package's weights (trained when shipped, else the engine's
+    fixed-seed init, which is what the engine then runs too). Tensors keep the stored dtype (fp32
+    for the fixed-seed init), so nothing is rounded on the way. Returns a summary for the CLI.
     """
-    cfg, target, mtp, drafter, tok = load_reference(weights_dir or default_weights_dir())
-    summary = export_modules(out_dir, cfg, target, mtp, drafter, tok)
-    summary["weights_dir"] = str(weights_dir or default_weights_dir())
+    from .engine import load_networks
+
+    d = Path(weights_dir) if weights_dir is not None else default_weights_dir()
+    if weights_dir is not None and not (d / "model.safetensors").is_file():
+        raise ExportError(f"{d / 'model.safetensors'} not found: --weights must be a reference weights "
+                          f"directory (config.json, model.safetensors, drafter.safetensors, "
+                          f"tokenizer.json); leave it out to export the shipped weights")
+    cfg, target, mtp, drafter, trained = load_networks(d)
+    if mtp is None:
+        raise ExportError(f"{d / 'model.safetensors'} has no mtp.* tensors; vLLM's method 'mtp' needs "
+                          f"them: re-run the reference training script")
+    tok = d / "tokenizer.json"
+    if not tok.is_file():
+        tok = default_weights_dir() / "tokenizer.json"
+    dtype = _stored_dtype(d / "model.safetensors") or torch.float32
+    summary = export_modules(out_dir, cfg, target.eval(), mtp.eval(),
+                             drafter.eval() if drafter is not None else None,
+                             tok if tok.is_file() else None, dtype=dtype)
+    summary.update(weights_dir=str(d), trained=trained)
+    if drafter is None:
+        summary["note"] = "no drafter.safetensors: drafter not exported"
     return summary
