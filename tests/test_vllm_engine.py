@@ -314,3 +314,184 @@ def test_vllm_end_to_end_on_gpu():
         assert (scored[0].topk_ids[:, 0] == base[0].token_ids).mean() > 0.9
     finally:
         eng.close()
+
+
+# ---------------------------------------------------------------- the worker protocol, fake vLLM
+
+FAKE_VLLM = '''
+"""Test double: a fake ``vllm`` package with the attribute shapes of LLM, SamplingParams,
+RequestOutput, CompletionOutput, Logprob and the metrics reader's Counter/Vector. Its "model"
+is arithmetic: logit(t | ids) = -((t - 7 * len(ids) - sum(ids)) % V) / 3."""
+import math
+from types import SimpleNamespace
+
+__version__ = "0.0-fake"
+V = 50
+
+
+class SamplingParams:
+    def __init__(self, temperature=1.0, max_tokens=16, logprobs=None, prompt_logprobs=None,
+                 detokenize=True, stop_token_ids=None, ignore_eos=False):
+        self.__dict__.update(locals())
+
+
+class Counter:
+    def __init__(self, name, labels, value):
+        self.name, self.labels, self.value = name, labels, value
+
+
+class Vector:
+    def __init__(self, name, labels, values):
+        self.name, self.labels, self.values = name, labels, values
+
+
+def dist(ids):
+    logits = [-((t - 7 * len(ids) - sum(ids)) % V) / 3 for t in range(V)]
+    z = math.log(sum(math.exp(x) for x in logits))
+    return sorted(((t, x - z) for t, x in enumerate(logits)), key=lambda p: -p[1])
+
+
+def position(ids, k, token):
+    d = dist(ids)
+    rank = {t: r + 1 for r, (t, _) in enumerate(d)}
+    rank.setdefault(token, V + 1)  # ids past the fake vocabulary: last, at -30
+    keep = dict(d[:k])
+    keep.setdefault(token, dict(d).get(token, -30.0))
+    return {t: SimpleNamespace(logprob=lp, rank=rank[t], decoded_token=None) for t, lp in keep.items()}
+
+
+class LLM:
+    def __init__(self, model, speculative_config=None, **kwargs):
+        if "bogus_arg" in kwargs:
+            raise TypeError("EngineArgs.__init__() got an unexpected keyword argument 'bogus_arg'")
+        self.spec = speculative_config
+        self.kwargs = kwargs
+        self.counts = [0, 0, 0]
+        self.per_pos = [0] * (speculative_config or {}).get("num_speculative_tokens", 0)
+        self.llm_engine = SimpleNamespace()
+
+    def generate(self, prompts, sp, use_tqdm=True):
+        outs = []
+        for p in prompts:
+            ids = list(p["prompt_token_ids"])
+            plp = None
+            if sp.prompt_logprobs:
+                plp = [None] + [position(ids[:i], sp.prompt_logprobs, ids[i]) for i in range(1, len(ids))]
+            toks, lps = [], []
+            for _ in range(sp.max_tokens):
+                t = dist(ids + toks)[0][0]
+                if sp.logprobs:
+                    lps.append(position(ids + toks, sp.logprobs, t))
+                toks.append(t)
+                if t in (sp.stop_token_ids or []):
+                    break
+            if self.spec and self.spec["method"] != "ngram":  # all drafts accepted; ngram: none
+                k, left, acc = len(self.per_pos), len(toks) - 1, []
+                while left > 0:  # one verify step yields 1 + accepted tokens
+                    acc.append(min(k, left - 1))
+                    left -= 1 + acc[-1]
+                self.counts[0] += len(acc)
+                self.counts[1] += len(acc) * k
+                self.counts[2] += sum(acc)
+                for i in range(k):
+                    self.per_pos[i] += sum(1 for a in acc if a > i)
+            comp = SimpleNamespace(index=0, text="", token_ids=toks, cumulative_logprob=None,
+                                   logprobs=lps if sp.logprobs else None,
+                                   finish_reason="length", stop_reason=None)
+            outs.append(SimpleNamespace(request_id="0", prompt_token_ids=ids, prompt_logprobs=plp,
+                                        outputs=[comp], finished=True, metrics=None))
+        return outs
+
+    def get_metrics(self):
+        if not self.spec:
+            return [Counter("vllm:num_requests_running", {}, 0)]
+        lab = {"model_name": "fake", "engine": "0"}
+        names = ["vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens"]
+        return [Counter(n, lab, v) for n, v in zip(names, self.counts)] + [
+            Vector("vllm:spec_decode_num_accepted_tokens_per_pos", lab, list(self.per_pos))]
+'''
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch, dirs):
+    """Puts the fake vLLM (a test double, above) on the worker's PYTHONPATH; gives a target
+    dir with the reference tokenizer."""
+    site = tmp_path / "site" / "vllm"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text(FAKE_VLLM)
+    monkeypatch.setenv("PYTHONPATH", str(site.parent))
+    tok = Path(__file__).parents[1] / "speccheck" / "engines" / "reference" / "weights" / "tokenizer.json"
+    if tok.is_file():
+        (dirs[0] / "tokenizer.json").write_bytes(tok.read_bytes())
+    return dirs
+
+
+@pytest.mark.parametrize("worker", ["per-call", "per-config"])
+def test_worker_protocol_with_fake_vllm(fake_vllm, worker, tmp_path, monkeypatch):
+    """End to end through the subprocess worker, with the fake vLLM (test double)."""
+    monkeypatch.setenv("SPECCHECK_VLLM_CAPTURE_DIR", str(tmp_path / "cap"))
+    target, draft = fake_vllm
+    eng = VllmEngine(model=str(target), draft=str(draft), engine_args={"worker": worker})
+    try:
+        prompts = [Prompt("a", "x", 9, text="a"), Prompt("b", "x", 12, text="b")]
+        ids = [[3, 4, 5], [9, 1]]
+        base = eng.generate(prompts, ids, SpecConfig(), 5)
+        again = eng.generate(prompts, ids, SpecConfig(), 5)
+        assert eng.last_call_fresh_process == (worker == "per-call")
+        mtp = eng.generate(prompts, ids, SpecConfig("mtp", 3), 5)
+        assert eng.last_call_fresh_process
+        for b, a, m in zip(base, again, mtp):
+            assert b.token_ids.tolist() == a.token_ids.tolist() == m.token_ids.tolist()
+            assert b.spec is None and m.spec.drafts > 0 and len(m.spec.accepted_per_pos) == 3
+        assert base[0].n_tokens == 9 and (base[0].topk_ids[:, 0] == base[0].token_ids).all()
+        scored = eng.score(ids, [c.token_ids.tolist() for c in base], 5)
+        for s, b in zip(scored, base):
+            np.testing.assert_allclose(s.token_logprobs, b.logprobs, atol=1e-6)
+            assert (s.topk_ids == b.topk_ids).all()
+        ident = eng.identity()
+        assert ident["version"] == "0.0-fake"
+        with pytest.raises(EngineUsageError, match="bogus_arg"):
+            VllmEngine(model=str(target), engine_args={"bogus_arg": "1"}).generate(
+                prompts, ids, SpecConfig(), 5)
+    finally:
+        eng.close()
+    caps = sorted(p.name for p in (tmp_path / "cap").glob("*.json"))
+    assert caps == ["baseline.json", "mtp_k3.json", "prompt_logprobs.json"]
+    # a capture converts like the checked-in fixtures
+    cap = json.loads((tmp_path / "cap" / "mtp_k3.json").read_text())
+    assert completion_from_dict("a", cap["row"], cap["top_k"], spec=True).spec.drafts > 0
+
+
+def test_zero_drafts_from_fake_vllm_fail_the_config(fake_vllm, monkeypatch):
+    """The fake vLLM (test double) reports no drafts for ngram: the engine must refuse it."""
+    target, _ = fake_vllm
+    eng = VllmEngine(model=str(target))
+    try:
+        with pytest.raises(EngineError, match="did not speculate|no spec-decode counters"):
+            eng.generate([Prompt("a", "x", 6, text="a")], [[1, 2]],
+                         SpecConfig("ngram", 2), 5)
+    finally:
+        eng.close()
+
+
+def test_cli_run_diff_gate_with_fake_vllm(fake_vllm, tmp_path):
+    """`speccheck run --engine vllm` then `gate`, through the runner and store, with the fake
+    vLLM (test double): the engine plugs into the suite like the reference engine."""
+    from click.testing import CliRunner
+
+    from speccheck.cli import main
+
+    target, draft = fake_vllm
+    if not (target / "tokenizer.json").is_file():
+        pytest.skip("reference tokenizer not shipped yet")
+    store = str(tmp_path / "store")
+    runner = CliRunner()
+    res = runner.invoke(main, ["run", "--engine", "vllm", "--model", str(target), "--draft",
+                               str(draft), "--config", "mtp-k3", "--corpus", "smoke",
+                               "--repeats", "2", "--store", store,
+                               "--engine-arg", "worker=per-config"])
+    assert res.exit_code == 0, res.output
+    assert "mtp-k3 r1" in res.output
+    res = runner.invoke(main, ["gate", "--store", store])
+    assert res.exit_code == 0, res.output

@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -53,6 +52,8 @@ DEFAULT_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1"
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false"}
 BACKEND_LOG_MARKERS = ("backend", "GDN prefill kernel")
+#: when set, worker logs are copied there when each worker ends (debugging on the GPU box)
+LOG_DIR_ENV = "SPECCHECK_VLLM_LOG_DIR"
 
 
 # ---------------------------------------------------------------- pure: arguments
@@ -300,6 +301,7 @@ def _tail(path: Path, n: int = 4000) -> str:
 class VllmEngine(Engine):
     name = "vllm"
     fresh_process_per_config = True
+    methods = None  # mtp, dflash, and whatever else vLLM's speculative_config takes
 
     def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
                  draft: str | None = None) -> None:
@@ -399,6 +401,8 @@ class VllmEngine(Engine):
         env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_")}
         env.update({k: v for k, v in self.worker_env_overrides().items() if k.startswith("VLLM_")})
         add = self.llm_kwargs.get("additional_config") or {}
+        from speccheck.engines.vllm_worker import nvidia_smi_driver
+        gpu = nvidia_smi_driver()  # "NAME, DRIVER" of GPU 0, or None
         return {
             "engine": "vllm",
             "version": version("vllm"),
@@ -412,7 +416,8 @@ class VllmEngine(Engine):
                          or cfg.get("torch_dtype") or text_cfg.get("torch_dtype") or "auto"),
             "draft": self.draft,
             "draft_hash": weights_sha256(self.draft) if self.draft else None,
-            "device": None,
+            "device": gpu.split(",")[0].strip() if gpu else None,
+            "gpu_driver": gpu,
             "attention_backend": self.llm_kwargs.get("attention_backend") or "auto",
             "gdn_prefill_backend": (add.get("gdn_prefill_backend") if isinstance(add, dict)
                                     else None) or "auto",
@@ -537,8 +542,7 @@ class VllmEngine(Engine):
         try:
             self._worker = subprocess.Popen(
                 [python, "-m", "speccheck.engines.vllm_worker"], stdin=subprocess.PIPE,
-                stdout=log, stderr=subprocess.STDOUT, env=self._worker_env(), text=True,
-                start_new_session=True)
+                stdout=log, stderr=subprocess.STDOUT, env=self._worker_env(), text=True)
         except OSError as e:
             raise EngineUsageError(f"cannot start the vLLM worker with {python}: {e}") from e
         finally:
@@ -557,11 +561,12 @@ class VllmEngine(Engine):
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the group this engine started
-            except OSError:
-                pass
+            proc.kill()  # the worker this engine started
             proc.wait(timeout=30)
+        keep = os.environ.get(LOG_DIR_ENV)
+        if keep and self._log_path.exists():
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            shutil.copy(self._log_path, Path(keep) / f"{self._tmp.name}-{self._log_path.name}")
 
     def _collect_log(self) -> None:
         for line in _tail(self._log_path, 200_000).splitlines():

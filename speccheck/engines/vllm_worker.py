@@ -105,6 +105,8 @@ def runtime_facts(llm: Any = None) -> dict:
     except Exception as e:  # noqa: BLE001 - recorded, not fatal
         facts["vllm_version_error"] = repr(e)
     try:
+        if "torch" not in sys.modules:  # vLLM imports it; do not pay for it otherwise
+            raise ImportError("torch not loaded")
         import torch
         facts["torch"] = torch.__version__
         facts["cuda"] = torch.version.cuda
@@ -245,22 +247,35 @@ class Worker:
         return result
 
     def capture(self, op: str, row: dict, llm: Any) -> None:
-        """Write the first request of each kind as a fixture (for the conversion tests)."""
+        """Keep the smallest request of each kind (baseline, each spec config, score) as a
+        fixture for the conversion tests, with a get_metrics() dump."""
         if not self.capture_dir:
             return
         spec = json.loads(self.llm_key)[1].get("speculative_config") if self.llm_key else None
-        label = op if op == "score" else ("spec" if spec else "baseline")
-        if label in self.captured:
+        if op == "score":
+            name = "prompt_logprobs"
+        elif spec:
+            name = f"{spec.get('method')}_k{spec.get('num_speculative_tokens')}"
+        else:
+            name = "baseline"
+        out = row["output"]
+        generated = sum(len(c["token_ids"]) for c in out["outputs"])
+        if op == "generate" and generated < 8:  # too short to show drafting
             return
-        self.captured.add(label)
+        size = len(out["prompt_token_ids"]) + generated
+        path = os.path.join(self.capture_dir, f"{name}.json")
+        try:
+            with open(path) as f:
+                if json.load(f).get("size", 1 << 30) <= size:
+                    return
+        except (OSError, ValueError):
+            pass
         os.makedirs(self.capture_dir, exist_ok=True)
-        name = {"score": "prompt_logprobs", "baseline": "baseline", "spec":
-                f"{(spec or {}).get('method', 'spec')}_k{(spec or {}).get('num_speculative_tokens')}"}[label]
-        data = {"speccheck_fixture": 1, "source": "captured", "op": op,
+        data = {"speccheck_fixture": 1, "source": "captured", "op": op, "size": size,
                 "speculative_config": spec, "top_k": self.top_k, "row": row,
                 "get_metrics": metrics_to_dicts(llm.get_metrics()),
                 "runtime": runtime_facts(llm)}
-        _write_json(os.path.join(self.capture_dir, f"{name}.json"), data)
+        _write_json(path, data)
 
 
 def _write_json(path: str, data: Any) -> None:

@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# h200_vllm.sh — speccheck's vLLM run on the GPU box (vLLM 0.26.0 staged by
+# ../shared/tools/stage-vllm.sh into $SITE), from the repo root:
+#
+#   bash scripts/h200_vllm.sh run [CKPT_DIR]
+#       exports the reference checkpoint to CKPT_DIR (default /tmp/speccheck-ckpt) unless it
+#       is there, then `speccheck run --engine vllm`: baseline, MTP K=1,3,7 and DFlash K=7,
+#       2 repeats, with the settings the staged tree needs; then diff, gate and report; then
+#       (time permitting) scripts/capture_vllm_fixtures.py for fixtures the run did not
+#       capture. Everything comes back under $OUT: run.log, summary.txt, h200.tgz (store,
+#       fixtures, worker logs, report). Stops launching work after DEADLINE_S (default 500).
+#
+#   bash scripts/h200_vllm.sh pack
+#       here, before the device calls: if the working tree plus one staged part would not fit
+#       in one 64 MiB transfer, split .stage/{A,B,C} into pieces under .stage/pieces/NN that
+#       do, and print the device calls; otherwise print that the plain A/B/C steps fit.
+#   bash scripts/h200_vllm.sh unpack DIR
+#       on the GPU box: keep the pieces carried in DIR under $PIECES and unpack every
+#       part whose pieces are all there into $SITE.
+set -uo pipefail
+R=$(cd "$(dirname "$0")/.." && pwd)
+SITE=${SITE:-/root/site}
+OUT=${OUT:-/tmp/h200-out}
+DEADLINE_S=${DEADLINE_S:-500}
+CORPUS=${CORPUS:-default}
+WORK=${WORK:-/tmp/speccheck-h200}
+PIECES=${PIECES:-/root/pieces}
+
+sc() { python3 -m speccheck.cli "$@"; }
+left() { echo $((DEADLINE_S - SECONDS)); }
+
+run() {
+  local ckpt=${1:-/tmp/speccheck-ckpt}
+  mkdir -p "$OUT" "$WORK"
+  cd "$R" || exit 2
+  export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+  export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
+  export PYTHONPATH="$R:$SITE:$WORK/pydeps${PYTHONPATH:+:$PYTHONPATH}"
+  export SPECCHECK_VLLM_CAPTURE_DIR="$WORK/fixtures" SPECCHECK_VLLM_LOG_DIR="$WORK/logs"
+  local store="$WORK/store"
+  {
+    echo "== $(date -u +%FT%TZ) host: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1)"
+    # packages the image lacks (rapidfuzz), carried as wheels in .stage/whl
+    if ls .stage/whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/pydeps" .stage/whl/*.whl
+    fi
+    python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+    if [ ! -f "$ckpt/config.json" ] && [ ! -f "$ckpt/target/config.json" ]; then
+      echo "== export-reference $ckpt"; sc export-reference "$ckpt" || exit 2
+    fi
+    local target=$ckpt draft=$ckpt/drafter
+    [ -f "$ckpt/target/config.json" ] && target=$ckpt/target
+    echo "== target $target  drafter $draft  ($(du -sh "$ckpt" | cut -f1))"
+    local ea=(--engine-arg attention_backend=TRITON_ATTN
+              --engine-arg 'additional_config={"gdn_prefill_backend": "triton"}'
+              --engine-arg env.VLLM_USE_FLASHINFER_SAMPLER=0
+              --engine-arg language_model_only=true --engine-arg enforce_eager=true
+              --engine-arg enable_prefix_caching=false
+              --engine-arg kv_cache_memory_bytes=8000000000
+              --engine-arg worker=per-config)
+    echo "== run (t=${SECONDS}s, deadline ${DEADLINE_S}s)"
+    timeout --kill-after=20 "$(left)" python3 -m speccheck.cli run --engine vllm \
+      --model "$target" --draft "$draft" --corpus "$CORPUS" --repeats 2 \
+      --config mtp-k1 --config mtp-k3 --config mtp-k7 --config dflash-k7 \
+      --store "$store" "${ea[@]}"
+    echo "== run exit $? (t=${SECONDS}s)"
+    if [ -d "$store" ]; then
+      echo "== diff"; sc diff --store "$store" 2>&1
+      echo "== gate"; sc gate --store "$store" --junit "$WORK/junit.xml" 2>&1; echo "gate exit $?"
+      sc report --store "$store" --out "$WORK/report" 2>&1
+    fi
+    local missing=0
+    for f in baseline mtp_k3 prompt_logprobs; do [ -f "$WORK/fixtures/$f.json" ] || missing=1; done
+    if [ "$missing" = 1 ] && [ "$(left)" -gt 150 ]; then
+      echo "== capture fixtures (t=${SECONDS}s)"
+      timeout --kill-after=20 "$(left)" python3 scripts/capture_vllm_fixtures.py \
+        --model "$target" --draft "$draft" --out "$WORK/fixtures" "${ea[@]}" 2>&1 | tail -40
+    fi
+    ls -la "$WORK/fixtures" 2>&1
+    echo "== done t=${SECONDS}s"
+  } 2>&1 | tee "$OUT/run.log"
+  grep -A400 "^== diff" "$OUT/run.log" > "$OUT/summary.txt" 2>/dev/null
+  tar czf "$OUT/h200.tgz" -C "$WORK" store fixtures logs report junit.xml 2>/dev/null
+  ls -la "$OUT"
+}
+
+# ---------------------------------------------------------------- transfer pieces
+
+tree_mib() {  # size of what one device call sends: tracked + untracked-not-ignored files
+  (cd "$R" && git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null \
+     | awk '{s+=$1} END {printf "%d", s/1048576 + 1}')
+}
+
+pack() {
+  cd "$R" || exit 2
+  local tree budget fits=1
+  tree=${TREE_MIB:-$(tree_mib)}; budget=$((62 - tree))
+  for p in A B C; do
+    local sz=$(( $(stat -c %s ".stage/$p/$p.tar.xz") / 1048576 + 1 ))
+    [ "$sz" -gt "$budget" ] && fits=0
+    echo "part $p: ${sz} MiB (budget per call with a ${tree} MiB tree: ${budget} MiB)"
+  done
+  if [ "$fits" = 1 ]; then echo "fits: use the A, B, C steps that stage-vllm.sh prints"; return 0; fi
+  rm -rf .stage/pieces; mkdir -p .stage/pieces
+  for p in A B C; do  # pieces named P.ofM.partNN, so the box knows when a part is complete
+    split -b "$((budget - 1))M" -d -a 2 ".stage/$p/$p.tar.xz" ".stage/pieces/$p.part"
+    local m; m=$(ls .stage/pieces/"$p".part* | wc -l)
+    for f in .stage/pieces/"$p".part*; do mv "$f" ".stage/pieces/$p.of$m.${f##*.}"; done
+  done
+  local i=0 f d
+  for f in .stage/pieces/*.of*; do
+    d=$(printf ".stage/pieces/%02d" "$i"); mkdir -p "$d"; mv "$f" "$d/"; i=$((i + 1))
+  done
+  for d in .stage/pieces/[0-9][0-9]; do
+    echo "device call: carry [\"$d\"]   command: bash scripts/h200_vllm.sh unpack $d"
+  done
+  echo "then: carry [\".stage/whl\"]   command: bash scripts/h200_vllm.sh run"
+}
+
+unpack() {
+  local dir=$1 p f m have
+  mkdir -p $PIECES "$SITE"
+  cp "$dir"/* $PIECES/ || exit 3
+  for p in A B C; do
+    f=$(ls $PIECES/"$p".of* 2>/dev/null | head -1)
+    [ -n "$f" ] || continue
+    m=${f#$PIECES/$p.of}; m=${m%%.*}
+    have=$(ls $PIECES/"$p".of* | wc -l)
+    if [ "$have" = "$m" ]; then
+      cat $PIECES/"$p".of* | xz -dc | tar -x -C "$SITE" || exit 3
+      rm -f $PIECES/"$p".of*; echo "unpacked $p into $SITE"
+    fi
+  done
+  ls $PIECES "$SITE" | head -20
+}
+
+case "${1:-}" in
+  run) shift; run "$@" ;;
+  pack) pack ;;
+  unpack) shift; unpack "$@" ;;
+  *) sed -n 2,22p "$0"; exit 2 ;;
+esac
