@@ -404,7 +404,7 @@ def _config(method: str, k: int | None, engine: Engine) -> SpecConfig:
     if engine.methods is not None and method not in engine.methods:
         raise EngineUsageError(f"--method {method}: this engine runs baseline or "
                                f"{', '.join(engine.methods)}")
-    if k is None:
+    if not k:  # None or 0: not given
         k = engine.default_k(method)
         if k is None:
             raise EngineUsageError(f"--method {method} needs --k (how many tokens to draft)")

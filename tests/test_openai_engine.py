@@ -71,7 +71,6 @@ def test_reproduces_in_process_engine(config, ref, prompts):
     if not cfg.is_baseline:
         assert sum(c.spec.drafts for c in got) > 0
     assert ident["engine"] == "openai" and ident["base_url"] == url
-    assert ident["server_spec_k"] == cfg.k
     assert ident["server_engine"] == ref.identity()
 
 
@@ -96,7 +95,7 @@ def test_config_must_match_what_the_server_runs(ref, prompts):
             eng.generate(p, ids, SpecConfig("mtp", 3), TOP_K)
     with running_server("mtp", 3, engine=ref) as url:
         eng = _client(url)
-        with pytest.raises(EngineUsageError, match=r"K=3.*says baseline"):
+        with pytest.raises(EngineUsageError, match=r"K=3, but the config to run is the baseline"):
             eng.generate(p, ids, SpecConfig(), TOP_K)
         with pytest.raises(EngineUsageError, match=r"K=3, but --k says 2"):
             eng.generate(p, ids, SpecConfig("mtp", 2), TOP_K)
@@ -254,3 +253,25 @@ def test_scored_from_vllm_prompt_logprobs():
     np.testing.assert_allclose(s.token_logprobs, [-0.1, -3.0])
     with pytest.raises(EngineError, match="2 logprobs where 3"):
         scored_from_prompt_logprobs(plp, full, 1, 3)
+
+
+def test_cli_run_against_serve_passes_gate(tmp_path):
+    """The deployment rehearsal, as a user runs it: a baseline server, `speccheck run
+    --engine openai`, then the same port restarted with MTP K=2 and run into the same store
+    (the finished baseline is skipped), then `speccheck gate`."""
+    from click.testing import CliRunner
+
+    from speccheck.cli import main
+
+    store = str(tmp_path / "store")
+    port = _free_port()
+    cli = CliRunner()
+    for method, k in (("baseline", None), ("mtp", 2)):
+        with running_server(method, k, port=port) as url:
+            args = ["run", "--engine", "openai", "--engine-arg", f"base_url={url}",
+                    "--method", method, "--corpus", "smoke", "--store", store]
+            result = cli.invoke(main, args + (["--k", str(k)] if k else []))
+            assert result.exit_code == 0, result.output
+    gate = cli.invoke(main, ["gate", "--store", store])
+    assert gate.exit_code == 0, gate.output
+    assert "mtp-k2" in gate.output and "baseline" in gate.output

@@ -166,4 +166,6 @@ def test_refuses_to_start_on_bad_options(engine, monkeypatch):
     with pytest.raises(EngineUsageError, match="baseline takes no K"):
         build_server(port=0, method="baseline", k=3, engine=engine)
     with pytest.raises(EngineUsageError, match="K must be"):
-        build_server(port=0, method="mtp", k=0, engine=engine)
+        build_server(port=0, method="mtp", k=99, engine=engine)
+    with pytest.raises(EngineUsageError, match="--method eagle: this engine runs baseline or"):
+        build_server(port=0, method="eagle", k=2, engine=engine)

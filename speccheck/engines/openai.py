@@ -105,15 +105,18 @@ def _lp(value: Any) -> float:
 
 
 def topk_from_dict(entries: dict, k: int, where: str) -> tuple[list[int], list[float]]:
-    """The k best (id, logprob) of one position's logprob dict, best first (ties: lower id).
+    """The k best (id, logprob) of one position's logprob dict, best first.
 
-    A prompt_logprobs dict also holds the prompt's own token, which may rank below k: where
-    ranks are given, only ranks 1..k count."""
+    Ranks order the entries where the server gives them (prompt_logprobs: the dict also holds
+    the prompt's own token, which may rank below k); otherwise logprobs do. Exact ties (common
+    in bf16) keep the server's order, which is its top-k order."""
     items = [(token_id(t), _lp(v), v.get("rank") if isinstance(v, dict) else None)
              for t, v in entries.items()]
     if any(r is not None for _, _, r in items):
-        items = [x for x in items if x[2] is not None and x[2] <= k]
-    items.sort(key=lambda x: (-x[1], x[0]))
+        items = sorted((x for x in items if x[2] is not None and x[2] <= k),
+                       key=lambda x: x[2])
+    else:
+        items = sorted(items, key=lambda x: -x[1])  # stable: ties stay in server order
     if len(items) < k:
         raise EngineError(f"{where}: the server returned {len(items)} logprobs where {k} were "
                           "asked (vLLM caps them at --max-logprobs)")
@@ -340,7 +343,6 @@ class OpenAIEngine(Engine):
 
     def identity(self) -> dict:
         info = self._server()
-        m = self._metrics()
         ident = {
             "engine": "openai",
             "base_url": self.base_url,
@@ -348,7 +350,6 @@ class OpenAIEngine(Engine):
             "model_root": info["model"].get("root"),
             "max_model_len": info["model"].get("max_model_len"),
             "server_version": info["version"].get("version"),
-            "server_spec_k": len(m["spec"].accepted_per_pos) if m["spec"] else 0,
             "tokenizer": self._tokenizer_path or "server",
             "tokenizer_hash": self._tokenizer_hash(),
         }
@@ -412,9 +413,11 @@ class OpenAIEngine(Engine):
                    else "no speculative decoding (its /metrics has no vllm:spec_decode_* "
                    "counters; a vLLM started with --disable-log-stats exports none)")
         if config.is_baseline and spec is not None:
-            raise EngineUsageError(f"the server at {self.base_url} runs {running}, but --method "
-                                   "says baseline: start the server without a speculative "
-                                   "config, or pass the --method/--k it runs.")
+            raise EngineUsageError(
+                f"the server at {self.base_url} runs {running}, but the config to run is the "
+                "baseline. A server runs one config: run the baseline against a server started "
+                "without a speculative config, then restart it with the speculative config and "
+                "run --method/--k into the same --store (finished configs are skipped).")
         if not config.is_baseline and spec is None:
             raise EngineUsageError(f"the server at {self.base_url} runs {running}, but --method "
                                    f"says {config.method} --k {config.k}: start it with that "
