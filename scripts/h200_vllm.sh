@@ -58,12 +58,28 @@ run() {
               --engine-arg enable_prefix_caching=false
               --engine-arg kv_cache_memory_bytes=8000000000
               --engine-arg worker=per-config)
-    echo "== run (t=${SECONDS}s, deadline ${DEADLINE_S}s)"
-    timeout --kill-after=20 "$(left)" python3 -m speccheck.cli run --engine vllm \
-      --model "$target" --draft "$draft" --corpus "$CORPUS" --repeats 2 \
-      --config mtp-k1 --config mtp-k3 --config mtp-k7 --config dflash-k7 \
-      --store "$store" "${ea[@]}"
-    echo "== run exit $? (t=${SECONDS}s)"
+    ea+=(--engine-arg dtype=bfloat16)
+    attempt() {  # attempt ARGS...: one `speccheck run` into the store, within the deadline
+      echo "== run $* (t=${SECONDS}s, deadline ${DEADLINE_S}s)"
+      [ "$(left)" -gt 20 ] || { echo "== skipped: deadline"; return 124; }
+      timeout --kill-after=20 "$(left)" python3 -m speccheck.cli run --engine vllm \
+        --model "$target" --draft "$draft" --corpus "$CORPUS" --repeats 2 \
+        --store "$store" "${ea[@]}" "$@"
+      local rc=$?
+      echo "== run exit $rc (t=${SECONDS}s)"
+      if [ "$rc" != 0 ]; then
+        local log; log=$(ls -t "$WORK"/logs/* 2>/dev/null | head -1)
+        [ -n "$log" ] && { echo "-- tail of $log"; tail -40 "$log"; }
+      fi
+      return $rc
+    }
+    # the baseline first: if vLLM cannot load the export as configured, try once with its
+    # own tokenizer initialised (the multimodal Qwen3.5 class may want one) before the matrix
+    if ! attempt --method baseline; then
+      ea+=(--engine-arg skip_tokenizer_init=false)
+      attempt --method baseline
+    fi
+    attempt --config mtp-k1 --config mtp-k3 --config mtp-k7 --config dflash-k7
     if [ -d "$store" ]; then
       echo "== diff"; sc diff --store "$store" 2>&1
       echo "== gate"; sc gate --store "$store" --junit "$WORK/junit.xml" 2>&1; echo "gate exit $?"

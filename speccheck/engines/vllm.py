@@ -357,7 +357,8 @@ class VllmEngine(Engine):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         kind, tok = self.tokenizer
-        return tok.decode([int(i) for i in ids])
+        ids = [int(i) for i in ids]
+        return tok.decode(ids, skip_special_tokens=False) if kind == "tokenizers" else tok.decode(ids)
 
     # -- identity
 
