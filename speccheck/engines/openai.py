@@ -186,6 +186,12 @@ def _error_message(r: httpx.Response) -> str:
     return str(body)[:300]
 
 
+def _redact(url: str) -> str:
+    """The URL without user:password@ (credentials never go into a store)."""
+    u = httpx.URL(url)
+    return str(u.copy_with(userinfo=b"")) if u.userinfo else url
+
+
 # --- the engine ------------------------------------------------------------------------------
 
 class OpenAIEngine(Engine):
@@ -205,6 +211,7 @@ class OpenAIEngine(Engine):
         if not self.base_url.startswith(("http://", "https://")):
             raise EngineUsageError(f"--engine-arg base_url={self.base_url!r} is not an http(s) "
                                    "URL: give e.g. base_url=http://127.0.0.1:8000")
+        self._shown = _redact(self.base_url)  # for identity and messages
         self.api_key_env = str(a.get("api_key_env") or "OPENAI_API_KEY")
         self.timeout = self._number("timeout", 600.0)
         self.retries = int(self._number("retries", 3))
@@ -228,9 +235,10 @@ class OpenAIEngine(Engine):
                                     timeout=httpx.Timeout(self.timeout,
                                                           connect=min(self.timeout, 10.0)))
         self._info: dict | None = None
+        self._retried = False  # a request was sent again: the server may have run it twice
 
     def __repr__(self) -> str:
-        return f"OpenAIEngine(base_url={self.base_url!r}, served_model={self._served!r})"
+        return f"OpenAIEngine(base_url={self._shown!r}, served_model={self._served!r})"
 
     def _number(self, key: str, default: float) -> float:
         v = self.engine_args.get(key)
@@ -253,6 +261,7 @@ class OpenAIEngine(Engine):
         last = ""
         for attempt in range(self.retries + 1):
             if attempt:
+                self._retried = True
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
                 r = self._client.request(method, url, json=body)
@@ -266,19 +275,19 @@ class OpenAIEngine(Engine):
                 have = ("is set but the server rejected its value" if os.environ.get(
                     self.api_key_env) else "is not set, so no key was sent")
                 raise EngineUsageError(
-                    f"the server at {self.base_url} refused {path} with HTTP {r.status_code} "
+                    f"the server at {self._shown} refused {path} with HTTP {r.status_code} "
                     f"({msg}): the API key comes from the environment variable "
                     f"{self.api_key_env}, which {have}. Export {self.api_key_env} with the "
                     "server's --api-key, or name another variable with --api-key-env.")
             if r.status_code == 404:
                 raise EngineUsageError(
-                    f"the server at {self.base_url} answered 404 for {path} ({msg}): check "
+                    f"the server at {self._shown} answered 404 for {path} ({msg}): check "
                     "--base-url, and --served-model against the server's /v1/models.")
             if r.status_code < 500:
-                raise EngineUsageError(f"the server at {self.base_url} rejected {path} with "
+                raise EngineUsageError(f"the server at {self._shown} rejected {path} with "
                                        f"HTTP {r.status_code}: {msg}")
             last = f"HTTP {r.status_code}: {msg}"
-        raise EngineError(f"the server at {self.base_url} did not answer {method} {path} after "
+        raise EngineError(f"the server at {self._shown} did not answer {method} {path} after "
                           f"{self.retries + 1} attempts (last: {last}); is it running and "
                           "reachable? (--base-url, --engine-arg timeout/retries)")
 
@@ -287,7 +296,7 @@ class OpenAIEngine(Engine):
         try:
             return r.json()
         except ValueError:
-            raise EngineError(f"the server at {self.base_url} answered {path} with non-JSON "
+            raise EngineError(f"the server at {self._shown} answered {path} with non-JSON "
                               f"text: {r.text[:200]!r}") from None
 
     # --- server facts -------------------------------------------------------------------
@@ -300,12 +309,12 @@ class OpenAIEngine(Engine):
         names = [m.get("id") for m in models]
         if self._served is None:
             if len(names) != 1:
-                raise EngineUsageError(f"the server at {self.base_url} serves {len(names)} "
+                raise EngineUsageError(f"the server at {self._shown} serves {len(names)} "
                                        f"models ({', '.join(map(str, names)) or 'none'}): name "
                                        "one with --served-model")
             self._served = names[0]
         elif self._served not in names:
-            raise EngineUsageError(f"the server at {self.base_url} does not serve "
+            raise EngineUsageError(f"the server at {self._shown} does not serve "
                                    f"{self._served!r}; it serves: {', '.join(map(str, names))} "
                                    "(--served-model)")
         entry = next(m for m in models if m.get("id") == self._served)
@@ -335,8 +344,13 @@ class OpenAIEngine(Engine):
             after = self._metrics()
         if before["requests"] is not None and after["requests"] is not None \
                 and after["requests"] - before["requests"] > 1:
+            if self._retried:
+                raise EngineError(
+                    f"a request to {self._shown} was retried after a timeout or error and the "
+                    "server finished it more than once, so its spec counters cannot be told "
+                    f"apart; raise --engine-arg timeout (now {self.timeout:g} s) and run again.")
             raise EngineUsageError(
-                f"other requests reached the server at {self.base_url} during speccheck's run "
+                f"other requests reached the server at {self._shown} during speccheck's run "
                 f"({after['requests'] - before['requests']} finished during one request): spec "
                 "counters and timings would mix; give speccheck the server to itself.")
         return after
@@ -345,7 +359,7 @@ class OpenAIEngine(Engine):
         info = self._server()
         ident = {
             "engine": "openai",
-            "base_url": self.base_url,
+            "base_url": self._shown,
             "served_model": self._served,
             "model_root": info["model"].get("root"),
             "max_model_len": info["model"].get("max_model_len"),
@@ -390,11 +404,8 @@ class OpenAIEngine(Engine):
         return [int(t) for t in out["tokens"]]
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        """Text as is; chat messages through the server's chat template (vLLM /tokenize
-        with ``messages``), or Prompt.as_text() when tokenizing locally."""
-        if prompt.messages is not None and self._local_tok is None:
-            return self._post_tokenize({"messages": list(prompt.messages),
-                                        "add_generation_prompt": True})
+        """Prompt.as_text() through the server's tokenizer (vLLM /tokenize), or the local
+        tokenizer.json: the same text every other engine tokenizes, chat prompts included."""
         return self._tokenize_text(prompt.as_text())
 
     def detokenize(self, ids: Sequence[int]) -> str:
@@ -414,16 +425,16 @@ class OpenAIEngine(Engine):
                    "counters; a vLLM started with --disable-log-stats exports none)")
         if config.is_baseline and spec is not None:
             raise EngineUsageError(
-                f"the server at {self.base_url} runs {running}, but the config to run is the "
+                f"the server at {self._shown} runs {running}, but the config to run is the "
                 "baseline. A server runs one config: run the baseline against a server started "
                 "without a speculative config, then restart it with the speculative config and "
                 "run --method/--k into the same --store (finished configs are skipped).")
         if not config.is_baseline and spec is None:
-            raise EngineUsageError(f"the server at {self.base_url} runs {running}, but --method "
+            raise EngineUsageError(f"the server at {self._shown} runs {running}, but --method "
                                    f"says {config.method} --k {config.k}: start it with that "
                                    "speculative config, or pass --method baseline.")
         if spec is not None and spec.accepted_per_pos and len(spec.accepted_per_pos) != config.k:
-            raise EngineUsageError(f"the server at {self.base_url} runs {running}, but --k says "
+            raise EngineUsageError(f"the server at {self._shown} runs {running}, but --k says "
                                    f"{config.k}: pass --k {len(spec.accepted_per_pos)}, or "
                                    "restart the server with the K you mean.")
 
@@ -434,6 +445,7 @@ class OpenAIEngine(Engine):
         self._check_static(config, before["spec"])
         out: list[Completion] = []
         for prompt, ids in zip(prompts, prompt_ids, strict=True):
+            self._retried = False
             body = {"model": self._served, "prompt": [int(t) for t in ids],
                     "max_tokens": int(prompt.max_tokens), "temperature": 0,
                     "logprobs": int(top_k), "return_tokens_as_token_ids": True,
@@ -460,7 +472,7 @@ class OpenAIEngine(Engine):
         drafts = sum(c.spec.drafts for c in out if c.spec is not None)
         if drafts == 0:
             raise EngineUsageError(
-                f"the server at {self.base_url} is configured to speculate (K={config.k}) but "
+                f"the server at {self._shown} is configured to speculate (K={config.k}) but "
                 f"drafted nothing over {sum(c.n_tokens for c in out)} generated tokens, so "
                 f"--method {config.method} is not what ran: some vLLM versions skip drafting "
                 "for requests that ask for logprobs; use a vLLM that drafts with logprobs.")
@@ -481,7 +493,7 @@ class OpenAIEngine(Engine):
             choice = (resp.get("choices") or [{}])[0]
             plp = choice.get("prompt_logprobs")
             if plp is None:
-                raise EngineError(f"the server at {self.base_url} returned no prompt_logprobs "
+                raise EngineError(f"the server at {self._shown} returned no prompt_logprobs "
                                   "(vLLM's extension); speccheck needs them to rescore")
             out.append(scored_from_prompt_logprobs(plp, full, len(p), top_k))
         return out
