@@ -152,8 +152,20 @@ def run(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engin
     """Run the matrix (baseline always included) into the store; resumes finished runs."""
     from speccheck.runner import run_suite
 
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     plan = _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args, no_attribution)
-    suite = run_suite(plan, Store(store_dir), log=click.echo)
+    console = Console(stderr=True)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def progress(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what)
+
+        suite = run_suite(plan, Store(store_dir), log=bar.console.print if console.is_terminal else click.echo,
+                          progress=progress)
     failed = [f"{c.name} r{r}" for c in plan.configs for r in range(plan.repeats)
               if not suite.is_complete(c.name, r)]
     click.echo(f"stored in {suite.root}" + (f"; FAILED runs: {', '.join(failed)}" if failed else ""))

@@ -107,8 +107,10 @@ def _summary_line(record: RunRecord) -> str:
             f"{n:6d} tok  {rate}{tpi}{fresh}")
 
 
-def run_suite(plan: RunPlan, store: Store, log: Log = _print) -> Suite:
-    """Run every (config, repeat) not yet complete in the store, then rescore and attribute."""
+def run_suite(plan: RunPlan, store: Store, log: Log = _print,
+              progress: Callable[[int, int, str], None] | None = None) -> Suite:
+    """Run every (config, repeat) not yet complete in the store, then rescore and attribute.
+    ``progress(done, total, what)`` is called before each run and once at the end."""
     corpus = load_corpus(plan.corpus)
     suite = open_suite(plan, store, corpus)
     store.set_latest(suite.id)
@@ -120,7 +122,9 @@ def run_suite(plan: RunPlan, store: Store, log: Log = _print) -> Suite:
         done = len(plan.configs) * plan.repeats - len(todo)
         log(f"suite {suite.id}: {len(plan.configs)} configs x {plan.repeats} repeats on corpus "
             f"{corpus.name} ({len(corpus.prompts)} prompts); {done} already stored, {len(todo)} to run")
-        for config, repeat in todo:
+        for i, (config, repeat) in enumerate(todo):
+            if progress:
+                progress(i, len(todo), f"{config.name} r{repeat}")
             fresh = (plan.fresh_process_repeat and plan.repeats > 1 and repeat == plan.repeats - 1
                      and not engine.fresh_process_per_config)
             if fresh:
@@ -129,6 +133,8 @@ def run_suite(plan: RunPlan, store: Store, log: Log = _print) -> Suite:
                 record = run_one(engine, suite, corpus, inputs, config, repeat, plan.top_k,
                                  fresh_process=engine.fresh_process_per_config)
             log(_summary_line(record))
+        if progress:
+            progress(len(todo), len(todo), "rescoring")
         if plan.rescore:
             rescore_suite(engine, suite, [c.name for c in plan.configs], log)
         if plan.attribute:

@@ -1,0 +1,73 @@
+"""The command line as a user meets it: bad input gets one clear paragraph and exit 2, and
+loses nothing already stored; a small real run on the reference engine goes end to end."""
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from speccheck.cli import main
+
+
+def speccheck(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "speccheck.cli", *args], capture_output=True, text=True,
+                          cwd=cwd)
+
+
+def test_duplicate_id_in_corpus_file(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"id": "a", "category": "code", "max_tokens": 8, "text": "x = 1"}\n'
+                 '{"id": "a", "category": "code", "max_tokens": 8, "text": "y = 2"}\n')
+    r = speccheck("run", "--corpus", str(f), "--store", str(tmp_path / "st"))
+    assert r.returncode == 2
+    assert "mine.jsonl:2" in r.stderr and "duplicate" in r.stderr.lower()
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--method", "eagle9"], "--method 'eagle9'"),
+    (["--method", "mtp", "--k", "0"], "--k '0'"),
+    (["--method", "mtp", "--k", "40"], "between 1 and 32"),
+    (["--corpus", "nonesuch"], "nonesuch"),
+    (["--engine", "tgi"], "unknown engine 'tgi'"),
+])
+def test_bad_options_exit_2(tmp_path, args, needle):
+    r = CliRunner().invoke(main, ["run", "--store", str(tmp_path / "st"), *args])
+    assert r.exit_code == 2, r.output
+    assert needle in r.output
+
+
+def test_commands_on_an_empty_store_explain(tmp_path):
+    for cmd in (["gate"], ["diff"], ["report"], ["golden", "check"]):
+        r = CliRunner().invoke(main, [*cmd, "--store", str(tmp_path / "nothing")])
+        assert r.exit_code == 2 and "speccheck run" in r.output, (cmd, r.output)
+
+
+def test_unknown_policy_key_exit_2(tmp_path):
+    r = CliRunner().invoke(main, ["gate", "--store", str(tmp_path), "--set", "min_speed=3"])
+    assert r.exit_code == 2
+
+
+def test_end_to_end_smoke_run_diff_gate_report(tmp_path):
+    """A real (small) run on the reference engine: run -> diff --json -> gate -> report, and a
+    second `run` resumes without redoing anything."""
+    st = str(tmp_path / "st")
+    runner = CliRunner()
+    r = runner.invoke(main, ["run", "--store", st, "--corpus", "smoke", "--config", "mtp-k2",
+                             "--repeats", "2", "--no-attribution"])
+    assert r.exit_code == 0, r.output
+    again = runner.invoke(main, ["run", "--store", st, "--corpus", "smoke", "--config", "mtp-k2",
+                                 "--repeats", "2", "--no-attribution"])
+    assert "0 to run" in again.output
+    d = runner.invoke(main, ["diff", "--store", st, "--method", "mtp", "--json"])
+    data = json.loads(d.output)
+    names = [c["config"] for c in data["configs"]]
+    assert names == ["baseline", "mtp-k2"]
+    mtp = data["configs"][1]
+    assert mtp["identical_runs"] is True and mtp["acceptance"]["drafts"] > 0
+    g = runner.invoke(main, ["gate", "--store", st, "--junit", str(tmp_path / "j.xml"),
+                             "--set", "min_token_agreement=0"])
+    assert g.exit_code in (0, 1) and "gate:" in g.output and (tmp_path / "j.xml").exists()
+    rep = runner.invoke(main, ["report", "--store", st, "--out", str(tmp_path / "rep")])
+    assert rep.exit_code == 0 and "| mtp-k2 | 2 |" in (tmp_path / "rep" / "report.md").read_text()
