@@ -17,7 +17,7 @@ from speccheck.engines import EngineError, EngineUsageError, make_engine
 from speccheck.engines.openai import (OpenAIEngine, counters_delta, parse_metrics,
                                       scored_from_prompt_logprobs)
 from speccheck.serve import running_server
-from speccheck.types import SpecConfig, SpecCounters
+from speccheck.types import Prompt, SpecConfig, SpecCounters
 
 TOP_K = 5
 SERVER_KEY_ENV = "SPECCHECK_TEST_SERVER_KEY"
@@ -275,3 +275,55 @@ def test_cli_run_against_serve_passes_gate(tmp_path):
     gate = cli.invoke(main, ["gate", "--store", store])
     assert gate.exit_code == 0, gate.output
     assert "mtp-k2" in gate.output and "baseline" in gate.output
+
+
+def _replay(cap: dict):
+    """What the engine makes of a captured exchange (pure parsing, no server)."""
+    from speccheck.engines.openai import completion_from_choice
+
+    k = cap["top_k"]
+    choice = cap["generate_response"]["choices"][0]
+    comp = completion_from_choice(Prompt("cap", "capture", 12), cap["prompt_ids"], choice, k,
+                                  0.0, None)
+    full = cap["score_request"]["prompt"]
+    scored = scored_from_prompt_logprobs(cap["score_response"]["choices"][0]["prompt_logprobs"],
+                                         full, len(cap["prompt_ids"]), k)
+    delta = counters_delta(parse_metrics(cap["metrics_before"])["spec"],
+                           parse_metrics(cap["metrics_after"])["spec"])
+    return comp, scored, delta
+
+
+def test_capture_of_serve_replays_to_the_engine_s_own_outputs(ref, tmp_path):
+    """capture() (the script run next to a real vLLM on the GPU box) recorded against
+    speccheck serve: its JSON parses back to exactly what the in-process engine gives."""
+    from speccheck.engines.openai import capture
+
+    cap_text = "def fibonacci(n):\n    "
+    with running_server("mtp", 2) as url:
+        capture(url, str(tmp_path / "cap.json"), text=cap_text, max_tokens=12, top_k=4)
+    cap = json.loads((tmp_path / "cap.json").read_text())
+    comp, scored, delta = _replay(cap)
+    assert cap["prompt_ids"] == ref.tokenize(Prompt("cap", "code", 12, text=cap_text))
+    want = ref.generate([Prompt("cap", "code", 12)], [cap["prompt_ids"]], SpecConfig("mtp", 2),
+                        4)[0]
+    np.testing.assert_array_equal(comp.token_ids, want.token_ids)
+    np.testing.assert_array_equal(comp.topk_ids, want.topk_ids)
+    assert delta == want.spec and delta.drafts > 0
+    np.testing.assert_array_equal(scored.topk_ids[:, 0], comp.token_ids)  # greedy: top-1
+
+
+@pytest.mark.parametrize("path", sorted(
+    (__import__("pathlib").Path(__file__).parent / "fixtures" / "vllm_openai").glob("*.json")),
+    ids=lambda p: p.stem)
+def test_recorded_vllm_server_exchanges_parse(path):
+    """Exchanges captured from a real vLLM server (tests/fixtures/vllm_openai/, written by
+    `python -m speccheck.engines.openai URL OUT.json` on the GPU box): the engine's parsers
+    read them, greedy tokens are their own top-1, and a speculative server counted drafts."""
+    cap = json.loads(path.read_text())
+    comp, scored, delta = _replay(cap)
+    assert comp.n_tokens > 0 and comp.topk_ids.shape == (comp.n_tokens, cap["top_k"])
+    np.testing.assert_array_equal(comp.topk_ids[:, 0], comp.token_ids)
+    assert np.all(np.diff(comp.topk_logprobs, axis=1) <= 0)
+    assert scored.topk_ids.shape[0] == comp.n_tokens
+    if parse_metrics(cap["metrics_after"])["spec"] is not None and comp.n_tokens >= 3:
+        assert delta.drafts > 0

@@ -500,3 +500,63 @@ class OpenAIEngine(Engine):
 
     def close(self) -> None:
         self._client.close()
+
+
+# --- fixture capture (run next to a real server; the JSON is replayed by the tests) ------------
+
+def _metric_lines(text: str) -> str:
+    """Only the families speccheck reads (HELP/TYPE lines included), so a capture stays small."""
+    keep = {DRAFTS, DRAFT_TOKENS, ACCEPTED, PER_POS, REQUESTS}
+    out = []
+    for line in text.splitlines():
+        body = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
+        name = body.split("{", 1)[0].split(" ", 1)[0]
+        if name in keep or name + "_total" in keep:
+            out.append(line)
+    return "".join(line + "\n" for line in out)
+
+
+def capture(base_url: str, out_path: str, text: str = "def fibonacci(n):\n    ",
+            max_tokens: int = 12, top_k: int = 5, served_model: str | None = None,
+            api_key_env: str | None = None) -> dict:
+    """Record one generation and one rescoring, raw, with the metrics around them, as
+    small JSON (no key, no pickles): the wire format the `openai` engine parses."""
+    import json
+
+    args = {"base_url": base_url, "retries": "1"}
+    if served_model:
+        args["served_model"] = served_model
+    if api_key_env:
+        args["api_key_env"] = api_key_env
+    eng = OpenAIEngine(engine_args=args)
+    try:
+        info = eng._server()
+        ids = eng._tokenize_text(text)
+        before = eng._request("GET", "/metrics").text
+        gen_req = {"model": eng._served, "prompt": ids, "max_tokens": max_tokens,
+                   "temperature": 0, "logprobs": top_k, "return_tokens_as_token_ids": True,
+                   "return_token_ids": True}
+        gen = eng._json("POST", "/v1/completions", gen_req)
+        time.sleep(0.5)  # let the server record its stats
+        after = eng._request("GET", "/metrics").text
+        full = ids + list(gen["choices"][0].get("token_ids") or [])
+        score_req = {"model": eng._served, "prompt": full, "max_tokens": 1, "temperature": 0,
+                     "prompt_logprobs": top_k, "return_token_ids": True}
+        score = eng._json("POST", "/v1/completions", score_req)
+    finally:
+        eng.close()
+    cap = {"version": info["version"], "model": info["model"], "prompt_ids": ids,
+           "top_k": top_k, "generate_request": gen_req, "generate_response": gen,
+           "metrics_before": _metric_lines(before), "metrics_after": _metric_lines(after),
+           "score_request": score_req, "score_response": score}
+    with open(out_path, "w") as f:
+        json.dump(cap, f, indent=1)
+    return cap
+
+
+if __name__ == "__main__":  # python -m speccheck.engines.openai URL OUT.json [served_model]
+    import sys
+
+    if len(sys.argv) not in (3, 4):
+        sys.exit("usage: python -m speccheck.engines.openai BASE_URL OUT.json [SERVED_MODEL]")
+    capture(sys.argv[1], sys.argv[2], served_model=sys.argv[3] if len(sys.argv) == 4 else None)
