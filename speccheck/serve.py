@@ -71,6 +71,11 @@ class SpecMetrics:
                                          "Number of generation tokens processed.")
         self.request_success = counter("vllm:request_success", "Count of successfully "
                                        "processed requests.", ["finished_reason"])
+        # vLLM creates these children up front (one per finish reason), so they read 0, not absent
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(*self.values, reason)
+        self.prompt_tokens.labels(*self.values)
+        self.generation_tokens.labels(*self.values)
         self.spec = not config.is_baseline
         if self.spec:
             self.drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")

@@ -9,6 +9,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import numpy as np
 import pytest
 
@@ -75,15 +76,24 @@ def test_reproduces_in_process_engine(config, ref, prompts):
 
 
 def test_score_matches_in_process(ref, prompts):
+    """Rescoring through prompt_logprobs, on the server under test and on a separate
+    baseline server (score_base_url), equals the in-process engine's score()."""
     ids = [ref.tokenize(p) for p in prompts]
     conts = [c.token_ids.tolist() for c in ref.generate(prompts, ids, SpecConfig(), TOP_K)]
-    with running_server("mtp", 2) as url:
-        got = _client(url).score(ids, conts, TOP_K)
     want = ref.score(ids, conts, TOP_K)
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(g.topk_ids, w.topk_ids)
-        np.testing.assert_allclose(g.topk_logprobs, w.topk_logprobs, atol=1e-4)
-        np.testing.assert_allclose(g.token_logprobs, w.token_logprobs, atol=1e-4)
+    with running_server("mtp", 2) as url, running_server("baseline", engine=ref) as base:
+        on_self = _client(url).score(ids, conts, TOP_K)
+        on_base = _client(url, score_base_url=base)
+        assert on_base.identity()["score_base_url"] == base
+        served = lambda: parse_metrics(httpx.get(base + "/metrics").text)["requests"]  # noqa: E731
+        before = served()
+        on_base = on_base.score(ids, conts, TOP_K)
+        assert served() - before == len(prompts)  # the rescoring ran on the baseline server
+    for got in (on_self, on_base):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g.topk_ids, w.topk_ids)
+            np.testing.assert_allclose(g.topk_logprobs, w.topk_logprobs, atol=1e-4)
+            np.testing.assert_allclose(g.token_logprobs, w.token_logprobs, atol=1e-4)
 
 
 def test_config_must_match_what_the_server_runs(ref, prompts):

@@ -43,6 +43,7 @@ ARGS = {
     "retries": "retries after a connection error, timeout or 5xx (default 3)",
     "backoff": "first retry delay in seconds, doubled each retry (default 1.0)",
     "tokenizer": "path to tokenizer.json to tokenize locally (default: the server's /tokenize)",
+    "score_base_url": "a baseline server to rescore on (default: base_url; see score())",
     "method": "ignored (the config under test says what the server runs)",
     "k": "ignored (as method)",
 }
@@ -234,6 +235,10 @@ class OpenAIEngine(Engine):
         self._client = httpx.Client(headers=headers,
                                     timeout=httpx.Timeout(self.timeout,
                                                           connect=min(self.timeout, 10.0)))
+        self._score_url = str(a.get("score_base_url") or "").rstrip("/") or None
+        if self._score_url and not self._score_url.startswith(("http://", "https://")):
+            raise EngineUsageError(f"--engine-arg score_base_url={self._score_url!r} is not an "
+                                   "http(s) URL")
         self._info: dict | None = None
         self._retried = False  # a request was sent again: the server may have run it twice
 
@@ -254,10 +259,12 @@ class OpenAIEngine(Engine):
 
     # --- HTTP ---------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
+    def _request(self, method: str, path: str, body: dict | None = None,
+                 base: str | None = None) -> httpx.Response:
         """One request with retries and backoff for what may pass (connection refused,
         timeouts, 5xx); 4xx are the user's to fix and fail at once with a usage error."""
-        url = self.base_url + path
+        url = (base or self.base_url) + path
+        shown = _redact(base) if base else self._shown
         last = ""
         for attempt in range(self.retries + 1):
             if attempt:
@@ -275,24 +282,28 @@ class OpenAIEngine(Engine):
                 have = ("is set but the server rejected its value" if os.environ.get(
                     self.api_key_env) else "is not set, so no key was sent")
                 raise EngineUsageError(
-                    f"the server at {self._shown} refused {path} with HTTP {r.status_code} "
+                    f"the server at {shown} refused {path} with HTTP {r.status_code} "
                     f"({msg}): the API key comes from the environment variable "
                     f"{self.api_key_env}, which {have}. Export {self.api_key_env} with the "
                     "server's --api-key, or name another variable with --api-key-env.")
             if r.status_code == 404:
                 raise EngineUsageError(
-                    f"the server at {self._shown} answered 404 for {path} ({msg}): check "
+                    f"the server at {shown} answered 404 for {path} ({msg}): check "
                     "--base-url, and --served-model against the server's /v1/models.")
+            if "nan" in msg.lower().split() or "not json compliant" in msg.lower():
+                raise EngineError(f"the server at {shown} produced NaN logprobs for {path} "
+                                  f"({msg}): an engine fault, not a request error")
             if r.status_code < 500:
-                raise EngineUsageError(f"the server at {self._shown} rejected {path} with "
+                raise EngineUsageError(f"the server at {shown} rejected {path} with "
                                        f"HTTP {r.status_code}: {msg}")
             last = f"HTTP {r.status_code}: {msg}"
-        raise EngineError(f"the server at {self._shown} did not answer {method} {path} after "
+        raise EngineError(f"the server at {shown} did not answer {method} {path} after "
                           f"{self.retries + 1} attempts (last: {last}); is it running and "
                           "reachable? (--base-url, --engine-arg timeout/retries)")
 
-    def _json(self, method: str, path: str, body: dict | None = None) -> Any:
-        r = self._request(method, path, body)
+    def _json(self, method: str, path: str, body: dict | None = None,
+              base: str | None = None) -> Any:
+        r = self._request(method, path, body, base)
         try:
             return r.json()
         except ValueError:
@@ -361,6 +372,7 @@ class OpenAIEngine(Engine):
             "engine": "openai",
             "base_url": self._shown,
             "served_model": self._served,
+            "score_base_url": _redact(self._score_url) if self._score_url else None,
             "model_root": info["model"].get("root"),
             "max_model_len": info["model"].get("max_model_len"),
             "server_version": info["version"].get("version"),
@@ -479,6 +491,10 @@ class OpenAIEngine(Engine):
 
     def score(self, prompt_ids: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
               top_k: int) -> list[Scored]:
+        """Teacher-forced scores through vLLM's ``prompt_logprobs``, on ``score_base_url``
+        when given, else on the server under test. Prompt logprobs come from the target's
+        prefill, but some vLLM versions read them after the drafter ran (reported NaNs
+        with MTP + CUDA graphs), so a baseline server is the safer place to rescore."""
         self._server()
         out = []
         for p, c in zip(prompt_ids, continuations, strict=True):
@@ -489,7 +505,7 @@ class OpenAIEngine(Engine):
                 continue
             body = {"model": self._served, "prompt": full, "max_tokens": 1, "temperature": 0,
                     "prompt_logprobs": int(top_k), "return_token_ids": True}
-            resp = self._json("POST", "/v1/completions", body)
+            resp = self._json("POST", "/v1/completions", body, self._score_url)
             choice = (resp.get("choices") or [{}])[0]
             plp = choice.get("prompt_logprobs")
             if plp is None:
