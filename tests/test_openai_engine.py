@@ -337,3 +337,22 @@ def test_recorded_vllm_server_exchanges_parse(path):
     assert scored.topk_ids.shape[0] == comp.n_tokens
     if parse_metrics(cap["metrics_after"])["spec"] is not None and comp.n_tokens >= 3:
         assert delta.drafts > 0
+
+
+def test_cli_wrong_key_exits_2_naming_the_variable(ref, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from speccheck.cli import main
+
+    monkeypatch.setenv(SERVER_KEY_ENV, SECRET)
+    monkeypatch.setenv(CLIENT_KEY_ENV, WRONG)
+    with running_server("baseline", api_key_env=SERVER_KEY_ENV, engine=ref) as url:
+        result = CliRunner().invoke(main, [
+            "run", "--engine", "openai", "--engine-arg", f"base_url={url}", "--engine-arg",
+            f"api_key_env={CLIENT_KEY_ENV}", "--method", "baseline", "--corpus", "smoke",
+            "--store", str(tmp_path / "store")])
+    assert result.exit_code == 2, result.output
+    assert CLIENT_KEY_ENV in result.output
+    assert WRONG not in result.output and SECRET not in result.output
+    stored = "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file())
+    assert WRONG not in stored and SECRET not in stored
