@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 import speccheck
-from speccheck.engines.base import Engine, EngineError, EngineUsageError
+from speccheck.engines.base import Engine, EngineUsageError
 from speccheck.types import Completion, Prompt, SpecConfig
 
 #: Paths reachable without the API key, as in vLLM's AuthenticationMiddleware (PUBLIC_ENDPOINTS).
@@ -505,4 +505,4 @@ def running_server(method: str = "baseline", k: int | None = None,
 
 
 __all__ = ["serve", "build_server", "start_server_in_thread", "running_server",
-           "SpeccheckHTTPServer", "ServeState", "EngineError"]
+           "SpeccheckHTTPServer", "ServeState"]
