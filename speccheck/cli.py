@@ -85,15 +85,25 @@ run_options = [
     click.option("--top-k", "top_k", default=5, show_default=True, type=click.IntRange(2, 20)),
     click.option("--engine-arg", "engine_args", multiple=True, help="Engine option key=value (repeatable)."),
     click.option("--no-attribution", is_flag=True, help="Skip kernel-path attribution of divergences."),
+    click.option("--base-url", default=None, help="openai engine: server URL (e.g. http://127.0.0.1:8000)."),
+    click.option("--served-model", default=None, help="openai engine: the server's model name."),
+    click.option("--api-key-env", default=None,
+                 help="openai engine: env var holding the API key (default OPENAI_API_KEY)."),
 ]
 
 
 def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args,
-          no_attribution=False, include_default=True):
+          no_attribution=False, base_url=None, served_model=None, api_key_env=None):
     from speccheck.runner import RunPlan
 
     args = _engine_args(engine_args)
+    server = {"base_url": base_url, "served_model": served_model, "api_key_env": api_key_env}
+    args.update({key: v for key, v in server.items() if v is not None})
     cls = engine_class(engine)
+    if cls.serves_one_config and not (methods or configs):
+        raise MatrixError(f"the {engine} engine runs the one config its server runs: say which with "
+                          "--method baseline, or e.g. --method mtp --k 7 (run the baseline first, "
+                          "against a server without speculative decoding, into the same --store).")
     default_k = {}
     if "dflash" in methods:
         probe = cls(model=model, engine_args=args, draft=draft)
@@ -102,7 +112,7 @@ def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, eng
         finally:
             probe.close()
     matrix = build_matrix(methods, k, configs, offered=cls.methods, engine=engine,
-                          default_k=default_k, draft=draft)
+                          default_k=default_k, draft=draft, include_baseline=not cls.serves_one_config)
     return RunPlan(engine=engine, model=model, draft=draft, engine_args=args, corpus=corpus,
                    configs=matrix, repeats=repeats, top_k=top_k, attribute=not no_attribution)
 
@@ -148,14 +158,15 @@ def main() -> None:
 @_apply(run_options)
 @store_option
 def run(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args, no_attribution,
-        store_dir):
+        base_url, served_model, api_key_env, store_dir):
     """Run the matrix (baseline always included) into the store; resumes finished runs."""
     from speccheck.runner import run_suite
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    plan = _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args, no_attribution)
+    plan = _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args, no_attribution,
+                 base_url, served_model, api_key_env)
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:

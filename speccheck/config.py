@@ -55,6 +55,7 @@ def build_matrix(methods: Sequence[str] = (), k: str | None = None, configs: Seq
     for method in methods:
         check_method(method, offered, engine)
         if method == "baseline":
+            names.append("baseline")
             continue
         method_ks = ks or ([default_k[method]] if default_k and default_k.get(method) else None) \
             or DEFAULT_K.get(method) or [1]

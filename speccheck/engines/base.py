@@ -26,6 +26,9 @@ class Engine(ABC):
     #: run every config in a fresh subprocess (GPU memory and engine state released between
     #: configs); the reference engine runs in-process and uses a fresh process for one repeat.
     fresh_process_per_config: ClassVar[bool] = False
+    #: the engine runs only the one config its server runs (openai): the matrix is exactly what
+    #: the user names, without the implicit baseline.
+    serves_one_config: ClassVar[bool] = False
     #: speculative methods this engine runs besides "baseline"; None = passes any through.
     methods: ClassVar[tuple[str, ...] | None] = ("mtp", "dflash")
 

@@ -198,6 +198,7 @@ def _redact(url: str) -> str:
 class OpenAIEngine(Engine):
     name = "openai"
     methods = None  # whatever the server runs (mtp, dflash, eagle, ngram, ...)
+    serves_one_config = True
 
     def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
                  draft: str | None = None) -> None:
