@@ -495,3 +495,18 @@ def test_cli_run_diff_gate_with_fake_vllm(fake_vllm, tmp_path):
     assert "mtp-k3 r1" in res.output
     res = runner.invoke(main, ["gate", "--store", store])
     assert res.exit_code == 0, res.output
+
+
+def test_identity_after_dflash_call_carries_k_note(fake_vllm):
+    """With the fake vLLM (test double): identity() after a dflash K=3 call says K is not
+    block_size - 1, and the next call's identity drops the note."""
+    target, draft = fake_vllm
+    eng = VllmEngine(model=str(target), draft=str(draft))
+    try:
+        p, ids = [Prompt("a", "x", 6, text="a")], [[1, 2]]
+        eng.generate(p, ids, SpecConfig("dflash", 3), 5)
+        assert any("block_size is 8" in n for n in eng.identity()["notes"])
+        eng.generate(p, ids, SpecConfig("dflash", 7), 5)
+        assert eng.identity()["notes"] == []
+    finally:
+        eng.close()

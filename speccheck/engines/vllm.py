@@ -363,6 +363,8 @@ class VllmEngine(Engine):
     # -- identity
 
     def identity(self) -> dict:
+        """What ran, as of the last generate()/score() call: the kernels vLLM chose, the GPU
+        and the K note are only known once a worker has run, so call it after generate()."""
         if self._static_identity is None:
             self._static_identity = self._make_static_identity()
         ident = dict(self._static_identity)
@@ -408,6 +410,7 @@ class VllmEngine(Engine):
             "engine": "vllm",
             "version": version("vllm"),
             "vllm_version": version("vllm"),
+            "torch": version("torch"),
             "model": self.model,
             "model_id": Path(self.model).name,
             "model_hash": weights_sha256(self.model),
@@ -440,8 +443,7 @@ class VllmEngine(Engine):
                  config: SpecConfig, top_k: int) -> list[Completion]:
         draft = config.draft or self.draft
         note = k_hint_note(config, draft)
-        if note and note not in self._notes:
-            self._notes.append(note)
+        self._notes = [note] if note else []
         spec = speculative_config(config, draft, self.llm_kwargs, self.args["spec"])
         req = {"op": "generate", "prompts": [list(map(int, p)) for p in prompt_ids],
                "max_tokens": [int(p.max_tokens) for p in prompts], "top_k": int(top_k),
