@@ -446,18 +446,24 @@ class Qwen3_5Attention(nn.Module):
         self.k_norm = Qwen3_5RMSNorm(self.d, eps=cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cache: Cache | None = None, idx: int = 0,
-                form: str = "multi", start: int = 0) -> torch.Tensor:
+                form: str = "multi", start: int = 0, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """With a cache: new tokens at positions start.. . Without: a training forward,
+        causal from 0, or with explicit ``positions`` and boolean ``mask`` (True = attend)."""
         B, T, _ = x.shape
         qg = self.q_proj(x).view(B, T, self.nh, 2 * self.d)
         q, gate = qg[..., : self.d], qg[..., self.d:].reshape(B, T, self.nh * self.d)
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.d)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        pos = torch.arange(start, start + T, device=x.device)
+        pos = torch.arange(start, start + T, device=x.device) if positions is None else positions
         cos, sin = rope_cos_sin(pos, self.rot, self.theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if mask is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         else:
             if cache.k[idx] is None:
                 cache.k[idx] = k.new_zeros(B, self.nkv, cache.max_len, self.d)
@@ -487,12 +493,12 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.post_attention_layernorm = Qwen3_5RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cache=None, idx=0, start=0, gdn_form="chunked", attn_form="multi",
-                per_position=False):
+                per_position=False, positions=None, mask=None):
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, cache, idx, gdn_form, per_position)
         else:
-            h = self.self_attn(h, cache, idx, attn_form, start)
+            h = self.self_attn(h, cache, idx, attn_form, start, positions, mask)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -1,0 +1,314 @@
+"""Train the reference model, its MTP module and its DFlash drafter from text every Python
+install has (``data.training_texts()``), and write the shipped weights.
+
+    python -m speccheck.engines.reference.train --out DIR [--device cuda] [--steps N | --minutes M]
+
+All three are trained jointly from step 0: the target on next-token loss; the MTP module on
+the target's (detached) final hidden states, for 3 recursive steps exactly as it drafts at
+inference (step j's entry sees the step-1 entries before it and its own chain); the drafter
+on blocks [x_p, mask * 7] anchored at random positions, with context = the target's
+(detached) layer outputs at ``target_layer_ids`` before p, non-causal inside the block.
+Embedding and lm head are shared and trained by the target's loss only. Fixed seeds; the
+held-out split is by content hash (``data.held_out_split``).
+
+Writes DIR/config.json, DIR/model.safetensors (target + mtp.*), DIR/drafter.safetensors,
+DIR/tokenizer.json, all weights in bf16.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .model import DFlashDrafter, MTPModule, Qwen3_5TextModel, ReferenceConfig, init_weights
+
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+MTP_STEPS = 3
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def token_stream(texts: list[str], tok, eos: int) -> np.ndarray:
+    """All texts tokenised and joined with <|endoftext|> into one int32 stream."""
+    out = []
+    for enc in tok.encode_batch(texts):
+        out.append(np.asarray(enc.ids, dtype=np.int32))
+        out.append(np.asarray([eos], dtype=np.int32))
+    return np.concatenate(out)
+
+
+def batch(stream: np.ndarray, B: int, T: int, gen: torch.Generator, device) -> torch.Tensor:
+    starts = torch.randint(0, len(stream) - T - 2, (B,), generator=gen).numpy()
+    idx = starts[:, None] + np.arange(T + 1)[None, :]
+    return torch.from_numpy(stream[idx].astype(np.int64)).to(device)
+
+
+def mtp_mask(n: int, steps: int, device) -> torch.Tensor:
+    """[steps*n, steps*n] bool: step-s entry of chain i sees step-1 entries i' <= i and the
+    step-r entries (0 < r <= s) of its own chain, as at inference."""
+    i = torch.arange(n, device=device)
+    causal = i[:, None] >= i[None, :]
+    diag = i[:, None] == i[None, :]
+    rows = []
+    for s in range(steps):
+        row = [causal if r == 0 else (diag if r <= s else torch.zeros_like(diag))
+               for r in range(steps)]
+        rows.append(torch.cat(row, 1))
+    return torch.cat(rows, 0)
+
+
+def soft_ce(logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against the target's own distribution (distillation: drafts are
+    accepted when they match the target, not the text)."""
+    return -(teacher.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+
+
+def mtp_losses(mtp: MTPModule, E: torch.Tensor, seq: torch.Tensor, h: torch.Tensor,
+               teacher: torch.Tensor, steps: int = MTP_STEPS):
+    """Per-step (loss, agreement with the target's top-1). Chain i starts at target
+    position t=i: step j (0-based) sits at position i+j, embeds x_{i+1+j} and predicts
+    x_{i+2+j}, whose target distribution is teacher[:, i+1+j]."""
+    T = h.shape[1]
+    n = T - steps
+    device = seq.device
+    full_mask = mtp_mask(n, steps, device)
+    ins, out = [], []
+    hprev = h[:, :n].detach()
+    for j in range(steps):
+        emb = F.embedding(seq[:, 1 + j: n + 1 + j], E)
+        ins.append(mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(emb),
+                                     mtp.pre_fc_norm_hidden(hprev)], -1)))
+        X = torch.cat(ins, 1)
+        pos = torch.cat([torch.arange(n, device=device) + r for r in range(j + 1)])
+        L = (j + 1) * n
+        y = mtp.layers[0](X, positions=pos, mask=full_mask[:L, :L])
+        hj = mtp.norm(y[:, j * n:])
+        logits = F.linear(hj, E).float()
+        tj = teacher[:, 1 + j: n + 1 + j]
+        loss = soft_ce(logits, tj).mean()
+        acc = (logits.argmax(-1) == tj.argmax(-1)).float().mean()
+        out.append((loss, acc))
+        hprev = hj
+    return out
+
+
+def drafter_losses(drafter: DFlashDrafter, cfg: ReferenceConfig, E: torch.Tensor,
+                   seq: torch.Tensor, aux: torch.Tensor, teacher: torch.Tensor, n_anchors: int,
+                   gen: torch.Generator):
+    """Blocks [x_p, mask...] at random anchors p; slot j predicts x_{p+j}, distilled from
+    the target's distribution at p+j-1. Returns (weighted loss, per-slot agreement with the
+    target's top-1 [bs-1])."""
+    B, T1 = seq.shape
+    T = T1 - 1
+    bs = cfg.drafter.block_size
+    device = seq.device
+    anchors = torch.randint(1, T - bs + 1, (n_anchors,), generator=gen).to(device)  # p <= T-bs
+    slot = torch.arange(bs, device=device)
+    positions = (anchors[:, None] + slot[None, :]).reshape(-1)  # [A*bs]
+    block = torch.full((B, n_anchors, bs), cfg.mask_token_id, dtype=torch.long, device=device)
+    block[:, :, 0] = seq[:, anchors]
+    emb = F.embedding(block.reshape(B, -1), E)
+    ctx_kv = drafter.context_kv(aux, torch.arange(T, device=device))
+    ctx_ok = torch.arange(T, device=device)[None, :] < anchors.repeat_interleave(bs)[:, None]
+    blk = torch.arange(n_anchors, device=device).repeat_interleave(bs)
+    blk_ok = blk[:, None] == blk[None, :]
+    mask = torch.cat([ctx_ok, blk_ok], 1)  # [Q, T+Q]
+    hb = drafter(emb, positions, ctx_kv, mask).view(B, n_anchors, bs, -1)[:, :, 1:]
+    logits = F.linear(hb, E).float()
+    tb = teacher[:, positions.view(n_anchors, bs)[:, :-1]]  # [B, A, bs-1, V]
+    ce = soft_ce(logits, tb)
+    w = torch.exp(-torch.arange(bs - 1, device=device, dtype=torch.float32) / 5.0)
+    loss = (ce.mean((0, 1)) * w).sum() / w.sum()
+    acc = (logits.argmax(-1) == tb.argmax(-1)).float().mean((0, 1))
+    return loss, acc
+
+
+def step_losses(nets, cfg, seq, gen, n_anchors):
+    target, mtp, drafter = nets
+    x = seq[:, :-1]
+    h, aux = target(x, aux_layers=tuple(cfg.drafter.target_layer_ids))
+    E = target.embed_tokens.weight
+    logits = target.logits(h)
+    lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seq[:, 1:].reshape(-1))
+    Ed, teacher = E.detach(), logits.detach()
+    m = mtp_losses(mtp, Ed, seq, h.detach(), teacher)
+    auxc = torch.cat([aux[i] for i in cfg.drafter.target_layer_ids], -1).detach()
+    dl, dacc = drafter_losses(drafter, cfg, Ed, seq, auxc, teacher, n_anchors, gen)
+    return lm, m, dl, dacc
+
+
+def param_groups(nets, wd):
+    decay, no_decay = [], []
+    for net in nets:
+        for name, p in net.named_parameters():
+            (decay if p.ndim >= 2 and "conv1d" not in name else no_decay).append(p)
+    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@torch.no_grad()
+def evaluate(nets, cfg, stream, B, T, device, n_batches, autocast):
+    gen = torch.Generator().manual_seed(1234)
+    for n in nets:
+        n.eval()
+    tot = {"lm": 0.0, "mtp_acc": np.zeros(MTP_STEPS), "draft_acc": np.zeros(cfg.drafter.block_size - 1)}
+    for _ in range(n_batches):
+        seq = batch(stream, B, T, gen, device)
+        with autocast():
+            lm, m, _, dacc = step_losses(nets, cfg, seq, gen, 16)
+        tot["lm"] += lm.item() / n_batches
+        tot["mtp_acc"] += np.array([a.item() for _, a in m]) / n_batches
+        tot["draft_acc"] += dacc.float().cpu().numpy() / n_batches
+    for n in nets:
+        n.train()
+    return tot
+
+
+def save(nets, cfg, out: Path, tok_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    target, mtp, drafter = nets
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in target.state_dict().items()}
+    sd.update({"mtp." + k: v.detach().to(torch.bfloat16).cpu().contiguous()
+               for k, v in mtp.state_dict().items()})
+    save_file(sd, str(out / "model.safetensors"))
+    save_file({k: v.detach().to(torch.bfloat16).cpu().contiguous()
+               for k, v in drafter.state_dict().items()}, str(out / "drafter.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    if tok_path.resolve() != (out / "tokenizer.json").resolve():
+        shutil.copyfile(tok_path, out / "tokenizer.json")
+
+
+def acceptance_probe(out: Path, device: str, n_prompts: int, max_tokens: int) -> None:
+    """Tokens per iteration of the saved weights on the code corpus (bf16, greedy)."""
+    from speccheck.corpus import load_corpus
+    from speccheck.engines.reference.engine import ReferenceEngine
+    from speccheck.types import SpecConfig
+
+    eng = ReferenceEngine(str(out), {"device": device})
+    prompts = [p for p in load_corpus("code").prompts][:n_prompts]
+    prompts = [type(p)(p.id, p.category, max_tokens, p.text, p.messages) for p in prompts]
+    ids = [eng.tokenize(p) for p in prompts]
+    base = eng.generate(prompts, ids, SpecConfig(), 5)
+    log(f"probe baseline: {sum(c.n_tokens for c in base)} tokens; "
+        f"decode {sum(c.decode_s for c in base):.2f}s")
+    for method, ks in (("mtp", (1, 3, 5, 7)), ("dflash", (3, 7, 10, 15))):
+        for k in ks:
+            cs = eng.generate(prompts, ids, SpecConfig(method, k), 5)
+            tot = sum((c.spec for c in cs[1:]), cs[0].spec)
+            same = sum(int(np.array_equal(a.token_ids, b.token_ids)) for a, b in zip(cs, base))
+            tpi = 1 + tot.accepted_tokens / max(tot.drafts, 1)
+            per = [round(a / max(tot.drafts, 1), 3) for a in tot.accepted_per_pos]
+            log(f"probe {method} K={k}: tokens/iter {tpi:.3f}  per-pos {per}  "
+                f"identical {same}/{len(cs)}  decode {sum(c.decode_s for c in cs):.2f}s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--steps", type=int, default=0, help="optimizer steps (0 = by --minutes)")
+    ap.add_argument("--minutes", type=float, default=6.0, help="training time budget")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--anchors", type=int, default=48, help="drafter blocks per sequence")
+    ap.add_argument("--max-bytes", type=int, default=30_000_000, help="stdlib text cap")
+    ap.add_argument("--probe", type=int, default=6, help="code prompts for the acceptance probe")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+
+    from tokenizers import Tokenizer
+
+    from .data import held_out_split, training_texts
+
+    torch.manual_seed(a.seed)
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    tok_path = WEIGHTS_DIR / "tokenizer.json"
+    tok = Tokenizer.from_file(str(tok_path))
+    cfg = ReferenceConfig(vocab_size=tok.get_vocab_size(),
+                          eos_token_id=tok.token_to_id("<|endoftext|>"),
+                          mask_token_id=tok.token_to_id("<|mask|>"))
+    t0 = time.time()
+    train_texts, held_texts = held_out_split(training_texts(a.max_bytes))
+    train = token_stream(train_texts, tok, cfg.eos_token_id)
+    if held_texts:
+        held = token_stream(held_texts, tok, cfg.eos_token_id)
+    else:  # tiny --max-bytes runs: hold out the stream's tail instead
+        cut = len(train) * 9 // 10
+        train, held = train[:cut], train[cut:]
+    log(f"data: {len(train_texts)} train texts / {len(train):,} tokens, {len(held_texts)} held-out "
+        f"texts / {len(held):,} tokens ({time.time() - t0:.1f}s); python {sys.version.split()[0]}")
+
+    nets = (Qwen3_5TextModel(cfg), MTPModule(cfg), DFlashDrafter(cfg))
+    for seed, n in enumerate(nets):
+        init_weights(n, a.seed * 10 + seed)
+        n.to(device).train()
+    n_params = [sum(p.numel() for p in n.parameters()) for n in nets]
+    log(f"params: target {n_params[0]:,} mtp {n_params[1]:,} drafter {n_params[2]:,} "
+        f"(bf16 {sum(n_params) * 2 / 1e6:.1f} MB)")
+    opt = torch.optim.AdamW(param_groups(nets, 0.1), lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
+                            fused=device.type == "cuda")
+    use_amp = device.type == "cuda"
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp)
+
+    gen = torch.Generator().manual_seed(a.seed + 1)
+    warmup = 100
+    total = a.steps or 10**9
+    budget = a.minutes * 60
+    t_start = time.time()
+    step = 0
+    while step < total:
+        if not a.steps and step == 10:
+            t10 = time.time()
+        if not a.steps and step == 40:
+            per = (time.time() - t10) / 30
+            total = max(60, int((budget - (t10 - t_start)) / per))
+            log(f"{per * 1000:.0f} ms/step -> {total} steps in {a.minutes} min")
+        frac = step / max(total, 1) if total < 10**9 else 0.0
+        lr = a.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        seq = batch(train, a.batch, a.seq, gen, device)
+        with autocast():
+            lm, m, dl, dacc = step_losses(nets, cfg, seq, gen, a.anchors)
+            loss = lm + sum(w * l for w, (l, _) in zip((1.0, 0.7, 0.5), m)) + dl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for n in nets for p in n.parameters()], 1.0)
+        opt.step()
+        step += 1
+        if step % 100 == 0 or step == 1:
+            log(f"step {step}/{total if total < 10**9 else '?'} lr {lr:.2e} lm {lm.item():.3f} "
+                f"mtp {[round(x.item(), 3) for _, x in m]} draft-loss {dl.item():.3f} "
+                f"draft-acc {[round(x, 2) for x in dacc.tolist()]} ({time.time() - t_start:.0f}s)")
+    log(f"trained {step} steps x {a.batch}x{a.seq} tokens in {time.time() - t_start:.0f}s")
+    ev = evaluate(nets, cfg, held, 32, a.seq, device, 8, autocast)
+    log(f"held-out: loss {ev['lm']:.4f} perplexity {math.exp(ev['lm']):.2f}")
+    log(f"held-out MTP agreement with target top-1 per step {[round(float(x), 3) for x in ev['mtp_acc']]}")
+    log(f"held-out drafter agreement with target top-1 per slot {[round(float(x), 3) for x in ev['draft_acc']]}")
+    save(nets, cfg, a.out, tok_path)
+    sizes = {p.name: p.stat().st_size for p in sorted(a.out.iterdir())}
+    log(f"saved {a.out}: {sizes} total {sum(sizes.values()) / 1e6:.2f} MB")
+    if a.probe:
+        acceptance_probe(a.out, a.device, a.probe, 96)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
