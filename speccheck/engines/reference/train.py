@@ -3,6 +3,10 @@ install has (``data.training_texts()``), and write the shipped weights.
 
     python -m speccheck.engines.reference.train --out DIR [--device cuda] [--steps N | --minutes M]
 
+The shipped weights came from ``--device cuda --steps 653`` (defaults otherwise) on one H200
+in 137 s (held-out perplexity 10.6); GPU kernels are not bit-reproducible, so a re-run gives
+similar, not identical, weights.
+
 All three are trained jointly from step 0: the target on next-token loss; the MTP module on
 the target's (detached) final hidden states, for 3 recursive steps exactly as it drafts at
 inference (step j's entry sees the step-1 entries before it and its own chain); the drafter
@@ -69,9 +73,17 @@ def mtp_mask(n: int, steps: int, device) -> torch.Tensor:
 
 
 def soft_ce(logits: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy against the target's own distribution (distillation: drafts are
-    accepted when they match the target, not the text)."""
+    """Cross-entropy against a teacher: the target's own distribution (``--labels target``,
+    distillation: drafts are accepted when they match the target, not the text) or, with
+    ``--labels text``, a one-hot teacher built by :func:`one_hot_teacher`."""
     return -(teacher.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+
+
+def one_hot_teacher(seq: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Logits whose softmax is the one-hot of the next text token, laid out like the
+    target's logits (position t holds token t+1)."""
+    t = torch.full((*seq[:, 1:].shape, vocab), -1e4, device=seq.device)
+    return t.scatter_(-1, seq[:, 1:, None], 0.0)
 
 
 def mtp_losses(mtp: MTPModule, E: torch.Tensor, seq: torch.Tensor, h: torch.Tensor,
@@ -134,14 +146,15 @@ def drafter_losses(drafter: DFlashDrafter, cfg: ReferenceConfig, E: torch.Tensor
     return loss, acc
 
 
-def step_losses(nets, cfg, seq, gen, n_anchors):
+def step_losses(nets, cfg, seq, gen, n_anchors, labels="text"):
     target, mtp, drafter = nets
     x = seq[:, :-1]
     h, aux = target(x, aux_layers=tuple(cfg.drafter.target_layer_ids))
     E = target.embed_tokens.weight
     logits = target.logits(h)
     lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seq[:, 1:].reshape(-1))
-    Ed, teacher = E.detach(), logits.detach()
+    Ed = E.detach()
+    teacher = logits.detach() if labels == "target" else one_hot_teacher(seq, logits.shape[-1])
     m = mtp_losses(mtp, Ed, seq, h.detach(), teacher)
     auxc = torch.cat([aux[i] for i in cfg.drafter.target_layer_ids], -1).detach()
     dl, dacc = drafter_losses(drafter, cfg, Ed, seq, auxc, teacher, n_anchors, gen)
@@ -165,7 +178,7 @@ def evaluate(nets, cfg, stream, B, T, device, n_batches, autocast):
     for _ in range(n_batches):
         seq = batch(stream, B, T, gen, device)
         with autocast():
-            lm, m, _, dacc = step_losses(nets, cfg, seq, gen, 16)
+            lm, m, _, dacc = step_losses(nets, cfg, seq, gen, 16, "target")
         tot["lm"] += lm.item() / n_batches
         tot["mtp_acc"] += np.array([a.item() for _, a in m]) / n_batches
         tot["draft_acc"] += dacc.float().cpu().numpy() / n_batches
@@ -220,10 +233,13 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=0, help="optimizer steps (0 = by --minutes)")
     ap.add_argument("--minutes", type=float, default=6.0, help="training time budget")
-    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--anchors", type=int, default=48, help="drafter blocks per sequence")
+    ap.add_argument("--anchors", type=int, default=32, help="drafter blocks per sequence")
+    ap.add_argument("--labels", choices=("text", "target"), default="text",
+                    help="what MTP and drafter learn to predict: the text, or the target's "
+                         "distribution (distillation)")
     ap.add_argument("--max-bytes", type=int, default=30_000_000, help="stdlib text cap")
     ap.add_argument("--probe", type=int, default=6, help="code prompts for the acceptance probe")
     ap.add_argument("--seed", type=int, default=0)
@@ -286,7 +302,7 @@ def main(argv=None) -> int:
             g["lr"] = lr
         seq = batch(train, a.batch, a.seq, gen, device)
         with autocast():
-            lm, m, dl, dacc = step_losses(nets, cfg, seq, gen, a.anchors)
+            lm, m, dl, dacc = step_losses(nets, cfg, seq, gen, a.anchors, a.labels)
             loss = lm + sum(w * l for w, (l, _) in zip((1.0, 0.7, 0.5), m)) + dl
         opt.zero_grad(set_to_none=True)
         loss.backward()
