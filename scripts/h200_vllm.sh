@@ -41,7 +41,7 @@ run() {
   {
     echo "== $(date -u +%FT%TZ) host: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1)"
     # packages the image lacks (rapidfuzz), carried as wheels in .stage/whl
-    if ls .stage/whl/*.whl >/dev/null 2>&1; then
+    if ls .stage/whl/*.whl >/dev/null 2>&1 && [ ! -d "$WORK/pydeps" ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/pydeps" .stage/whl/*.whl
     fi
     python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
@@ -110,7 +110,7 @@ tree_mib() {  # size of what one device call sends: tracked + untracked-not-igno
 pack() {
   cd "$R" || exit 2
   local tree budget fits=1
-  tree=${TREE_MIB:-$(tree_mib)}; budget=$((62 - tree))
+  tree=${TREE_MIB:-$(tree_mib)}; budget=$((61 - tree))
   for p in A B C; do
     local sz=$(( $(stat -c %s ".stage/$p/$p.tar.xz") / 1048576 + 1 ))
     [ "$sz" -gt "$budget" ] && fits=0
@@ -118,23 +118,39 @@ pack() {
   done
   if [ "$fits" = 1 ]; then echo "fits: use the A, B, C steps that stage-vllm.sh prints"; return 0; fi
   rm -rf .stage/pieces; mkdir -p .stage/pieces
-  for p in A B C; do  # pieces named P.ofM.partNN, so the box knows when a part is complete
-    split -b "$((budget - 1))M" -d -a 2 ".stage/$p/$p.tar.xz" ".stage/pieces/$p.part"
-    local m; m=$(ls .stage/pieces/"$p".part* | wc -l)
-    for f in .stage/pieces/"$p".part*; do mv "$f" ".stage/pieces/$p.of$m.${f##*.}"; done
-  done
-  local i=0 f d
-  for f in .stage/pieces/*.of*; do
-    d=$(printf ".stage/pieces/%02d" "$i"); mkdir -p "$d"; mv "$f" "$d/"; i=$((i + 1))
-  done
-  for d in .stage/pieces/[0-9][0-9]; do
-    echo "device call: carry [\"$d\"]   command: bash scripts/h200_vllm.sh unpack $d"
-  done
-  echo "then: carry [\".stage/whl\"]   command: bash scripts/h200_vllm.sh run"
+  # fill each call up to the budget; the first also carries .stage/whl, the last runs
+  python3 - "$budget" <<'PY'
+import os, sys
+budget = (int(sys.argv[1]) - 1) << 20
+parts = {p: open(f".stage/{p}/{p}.tar.xz", "rb").read() for p in "ABC"}
+whl = sum(os.path.getsize(f".stage/whl/{f}") for f in os.listdir(".stage/whl")) \
+    if os.path.isdir(".stage/whl") else 0
+calls, room = [[]], budget - whl
+for p, data in parts.items():
+    off, chunks = 0, []
+    while off < len(data):
+        if room <= 1 << 20:
+            calls.append([]); room = budget
+        n = min(room, len(data) - off)
+        chunks.append((len(calls) - 1, data[off:off + n])); off += n; room -= n
+    for i, (call, chunk) in enumerate(chunks):
+        d = f".stage/pieces/{call:02d}"; os.makedirs(d, exist_ok=True)
+        open(f"{d}/{p}.of{len(chunks)}.part{i:02d}", "wb").write(chunk)
+for i in range(len(calls)):
+    d = f".stage/pieces/{i:02d}"
+    size = sum(os.path.getsize(f"{d}/{f}") for f in os.listdir(d)) >> 20
+    last = i == len(calls) - 1
+    carry = f'["{d}", ".stage/whl"]' if i == 0 else f'["{d}"]'
+    cmd = f"bash scripts/h200_vllm.sh unpack {d}" + (" && bash scripts/h200_vllm.sh run" if last else "")
+    print(f"device call {i + 1}: carry {carry} ({size} MiB)\n   command: {cmd}")
+PY
 }
 
 unpack() {
   local dir=$1 p f m have
+  if ls .stage/whl/*.whl >/dev/null 2>&1; then  # wheels the image lacks (rapidfuzz)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/pydeps" .stage/whl/*.whl
+  fi
   mkdir -p $PIECES "$SITE"
   cp "$dir"/* $PIECES/ || exit 3
   for p in A B C; do
