@@ -1,0 +1,140 @@
+"""Greedy speculative decoding on the reference engine: lossless where numerics are equal,
+rejections really happen, every planted fault changes what it says, the engine API."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from speccheck.corpus import load_corpus
+from speccheck.engines.base import EngineUsageError
+from speccheck.engines.reference.decode import FAULTS
+from speccheck.engines.reference.engine import ReferenceEngine
+from speccheck.types import Prompt, SpecConfig
+
+#: equal numerics in decode and verify: fp32, recurrent GDN and per-query attention in both
+EQUAL = {"dtype": "fp32", "gdn_decode": "recurrent", "gdn_verify": "recurrent",
+         "attn_decode": "single", "attn_verify": "single", "threads": "1"}
+MAX_TOKENS = 32
+
+
+def _prompts(n_code: int = 2) -> list[Prompt]:
+    ps = list(load_corpus("smoke").prompts) + list(load_corpus("code").prompts)[:n_code]
+    return [Prompt(p.id, p.category, MAX_TOKENS, p.text, p.messages) for p in ps]
+
+
+@pytest.fixture(scope="module")
+def equal_engine():
+    return ReferenceEngine(engine_args=EQUAL)
+
+
+@pytest.fixture(scope="module")
+def prompts(equal_engine):
+    ps = _prompts()
+    return ps, [equal_engine.tokenize(p) for p in ps]
+
+
+@pytest.fixture(scope="module")
+def baseline(equal_engine, prompts):
+    return equal_engine.generate(*prompts, SpecConfig(), 5)
+
+
+def _total(cs):
+    tot = cs[0].spec
+    for c in cs[1:]:
+        tot = tot + c.spec
+    return tot
+
+
+@pytest.mark.parametrize("method,k", [("mtp", 1), ("mtp", 3), ("mtp", 7),
+                                      ("dflash", 1), ("dflash", 3), ("dflash", 7),
+                                      ("dflash", 10)])
+def test_lossless_with_equal_numerics(equal_engine, prompts, baseline, method, k):
+    out = equal_engine.generate(*prompts, SpecConfig(method, k), 5)
+    for spec, base in zip(out, baseline):
+        assert spec.token_ids.tolist() == base.token_ids.tolist(), spec.prompt_id
+        assert np.allclose(spec.logprobs, base.logprobs, atol=1e-4)
+        assert spec.topk_ids.shape == (spec.n_tokens, 5)
+    tot = _total(out)
+    assert tot.draft_tokens == tot.drafts * k
+    assert 0 < tot.accepted_tokens < tot.draft_tokens  # drafts are accepted and rejected
+    assert sum(tot.accepted_per_pos) == tot.accepted_tokens
+    assert all(a >= b for a, b in zip(tot.accepted_per_pos, tot.accepted_per_pos[1:]))
+
+
+def test_completion_fields(baseline, prompts):
+    for c, ids in zip(baseline, prompts[1]):
+        assert c.prompt_ids.tolist() == ids
+        assert 1 <= c.n_tokens <= MAX_TOKENS
+        assert c.finish_reason in ("length", "stop")
+        assert np.all(c.topk_logprobs[:, :-1] >= c.topk_logprobs[:, 1:])
+        assert np.allclose(c.logprobs, c.topk_logprobs[:, 0], atol=1e-6)  # greedy: top-1
+        assert c.spec is None and c.ttft_s > 0 and c.text
+
+
+def test_score_matches_generation(equal_engine, prompts, baseline):
+    scored = equal_engine.score(prompts[1], [c.token_ids for c in baseline], 5)
+    for s, c in zip(scored, baseline):
+        assert s.topk_ids[:, 0].tolist() == c.token_ids.tolist()
+        assert np.allclose(s.token_logprobs, c.logprobs, atol=1e-3)
+
+
+def _differs(a, b) -> bool:
+    return any(x.token_ids.tolist() != y.token_ids.tolist() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("fault,method", [("stale-state", "mtp"), ("bonus-off-by-one", "dflash"),
+                                          ("accept-top2", "mtp")])
+def test_spec_faults_break_losslessness(prompts, baseline, fault, method):
+    eng = ReferenceEngine(engine_args={**EQUAL, "fault": fault})
+    out = eng.generate(*prompts, SpecConfig(method, 3), 5)
+    assert _differs(out, baseline), f"fault {fault} left every output unchanged"
+    # the baseline path has no drafts, so no spec fault can touch it
+    assert not _differs(eng.generate(*prompts, SpecConfig(), 5), baseline)
+
+
+def test_accept_top2_accepts_more(equal_engine, prompts):
+    clean = _total(equal_engine.generate(*prompts, SpecConfig("mtp", 3), 5))
+    eng = ReferenceEngine(engine_args={**EQUAL, "fault": "accept-top2"})
+    faulty = _total(eng.generate(*prompts, SpecConfig("mtp", 3), 5))
+    assert faulty.accepted_tokens > clean.accepted_tokens
+
+
+def test_nondeterministic_fault_varies_run_to_run():
+    eng = ReferenceEngine(engine_args={"fault": "nondeterministic", "threads": "1"})
+    ps = [Prompt(p.id, p.category, 48, p.text, p.messages) for p in load_corpus("code").prompts]
+    ids = [eng.tokenize(p) for p in ps]
+    runs = [eng.generate(ps, ids, SpecConfig(), 5) for _ in range(2)]
+    lp_diff = max(float(np.abs(a.logprobs[:min(a.n_tokens, b.n_tokens)]
+                                - b.logprobs[:min(a.n_tokens, b.n_tokens)]).max())
+                  for a, b in zip(*runs))
+    assert lp_diff > 0  # the reduction order really changes numbers between runs
+
+
+def test_clean_engine_is_deterministic(prompts):
+    eng = ReferenceEngine(engine_args={"threads": "1"})
+    a = eng.generate(*prompts, SpecConfig("dflash", 7), 5)
+    b = eng.generate(*prompts, SpecConfig("dflash", 7), 5)
+    for x, y in zip(a, b):
+        assert x.token_ids.tolist() == y.token_ids.tolist()
+        assert np.array_equal(x.logprobs, y.logprobs)
+
+
+def test_engine_args_and_api(equal_engine):
+    with pytest.raises(EngineUsageError, match="gdn_verify"):
+        ReferenceEngine(engine_args={"bogus": "1"})
+    with pytest.raises(EngineUsageError, match="chunked, recurrent"):
+        ReferenceEngine(engine_args={"gdn_verify": "fast"})
+    with pytest.raises(EngineUsageError, match="stale-state"):
+        ReferenceEngine(engine_args={"fault": "nope"})
+    p = Prompt("x", "code", 4, text="def f():")
+    with pytest.raises(EngineUsageError, match="--method"):
+        equal_engine.generate([p], [equal_engine.tokenize(p)], SpecConfig("eagle", 3), 5)
+    ident = equal_engine.identity()
+    for key in ("engine", "model", "model_sha256", "tokenizer_sha256", "dtype", "device", "torch",
+                "threads", "knobs", "fault", "speccheck_version"):
+        assert key in ident
+    assert ident["knobs"]["gdn_verify"] == "recurrent" and ident["dtype"] == "fp32"
+    assert equal_engine.default_k("dflash") == equal_engine.cfg.drafter.block_size - 1
+    variants = equal_engine.attribution_variants()
+    assert "dtype=fp32" not in variants and "gdn=chunked" in variants
+    assert set(FAULTS) == {"stale-state", "bonus-off-by-one", "accept-top2", "nondeterministic"}
