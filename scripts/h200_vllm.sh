@@ -21,8 +21,8 @@ set -uo pipefail
 R=$(cd "$(dirname "$0")/.." && pwd)
 SITE=${SITE:-/root/site}
 OUT=${OUT:-/tmp/h200-out}
-DEADLINE_S=${DEADLINE_S:-500}
-CORPUS=${CORPUS:-default}
+DEADLINE_S=${DEADLINE_S:-510}
+CORPUS=${CORPUS:-smoke+code}
 WORK=${WORK:-/tmp/speccheck-h200}
 PIECES=${PIECES:-/root/pieces}
 
@@ -48,6 +48,11 @@ run() {
     if [ ! -f "$ckpt/config.json" ] && [ ! -f "$ckpt/target/config.json" ]; then
       echo "== export-reference $ckpt"; sc export-reference "$ckpt" || exit 2
     fi
+    if [[ "$CORPUS" == *+* ]]; then  # e.g. smoke+code: one corpus file of several built-ins
+      local merged="$WORK/${CORPUS//+/_}.jsonl"; : > "$merged"
+      for c in ${CORPUS//+/ }; do cat "corpora/$c.jsonl" >> "$merged"; done
+      CORPUS=$merged
+    fi
     local target=$ckpt draft=$ckpt/drafter
     [ -f "$ckpt/target/config.json" ] && target=$ckpt/target
     echo "== target $target  drafter $draft  ($(du -sh "$ckpt" | cut -f1))"
@@ -56,7 +61,7 @@ run() {
               --engine-arg env.VLLM_USE_FLASHINFER_SAMPLER=0
               --engine-arg language_model_only=true --engine-arg enforce_eager=true
               --engine-arg enable_prefix_caching=false
-              --engine-arg kv_cache_memory_bytes=8000000000
+              --engine-arg kv_cache_memory_bytes=4000000000
               --engine-arg worker=per-config)
     ea+=(--engine-arg dtype=bfloat16)
     attempt() {  # attempt ARGS...: one `speccheck run` into the store, within the deadline
@@ -79,7 +84,7 @@ run() {
       ea+=(--engine-arg skip_tokenizer_init=false)
       attempt --method baseline
     fi
-    attempt --config mtp-k1 --config mtp-k3 --config mtp-k7 --config dflash-k7
+    attempt --config mtp-k7 --config dflash-k7 --config mtp-k3 --config mtp-k1
     if [ -d "$store" ]; then
       echo "== diff"; sc diff --store "$store" 2>&1
       echo "== gate"; sc gate --store "$store" --junit "$WORK/junit.xml" 2>&1; echo "gate exit $?"

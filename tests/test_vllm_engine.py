@@ -446,6 +446,8 @@ def test_worker_protocol_with_fake_vllm(fake_vllm, worker, tmp_path, monkeypatch
             assert b.spec is None and m.spec.drafts > 0 and len(m.spec.accepted_per_pos) == 3
         assert base[0].n_tokens == 9 and (base[0].topk_ids[:, 0] == base[0].token_ids).all()
         scored = eng.score(ids, [c.token_ids.tolist() for c in base], 5)
+        # per-config parks the baseline worker while mtp runs, and scores with it
+        assert eng.last_call_fresh_process == (worker == "per-call")
         for s, b in zip(scored, base):
             np.testing.assert_allclose(s.token_logprobs, b.logprobs, atol=1e-6)
             assert (s.topk_ids == b.topk_ids).all()

@@ -326,6 +326,7 @@ class VllmEngine(Engine):
         self._notes: list[str] = []
         self._worker: subprocess.Popen | None = None
         self._worker_key: str | None = None
+        self._parked: tuple | None = None  # (process, key, log) of an idle baseline worker
         self._tmp = Path(tempfile.mkdtemp(prefix="speccheck-vllm-"))
         self._calls = 0
         self.last_call_fresh_process = True
@@ -492,11 +493,27 @@ class VllmEngine(Engine):
         reuse = self.args["own"].get("worker", "per-call") == "per-config"
         if self._worker is not None and (not reuse or key != self._worker_key
                                          or self._worker.poll() is not None):
-            self._stop_worker()
+            if reuse and self._worker.poll() is None and "speculative_config" not in \
+                    json.loads(self._worker_key or "{}"):
+                # per-config: park the baseline worker (idle, off the GPU's critical path);
+                # score() and a later baseline call take it back instead of a new start
+                self._stop_parked()
+                self._parked = (self._worker, self._worker_key, self._log_path)
+                self._worker = None
+            else:
+                self._stop_worker()
+        if self._worker is None and self._parked and self._parked[1] == key \
+                and self._parked[0].poll() is None:
+            self._worker, self._worker_key, self._log_path = self._parked
+            self._parked = None
+            self.last_call_fresh_process = False
+        elif self._worker is not None:
+            self.last_call_fresh_process = False
         fresh = self._worker is None
         if fresh:
             self._start_worker(key)
-        self.last_call_fresh_process = fresh
+        if fresh:
+            self.last_call_fresh_process = True
         self._calls += 1
         path = self._tmp / f"req{self._calls}.json"
         path.write_text(json.dumps(req))
@@ -571,6 +588,14 @@ class VllmEngine(Engine):
             Path(keep).mkdir(parents=True, exist_ok=True)
             shutil.copy(self._log_path, Path(keep) / f"{self._tmp.name}-{self._log_path.name}")
 
+    def _stop_parked(self) -> None:
+        if self._parked:
+            current = (self._worker, self._worker_key, self._log_path)
+            self._worker, self._worker_key, self._log_path = self._parked
+            self._parked = None
+            self._stop_worker()
+            self._worker, self._worker_key, self._log_path = current
+
     def _collect_log(self) -> None:
         for line in _tail(self._log_path, 200_000).splitlines():
             if any(m in line for m in BACKEND_LOG_MARKERS) and "Using" in line:
@@ -580,6 +605,7 @@ class VllmEngine(Engine):
 
     def close(self) -> None:
         self._stop_worker()
+        self._stop_parked()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
