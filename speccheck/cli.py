@@ -302,16 +302,25 @@ def golden_record(suite, store_dir, golden_dir, policy_file, settings):
     click.echo(f"recorded golden {path} ({len(result.configs)} configs' acceptance)")
 
 
-def _golden_check_print(s, result, golden_dir, policy_file, settings) -> bool:
-    from speccheck import golden as g
+def _comparison_lines(cmp, detok) -> list[str]:
     from speccheck.report import divergence_line
 
+    lines = [f"{cmp.exact}/{cmp.prompts} prompts exact · prefix agreement {cmp.prefix_agreement:.2%} · "
+             f"{len(cmp.divergences)} divergence(s), {len(cmp.high)} high-confidence"]
+    lines += ["    " + divergence_line(d, detok) for d in cmp.divergences]
+    return lines
+
+
+def _golden_check_print(s, result, golden_dir, policy_file, settings) -> bool:
+    from speccheck import golden as g
+
     policy = load_policy(policy_file, _settings(settings))
-    chk = g.check(s, Path(golden_dir), result.noise, policy)
-    click.echo(f"golden {chk.path}: {chk.exact}/{chk.prompts} prompts exact, {len(chk.divergences)} "
-               f"divergence(s), {len(chk.high)} high-confidence")
-    for d in chk.divergences:
-        click.echo("    " + divergence_line(d, _detok_for(s)))
+    detok = _detok_for(s)
+    chk = g.check(s, Path(golden_dir), result.noise, policy, detok)
+    lines = _comparison_lines(chk.comparison, detok)
+    click.echo(f"golden {chk.path}: {lines[0]}")
+    for line in lines[1:]:
+        click.echo(line)
     for r in result.configs:
         if r.acceptance is not None and r.config in chk.acceptance:
             click.echo(f"    {r.config}: {r.acceptance.tokens_per_iter:.2f} tokens/iter "
@@ -330,6 +339,37 @@ def golden_check(suite, store_dir, golden_dir, policy_file, settings):
     ok = _golden_check_print(s, result, golden_dir, policy_file, settings)
     click.echo("golden check: PASS" if ok else "golden check: FAIL")
     sys.exit(0 if ok else 1)
+
+
+@main.command()
+@click.option("--config", "config_name", default="baseline", show_default=True)
+@suite_option
+@store_option
+@click.option("--with-store", "other_store", required=True, type=click.Path(file_okay=False),
+              help="Store holding the other suite (e.g. another engine's).")
+@click.option("--with-suite", "other_suite", default=None, help="Suite id there (default: its last run).")
+@_apply(policy_options)
+def compare(config_name, suite, store_dir, other_store, other_suite, policy_file, settings):
+    """Cross-engine (or cross-machine) agreement: one config's first repeat in two suites,
+    compared stream by stream and classified like any divergence (exit 1 on high-confidence)."""
+    from speccheck.evaluate import compare_runs, suite_noise
+    from speccheck.verify import calibrate_thresholds
+
+    a, b = _suite(store_dir, suite), _suite(other_store, other_suite)
+    if a.meta.get("corpus_hash") != b.meta.get("corpus_hash"):
+        raise StoreError(f"suites {a.id} and {b.id} ran different corpora (hash {a.meta.get('corpus_hash')} "
+                         f"vs {b.meta.get('corpus_hash')}); compare runs of the same corpus.")
+    policy = load_policy(policy_file, _settings(settings))
+    noise = max(suite_noise(a), suite_noise(b))
+    tau_tie, tau_low = calibrate_thresholds(noise, policy.tie_noise_multiple, policy.low_noise_multiple,
+                                            policy.tie_floor, policy.low_floor)
+    cmp = compare_runs(a.load_run(config_name, 0), b.load_run(config_name, 0), tau_tie, tau_low, noise,
+                       _detok_for(a))
+    click.echo(f"{config_name}: {a.id} vs {b.id} (path noise {noise:.4f} nats, tau_tie {tau_tie:.3f}, "
+               f"tau_low {tau_low:.3f})")
+    for line in _comparison_lines(cmp, _detok_for(a)):
+        click.echo(line)
+    sys.exit(0 if cmp.passed else 1)
 
 
 @main.group()

@@ -157,6 +157,48 @@ def decoded_context(detok, comp: Completion, pos: int, width: int = 8) -> str:
 
 # --- evaluation ----------------------------------------------------------------------------------
 
+@dataclass
+class Comparison:
+    """Two free-running runs of the same prompts compared stream by stream (golden vs today,
+    one engine vs another): where each first diverges and how confident that flip was."""
+
+    prompts: int
+    exact: int
+    matched: int
+    compared: int
+    divergences: list[Divergence]
+
+    @property
+    def high(self) -> list[Divergence]:
+        return [d for d in self.divergences if d.classification.cls == "high_confidence"]
+
+    @property
+    def prefix_agreement(self) -> float:
+        return self.matched / self.compared if self.compared else 1.0
+
+    @property
+    def passed(self) -> bool:
+        return not self.high
+
+
+def compare_runs(base: RunRecord, other: RunRecord, tau_tie: float, tau_low: float, noise: float,
+                 detok=None) -> Comparison:
+    base_by = base.by_prompt()
+    cmp = Comparison(0, 0, 0, 0, [])
+    for c in other.completions:
+        b = base_by.get(c.prompt_id)
+        if b is None:
+            continue
+        divs = find_divergences(c.prompt_id, b.token_ids, b.topk_ids, b.topk_logprobs, c.token_ids,
+                                c.topk_ids, c.topk_logprobs, tau_tie, tau_low, noise, max_gap=tau_low)
+        cmp.prompts += 1
+        cmp.exact += not divs and b.n_tokens == c.n_tokens
+        cmp.matched += divs[0].position if divs else min(b.n_tokens, c.n_tokens)
+        cmp.compared += max(b.n_tokens, c.n_tokens)
+        cmp.divergences.extend(replace(d, context=decoded_context(detok, b, d.position)) for d in divs)
+    return cmp
+
+
 def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau_low: float,
                     noise: float, base_records: list[RunRecord], golden_acceptance: dict | None = None,
                     detok=None, base_speed: float | None = None) -> ConfigResult:
@@ -194,25 +236,16 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
         base = base_ok[0].by_prompt()
         run0 = ok[0]
         scored = suite.load_rescore(name, run0.repeat)
-        matched = compared = 0
+        free = compare_runs(base_ok[0], run0, tau_tie, tau_low, noise, detok)
+        result.prompts, result.prompts_exact = free.prompts, free.exact
+        result.divergences = free.divergences
+        result.prefix_agreement = free.prefix_agreement
         tf_agree = tf_total = 0
         sims = []
         for c in run0.completions:
             b = base.get(c.prompt_id)
             if b is None:
                 continue
-            result.prompts += 1
-            divs = find_divergences(c.prompt_id, b.token_ids, b.topk_ids, b.topk_logprobs,
-                                    c.token_ids, c.topk_ids, c.topk_logprobs, tau_tie, tau_low, noise,
-                                    max_gap=tau_low)
-            divs = [replace(d, context=decoded_context(detok, b, d.position)) for d in divs]
-            result.divergences.extend(divs)
-            n_cmp = max(b.n_tokens, c.n_tokens)
-            n_match = min(b.n_tokens, c.n_tokens) if not divs else divs[0].position
-            if not divs and b.n_tokens == c.n_tokens:
-                result.prompts_exact += 1
-            matched += n_match
-            compared += n_cmp
             sims.append(text_similarity(b.text, c.text))
             s = scored.get(c.prompt_id) if scored else None
             if s is not None and len(s.topk_ids) == c.n_tokens:
@@ -224,7 +257,6 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
                                                  max_gap=tau_low)
                 result.tf_divergences.extend(
                     replace(d, context=decoded_context(detok, c, d.position)) for d in tfd)
-        result.prefix_agreement = matched / compared if compared else 1.0
         result.token_agreement = tf_agree / tf_total if tf_total else None
         result.text_similarity = float(np.mean(sims)) if sims else None
         counts: dict[str, int] = {"near_tie": 0, "low_confidence": 0, "high_confidence": 0}

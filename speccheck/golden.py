@@ -9,10 +9,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from speccheck.evaluate import SuiteResult
+from speccheck.evaluate import Comparison, SuiteResult, compare_runs
 from speccheck.store import Suite, read_run
 from speccheck.types import RunRecord
-from speccheck.verify import Divergence, calibrate_thresholds, find_divergences
+from speccheck.verify import calibrate_thresholds
 
 
 class GoldenMismatch(ValueError):
@@ -59,18 +59,12 @@ def record(suite: Suite, result: SuiteResult, root: Path) -> Path:
 @dataclass
 class GoldenCheck:
     path: Path
-    prompts: int
-    exact: int
-    divergences: list[Divergence]
+    comparison: Comparison
     acceptance: dict[str, float]
 
     @property
-    def high(self) -> list[Divergence]:
-        return [d for d in self.divergences if d.classification.cls == "high_confidence"]
-
-    @property
     def passed(self) -> bool:
-        return not self.high
+        return self.comparison.passed
 
 
 def load_golden(suite: Suite, root: Path) -> tuple[Path, dict, RunRecord]:
@@ -83,7 +77,7 @@ def load_golden(suite: Suite, root: Path) -> tuple[Path, dict, RunRecord]:
     return path, meta, read_run(path / "baseline")
 
 
-def check(suite: Suite, root: Path, noise: float, policy) -> GoldenCheck:
+def check(suite: Suite, root: Path, noise: float, policy, detok=None) -> GoldenCheck:
     path, meta, gold = load_golden(suite, root)
     today = suite.load_run("baseline", 0)
     want, have = meta["fingerprint"], _fingerprint(today.identity, today.corpus_hash)
@@ -95,19 +89,8 @@ def check(suite: Suite, root: Path, noise: float, policy) -> GoldenCheck:
             "would be meaningless: record a new golden with `speccheck golden record` if the change is intended.")
     tau_tie, tau_low = calibrate_thresholds(max(noise, meta.get("noise", 0.0)), policy.tie_noise_multiple,
                                             policy.low_noise_multiple, policy.tie_floor, policy.low_floor)
-    gold_by = gold.by_prompt()
-    divs: list[Divergence] = []
-    exact = 0
-    for c in today.completions:
-        g = gold_by.get(c.prompt_id)
-        if g is None:
-            continue
-        d = find_divergences(c.prompt_id, g.token_ids, g.topk_ids, g.topk_logprobs, c.token_ids,
-                             c.topk_ids, c.topk_logprobs, tau_tie, tau_low, noise, max_gap=tau_low)
-        exact += not d and g.n_tokens == c.n_tokens
-        divs.extend(d)
     acceptance = {k: v["tokens_per_iter"] for k, v in meta.get("acceptance", {}).items()}
-    return GoldenCheck(path, len(today.completions), exact, divs, acceptance)
+    return GoldenCheck(path, compare_runs(gold, today, tau_tie, tau_low, noise, detok), acceptance)
 
 
 def golden_acceptance(suite: Suite, root: Path) -> dict[str, float] | None:

@@ -123,4 +123,5 @@ def test_baseline_matches_golden(spec_result):
         if "no golden" in str(e):
             pytest.skip(str(e))
         raise
-    assert chk.passed, f"{len(chk.high)} high-confidence divergence(s) from golden {chk.path}: {chk.high[:3]}"
+    high = chk.comparison.high
+    assert chk.passed, f"{len(high)} high-confidence divergence(s) from golden {chk.path}: {high[:3]}"

@@ -71,3 +71,19 @@ def test_end_to_end_smoke_run_diff_gate_report(tmp_path):
     assert g.exit_code in (0, 1) and "gate:" in g.output and (tmp_path / "j.xml").exists()
     rep = runner.invoke(main, ["report", "--store", st, "--out", str(tmp_path / "rep")])
     assert rep.exit_code == 0 and "| mtp-k2 | 2 |" in (tmp_path / "rep" / "report.md").read_text()
+
+    # golden: record, check passes; a golden of another model is refused with exit 2
+    gold = str(tmp_path / "golden")
+    rec = runner.invoke(main, ["golden", "record", "--store", st, "--golden", gold])
+    assert rec.exit_code == 0, rec.output
+    chk = runner.invoke(main, ["golden", "check", "--store", st, "--golden", gold])
+    assert chk.exit_code == 0 and "4/4 prompts exact" in chk.output, chk.output
+    gjson = next((tmp_path / "golden").rglob("golden.json"))
+    meta = json.loads(gjson.read_text())
+    meta["fingerprint"]["model_hash"] = "0" * 64
+    gjson.write_text(json.dumps(meta))
+    bad = runner.invoke(main, ["golden", "check", "--store", st, "--golden", gold])
+    assert bad.exit_code == 2 and "another model" in bad.output
+    # the same suite compared with itself across stores agrees exactly
+    same = runner.invoke(main, ["compare", "--store", st, "--with-store", st])
+    assert same.exit_code == 0 and "4/4 prompts exact" in same.output
