@@ -148,10 +148,14 @@ def k_hint_note(config: SpecConfig, draft: str | None) -> str | None:
 # ---------------------------------------------------------------- pure: dicts -> types
 
 def _ranked(pos: dict[str, dict]) -> list[tuple[int, float]]:
-    """(token id, logprob) of one position, best first (vLLM rank, then logprob)."""
-    items = [(int(t), float(v["logprob"]), v.get("rank")) for t, v in pos.items()]
-    items.sort(key=lambda x: (x[2] if x[2] is not None else 1 << 30, -x[1]))
-    return [(t, lp) for t, lp, _ in items]
+    """(token id, logprob) of one position, best first; exact ties by lowest token id.
+
+    Not by vLLM's ``rank``: on exact (bf16) ties its top-k order is arbitrary, while its
+    greedy sampler takes the first maximum (``argmax``: the lowest id). Seen on the H200:
+    three tokens tied at -3.12999, top-k listed 3895, 3023, 312 and greedy chose 312."""
+    items = [(int(t), float(v["logprob"])) for t, v in pos.items()]
+    items.sort(key=lambda x: (-x[1], x[0]))
+    return items
 
 
 def topk_arrays(positions: Sequence[dict[str, dict]], chosen: Sequence[int],

@@ -21,6 +21,9 @@ import traceback
 from typing import Any
 
 SPEC_PREFIX = "vllm:spec_decode_"
+#: VLLM_* as the worker was started with (vLLM later sets some of its own, e.g. random
+#: shared-memory names, which are no setting of the user's)
+START_ENV = {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_")}
 #: where the worker writes raw dicts of the first request of each call, when set
 CAPTURE_ENV = "SPECCHECK_VLLM_CAPTURE_DIR"
 
@@ -117,7 +120,7 @@ def runtime_facts(llm: Any = None) -> dict:
     except Exception as e:  # noqa: BLE001
         facts["torch_error"] = repr(e)
     facts["driver"] = nvidia_smi_driver()
-    facts["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_")}
+    facts["env"] = dict(START_ENV)
     if llm is not None:
         facts.update(_engine_choices(llm))
     return facts
