@@ -11,7 +11,7 @@ prefixes only.
 
 Numerics follow the family: Qwen3.5 RMSNorm scales by ``(1 + weight)`` in fp32, the GDN
 output norm is a plain-weight gated RMSNorm, GDN runs in fp32 with an fp32 recurrent state,
-logits are fp32. GDN has two forms (recurrent step, chunked parallel) and attention two
+logits are fp32. In bf16 the matmuls run in bf16 while the residual stream stays fp32. GDN has two forms (recurrent step, chunked parallel) and attention two
 forms (``multi``: one SDPA over all new queries, ``single``: one query at a time); which
 form runs is chosen per call, so decode and verify can differ exactly as real kernels do.
 """
@@ -101,7 +101,8 @@ class ReferenceConfig:
 
 
 class Qwen3_5RMSNorm(nn.Module):
-    """Zero-centred RMSNorm of the family: ``x̂ * (1 + w)`` computed in fp32."""
+    """Zero-centred RMSNorm of the family: ``x̂ * (1 + w)`` computed in fp32, returned in
+    the weights' dtype (the residual stream itself stays fp32, see Qwen3_5TextModel)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -111,7 +112,7 @@ class Qwen3_5RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return (h * (1.0 + self.weight.float())).to(self.weight.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -125,7 +126,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.weight.float()).type_as(x)
+        return (h * self.weight.float()).to(self.weight.dtype)
 
 
 class Qwen3_5RMSNormGated(nn.Module):
@@ -517,8 +518,16 @@ class Qwen3_5TextModel(nn.Module):
         self.norm = Qwen3_5RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """fp32 logits from final-normed hidden states (tied embedding as lm head)."""
-        return F.linear(h, self.embed_tokens.weight).float()
+        """fp32 logits from final-normed hidden states (tied embedding as lm head). The
+        product itself runs in fp32: bf16 logits (resolution ~0.06 at |logit| ~10) would
+        turn near-ties into exact ties that argmax breaks by token id."""
+        w = self.embed_tokens.weight
+        if w.dtype != torch.float32:
+            key = (w.data_ptr(), w._version, w.device)
+            if getattr(self, "_lm_w32_key", None) != key:
+                self._lm_w32, self._lm_w32_key = w.detach().float(), key
+            w = self._lm_w32
+        return F.linear(h.float(), w)
 
     def forward(self, ids: torch.Tensor, cache: Cache | None = None, *, gdn_form="chunked",
                 attn_form="multi", per_position=False, aux_layers=()):
@@ -527,7 +536,7 @@ class Qwen3_5TextModel(nn.Module):
         leave per-position states for :meth:`Cache.commit`, otherwise the cache advances.
 
         Returns (final-normed hidden [B,T,H], {layer_id: output of that layer [B,T,H]})."""
-        x = self.embed_tokens(ids)
+        x = self.embed_tokens(ids).float()  # fp32 residual stream; matmuls in weight dtype
         start = 0 if cache is None else cache.length
         aux = {}
         for i, layer in enumerate(self.layers):
@@ -558,7 +567,7 @@ class MTPModule(nn.Module):
         """embeds: embedding of token t+1, hidden: target (or previous MTP) hidden at t,
         both [B,T,H], at positions cache.length.. (or 0.. without a cache)."""
         x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1)
-        x = self.fc(x)
+        x = self.fc(x).float()
         start = 0 if cache is None else cache.length
         for i, layer in enumerate(self.layers):
             x = layer(x, cache, i, start, attn_form=attn_form)
@@ -637,11 +646,11 @@ class DFlashDrafter(nn.Module):
 
     def context_kv(self, aux: torch.Tensor, positions: torch.Tensor) -> list[tuple]:
         """aux: [B,L,n*H] concatenated target layer outputs -> per-layer (K, V)."""
-        ctx = self.hidden_norm(self.fc(aux))
+        ctx = self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
         return [layer.self_attn.kv(ctx, positions) for layer in self.layers]
 
     def forward(self, block_embeds, positions, ctx_kv, mask=None) -> torch.Tensor:
-        x = block_embeds
+        x = block_embeds.float()
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
             x = layer(x, positions, ck, cv, mask)
         return self.norm(x)
