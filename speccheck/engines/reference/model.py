@@ -17,6 +17,7 @@ form runs is chosen per call, so decode and verify can differ exactly as real ke
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -110,8 +111,7 @@ class Qwen3_5RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (h * (1.0 + self.weight.float())).to(self.weight.dtype)
 
 
@@ -124,8 +124,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (h * self.weight.float()).to(self.weight.dtype)
 
 
@@ -139,8 +138,7 @@ class Qwen3_5RMSNormGated(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         h = self.weight * h.to(dtype)
         h = h * F.silu(gate.float())
         return h.to(dtype)
@@ -174,15 +172,32 @@ class NondetLinear(nn.Linear):
         return out
 
 
+def fused_weight(owner: nn.Module, name: str, linears: list[nn.Linear]) -> torch.Tensor:
+    """The row-concatenation of several projections' weights, so one GEMM replaces several
+    (a CPU decode step is bound by per-op overhead). Cached at inference, rebuilt when any
+    weight changes; differentiable (not cached) when autograd is on."""
+    if torch.is_grad_enabled():
+        return torch.cat([lin.weight for lin in linears])
+    key = tuple((lin.weight.data_ptr(), lin.weight._version, lin.weight.dtype) for lin in linears)
+    cached = owner.__dict__.get("_fused_" + name)
+    if cached is None or cached[0] != key:
+        cached = (key, torch.cat([lin.weight.detach() for lin in linears]))
+        owner.__dict__["_fused_" + name] = cached
+    return cached[1]
+
+
 class Qwen3_5MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
+        self.inter = inter
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = NondetLinear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, fused_weight(self, "gate_up", [self.gate_proj, self.up_proj])
+                            ).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rope_cos_sin(positions: torch.Tensor, rot_dim: int, theta: float, dtype) -> tuple:
@@ -204,6 +219,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # --------------------------------------------------------------------------- gated delta rule
+
+
+@functools.lru_cache(maxsize=64)
+def _tril_mask(n: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -261,7 +281,7 @@ def gdn_chunked(q, k, v, g, beta, state, chunk_size: int = 64, per_position: boo
     g, beta = g.reshape(B, H, n, C), beta.reshape(B, H, n, C)
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     cum = g.cumsum(-1)
-    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    lower = _tril_mask(C, q.device)
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
     ut = (k_beta @ k.transpose(-1, -2)) * decay
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
@@ -280,7 +300,8 @@ def gdn_chunked(q, k, v, g, beta, state, chunk_size: int = 64, per_position: boo
         outs.append(q_dec[:, :, i] @ s + intra[:, :, i] @ v_new)
         if per_position:
             # S_t = exp(cum_t) S + sum_{j<=t} exp(cum_t - cum_j) k_j v_new_j^T
-            pos = torch.einsum("bhij,bhjk,bhjv->bhikv", decay[:, :, i], k[:, :, i], v_new)
+            dk = decay[:, :, i, :, :, None] * k[:, :, i, None]  # [B,H,i,j,Dk]
+            pos = dk.transpose(-1, -2) @ v_new[:, :, None]  # [B,H,i,Dk,Dv]
             states.append(pos + cum[:, :, i].exp()[..., None, None] * s[:, :, None])
         s = s * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
     out = torch.stack(outs, dim=2).reshape(B, H, n * C, Dv)[:, :, :T].transpose(1, 2)
@@ -364,9 +385,11 @@ class Qwen3_5GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, cache: Cache | None = None, idx: int = 0,
                 form: str = "chunked", per_position: bool = False) -> torch.Tensor:
         B, T, _ = x.shape
-        mixed = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
-        z = self.in_proj_z(x).reshape(B, T, self.nv, self.dv)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        proj = F.linear(x, fused_weight(self, "in_proj", [self.in_proj_qkv, self.in_proj_z,
+                                                          self.in_proj_b, self.in_proj_a]))
+        mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
+        mixed = mixed.transpose(1, 2)  # [B, C, T]
+        z = z.reshape(B, T, self.nv, self.dv)
         w = self.conv1d.weight  # [C, 1, K]
         if cache is None:
             conv_out = F.conv1d(mixed, w, padding=self.kernel - 1, groups=self.conv_dim)[..., :T]
@@ -376,7 +399,12 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             if prev is None:
                 prev = mixed.new_zeros(B, self.conv_dim, self.kernel - 1)
             full = torch.cat([prev, mixed], dim=-1)  # [B, C, K-1+T]
-            conv_out = F.conv1d(full, w, groups=self.conv_dim)
+            if T <= 16:  # depthwise conv as K multiply-adds: cheaper than a conv call
+                conv_out = full[..., :T] * w[:, 0, 0, None]
+                for j in range(1, self.kernel):
+                    conv_out = conv_out + full[..., j:j + T] * w[:, 0, j, None]
+            else:
+                conv_out = F.conv1d(full, w, groups=self.conv_dim)
             state = cache.gdn[idx]
             if state is None:
                 state = x.new_zeros(B, self.nv, self.dk, self.dv, dtype=torch.float32)
@@ -452,11 +480,13 @@ class Qwen3_5Attention(nn.Module):
         """With a cache: new tokens at positions start.. . Without: a training forward,
         causal from 0, or with explicit ``positions`` and boolean ``mask`` (True = attend)."""
         B, T, _ = x.shape
-        qg = self.q_proj(x).view(B, T, self.nh, 2 * self.d)
+        qkv = F.linear(x, fused_weight(self, "qkv", [self.q_proj, self.k_proj, self.v_proj]))
+        nq, nk = self.nh * self.d * 2, self.nkv * self.d
+        qg = qkv[..., :nq].view(B, T, self.nh, 2 * self.d)
         q, gate = qg[..., : self.d], qg[..., self.d:].reshape(B, T, self.nh * self.d)
         q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.d)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        k = self.k_norm(qkv[..., nq:nq + nk].reshape(B, T, self.nkv, self.d)).transpose(1, 2)
+        v = qkv[..., nq + nk:].reshape(B, T, self.nkv, self.d).transpose(1, 2)
         pos = torch.arange(start, start + T, device=x.device) if positions is None else positions
         cos, sin = rope_cos_sin(pos, self.rot, self.theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
