@@ -79,7 +79,6 @@ def run_one(engine: Engine, suite: Suite, corpus: Corpus, inputs: dict[str, np.n
     record = RunRecord(config=config, identity={}, corpus=corpus.name, corpus_hash=corpus.hash,
                        repeat=repeat, fresh_process=fresh_process)
     try:
-        record.identity = {**engine.identity(), "speccheck_version": __version__}
         prompts = corpus.prompts
         record.completions = engine.generate(prompts, [inputs[p.id].tolist() for p in prompts],
                                              config, top_k)
@@ -88,6 +87,13 @@ def run_one(engine: Engine, suite: Suite, corpus: Corpus, inputs: dict[str, np.n
     except Exception as e:  # noqa: BLE001 - any engine crash is recorded, not fatal to the matrix
         record.status = "failed"
         record.error = f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=8))
+    # after generate(): some facts (kernels chosen, GPU, K notes) are known only once it ran
+    try:
+        record.identity = {**engine.identity(), "speccheck_version": __version__}
+    except Exception as e:  # noqa: BLE001
+        record.identity = {"engine": engine.name, "identity_error": str(e)}
+    if engine.last_call_fresh_process is not None:
+        record.fresh_process = engine.last_call_fresh_process
     record.wall_s = time.perf_counter() - t0
     suite.write_run(record)
     return record

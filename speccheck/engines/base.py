@@ -29,6 +29,9 @@ class Engine(ABC):
     #: the engine runs only the one config its server runs (openai): the matrix is exactly what
     #: the user names, without the implicit baseline.
     serves_one_config: ClassVar[bool] = False
+    #: set by engines that run calls in worker processes: whether the last generate() ran in a
+    #: process of its own (None: the runner knows, it ran in-process or in its own worker)
+    last_call_fresh_process: bool | None = None
     #: speculative methods this engine runs besides "baseline"; None = passes any through.
     methods: ClassVar[tuple[str, ...] | None] = ("mtp", "dflash")
 
