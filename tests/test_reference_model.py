@@ -27,6 +27,7 @@ def test_chunked_equals_recurrent(T, chunk):
     q, k, v, g, beta, s0 = _gdn_inputs(T)
     o_r, s_r, per_r = gdn_recurrent(q, k, v, g, beta, s0, per_position=True)
     o_c, s_c, per_c = gdn_chunked(q, k, v, g, beta, s0, chunk, per_position=True)
+    per_r, per_c = per_r.stack(), per_c.stack()
     assert torch.allclose(o_r, o_c, atol=1e-5, rtol=1e-4)
     assert torch.allclose(s_r, s_c, atol=1e-5, rtol=1e-4)
     assert torch.allclose(per_r, per_c, atol=1e-5, rtol=1e-4)
@@ -39,6 +40,7 @@ def test_gdn_per_position_state_is_prefix_state():
     """The state kept for position i is the state after exactly the first i+1 tokens."""
     q, k, v, g, beta, s0 = _gdn_inputs(9, seed=1)
     _, _, per = gdn_chunked(q, k, v, g, beta, s0, 64, per_position=True)
+    per = per.stack()
     for i in (0, 3, 8):
         _, s_i, _ = gdn_recurrent(q[:, : i + 1], k[:, : i + 1], v[:, : i + 1], g[:, : i + 1],
                                   beta[:, : i + 1], s0)

@@ -239,6 +239,31 @@ def _gdn_prep(q, k, v, g, beta):
     return q, k, v, g, beta
 
 
+class PerPositionStates:
+    """The GDN state after each of T new positions, for exact rollback. Either stacked
+    ([B,T,H,Dk,Dv], recurrent form) or, for a single chunk, kept as the chunk's parts and
+    computed only for the one position that is asked for (the verify hot path)."""
+
+    def __init__(self, stacked=None, parts=None):
+        self.stacked, self.parts = stacked, parts
+
+    def __len__(self) -> int:
+        return self.stacked.shape[1] if self.stacked is not None else self.parts[1].shape[-1]
+
+    def at(self, i: int) -> torch.Tensor:
+        if self.stacked is not None:
+            return self.stacked[:, i]
+        s0, cum, decay, k, v_new = self.parts
+        # S_i = exp(cum_i) S0 + sum_{j<=i} exp(cum_i - cum_j) k_j v_new_j^T
+        dk = decay[:, :, i, : i + 1, None] * k[:, :, : i + 1]
+        return cum[:, :, i].exp()[..., None, None] * s0 + dk.transpose(-1, -2) @ v_new[:, :, : i + 1]
+
+    def stack(self) -> torch.Tensor:
+        if self.stacked is None:
+            self.stacked = torch.stack([self.at(i) for i in range(len(self))], dim=1)
+        return self.stacked
+
+
 def gdn_recurrent(q, k, v, g, beta, state, per_position: bool = False):
     """Gated delta rule, one token at a time (the decode kernel).
 
@@ -260,7 +285,7 @@ def gdn_recurrent(q, k, v, g, beta, state, per_position: bool = False):
         if per_position:
             states.append(s)
     out = torch.stack(outs, dim=2).transpose(1, 2)
-    return out, s, (torch.stack(states, dim=1) if per_position else None)
+    return out, s, (PerPositionStates(torch.stack(states, dim=1)) if per_position else None)
 
 
 def gdn_chunked(q, k, v, g, beta, state, chunk_size: int = 64, per_position: bool = False):
@@ -299,19 +324,15 @@ def gdn_chunked(q, k, v, g, beta, state, chunk_size: int = 64, per_position: boo
         v_new = u[:, :, i] - w[:, :, i] @ s
         outs.append(q_dec[:, :, i] @ s + intra[:, :, i] @ v_new)
         if per_position:
-            # S_t = exp(cum_t) S + sum_{j<=t} exp(cum_t - cum_j) k_j v_new_j^T
-            dk = decay[:, :, i, :, :, None] * k[:, :, i, None]  # [B,H,i,j,Dk]
-            pos = dk.transpose(-1, -2) @ v_new[:, :, None]  # [B,H,i,Dk,Dv]
-            states.append(pos + cum[:, :, i].exp()[..., None, None] * s[:, :, None])
+            states.append(PerPositionStates(parts=(s, cum[:, :, i], decay[:, :, i], k[:, :, i],
+                                                   v_new)))
         s = s * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
     out = torch.stack(outs, dim=2).reshape(B, H, n * C, Dv)[:, :, :T].transpose(1, 2)
+    # (a padded tail has g=0, beta=0: no decay and no update, so s is exact)
     per = None
     if per_position:
-        per = torch.cat(states, dim=2)[:, :, :T].transpose(1, 2)  # [B,T,H,Dk,Dv]
-        s = per[:, -1]
-    elif pad:
-        # the padded tail has g=0, beta=0: no decay, no update, so s is already exact
-        pass
+        per = (states[0] if n == 1 and not pad else
+               PerPositionStates(torch.cat([p.stack() for p in states], dim=1)[:, :T]))
     return out, s, per
 
 
@@ -339,9 +360,10 @@ class Cache:
         for i, p in self.pending.items():
             kind = p[0]
             if kind == "gdn":
-                per_state, per_conv = p[1], p[2]
+                per_state, per_conv, final = p[1], p[2], p[3]
                 self.conv[i] = per_conv[:, n_new - 1]
-                self.gdn[i] = per_state[:, n_new - 1] if roll_back_gdn else per_state[:, -1]
+                keep_all = n_new == len(per_state) or not roll_back_gdn
+                self.gdn[i] = final if keep_all else per_state.at(n_new - 1)
         self.pending = {}
         self.length += n_new
 
@@ -431,7 +453,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
                 # conv window after position t: inputs t+1 .. t+K-1 of `full`
                 K1 = self.kernel - 1
                 per_conv = full.unfold(-1, K1, 1)[:, :, 1:].permute(0, 2, 1, 3)  # [B,T,C,K-1]
-                cache.pending[idx] = ("gdn", per, per_conv)
+                cache.pending[idx] = ("gdn", per, per_conv, s)
             else:
                 cache.gdn[idx] = s
                 cache.conv[idx] = full[..., -(self.kernel - 1):]
