@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Sequence
 
@@ -162,9 +161,8 @@ class ReferenceEngine(Engine):
         self.target, self.mtp, self.drafter = (
             None if m is None else m.to(self.device, dtype).eval() for m in (target, mtp, drafter))
         fault = None if self.args["fault"] == "none" else self.args["fault"]
-        self.knobs = Knobs(self.args["gdn_prefill"], self.args["gdn_decode"],
-                           self.args["gdn_verify"], self.args["attn_decode"],
-                           self.args["attn_verify"], fault, self.args["attn_prefill"])
+        self.knobs = Knobs(fault=fault, **{k: self.args[k] for k in (
+            "gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode", "attn_verify")})
         self.decoder = Decoder(self.cfg, self.target, self.mtp, self.drafter, self.knobs)
 
     def _special(self, token: str) -> int:
