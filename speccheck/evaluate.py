@@ -118,15 +118,16 @@ class SuiteResult:
 # --- helpers -----------------------------------------------------------------------------------
 
 def _warm_rates(record: RunRecord) -> list[float]:
-    """Decode tok/s of each request but the first (warm-up) of a run."""
-    return [(c.n_tokens - 1) / c.decode_s for c in record.completions[1:]
-            if c.decode_s > 0 and c.n_tokens > 1]
+    """Decode tok/s of each request that decoded, but the first such (warm-up) of a run."""
+    rates = [(c.n_tokens - 1) / c.decode_s for c in record.completions if c.decode_s > 0 and c.n_tokens > 1]
+    return rates[1:]
 
 
 def speed_of(records: Sequence[RunRecord]) -> tuple[float | None, float | None, float | None]:
     warm = [r for rec in records for r in _warm_rates(rec)]
-    first = records[0].completions[0] if records and records[0].completions else None
-    cold = (first.n_tokens - 1) / first.decode_s if first and first.decode_s > 0 and first.n_tokens > 1 else None
+    first = next((c for c in (records[0].completions if records else []) if c.n_tokens > 1 and c.decode_s > 0),
+                 None)
+    cold = (first.n_tokens - 1) / first.decode_s if first else None
     ttfts = [c.ttft_s for rec in records for c in rec.completions[1:] if c.ttft_s > 0]
     return (median(warm) if warm else None, cold, median(ttfts) if ttfts else None)
 

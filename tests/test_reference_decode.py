@@ -130,7 +130,7 @@ def test_engine_args_and_api(equal_engine):
     with pytest.raises(EngineUsageError, match="--method"):
         equal_engine.generate([p], [equal_engine.tokenize(p)], SpecConfig("eagle", 3), 5)
     ident = equal_engine.identity()
-    for key in ("engine", "model", "model_sha256", "tokenizer_sha256", "dtype", "device", "torch",
+    for key in ("engine", "model_id", "model_hash", "tokenizer_hash", "dtype", "device", "torch",
                 "threads", "knobs", "fault", "speccheck_version"):
         assert key in ident
     assert ident["knobs"]["gdn_verify"] == "recurrent" and ident["dtype"] == "fp32"

@@ -43,8 +43,10 @@ class Engine(ABC):
 
     @abstractmethod
     def identity(self) -> dict:
-        """engine, version, model id + content hash, tokenizer hash, dtype, device,
-        kernel knobs, ... (whatever says which kernels produced a run)."""
+        """Which engine, model and kernels produced a run. Keys every engine gives (None when
+        unknowable): ``engine``, ``model_id``, ``model_hash`` (content hash of the target
+        weights), ``tokenizer_hash``, ``dtype``, ``device``; plus the engine's own (version,
+        kernel knobs, backends, GPU, ...). Golden check compares model, tokenizer and corpus hashes."""
 
     @abstractmethod
     def tokenize(self, prompt: Prompt) -> list[int]:

@@ -178,16 +178,20 @@ class ReferenceEngine(Engine):
 
         files = {n: _sha256(self.model_dir / n)
                  for n in ("config.json", "model.safetensors", "drafter.safetensors")}
-        h = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+        target = {n: files[n] for n in ("config.json", "model.safetensors")}
+        model_id = "speccheck-reference-qwen3_5-tiny" + ("" if self.trained else "-untrained")
+        # the identity keys every engine shares: model_id, model_hash (the target, MTP included),
+        # draft_hash (the external drafter), tokenizer_hash; golden check compares these
         return {
             "engine": self.name,
             "speccheck_version": __version__,
-            "model": "speccheck-reference-qwen3_5-tiny" + ("" if self.trained else "-untrained"),
+            "model_id": model_id,
             "model_path": str(self.model_dir),
-            "model_sha256": h,
+            "model_hash": hashlib.sha256(json.dumps(target, sort_keys=True).encode()).hexdigest(),
+            "draft_hash": files["drafter.safetensors"],
             "weights_sha256": files,
             "draft": self.draft,
-            "tokenizer_sha256": _sha256(self.tok_path),
+            "tokenizer_hash": _sha256(self.tok_path),
             "dtype": self.args["dtype"],
             "device": str(self.device),
             "torch": torch.__version__,
