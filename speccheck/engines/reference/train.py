@@ -2,6 +2,7 @@
 install has (``data.training_texts()``), and write the shipped weights.
 
     python -m speccheck.engines.reference.train --out DIR [--device cuda] [--steps N | --minutes M]
+    python -m speccheck.engines.reference.train --drafter-only --init DIR --out DIR2 [...]
 
 The shipped weights came from ``--device cuda --steps 653`` (defaults otherwise) on one H200
 in 137 s (held-out perplexity 10.6); GPU kernels are not bit-reproducible, so a re-run gives
@@ -17,6 +18,13 @@ held-out split is by content hash (``data.held_out_split``).
 
 Writes DIR/config.json, DIR/model.safetensors (target + mtp.*), DIR/drafter.safetensors,
 DIR/tokenizer.json, all weights in bf16.
+
+``--drafter-only --init DIR`` retrains only the drafter against a frozen target (see
+:func:`train_drafter_only`): model.safetensors, config.json and tokenizer.json are copied
+byte for byte, so the target and MTP stay exactly as shipped. The shipped drafter came from
+``--drafter-only --init weights --device cuda --seq 288 --gen-batch 1024 --gen-seconds 50
+--batch 256 --anchors 32 --lr 2e-3 --minutes 2.3`` on one H200 (26,624 greedy sequences,
+6,297 steps, 220 s in all), warm-started from the jointly trained drafter.
 """
 from __future__ import annotations
 
@@ -226,6 +234,247 @@ def acceptance_probe(out: Path, device: str, n_prompts: int, max_tokens: int) ->
                 f"identical {same}/{len(cs)}  decode {sum(c.decode_s for c in cs):.2f}s")
 
 
+# --------------------------------------------------------------------------- drafter only
+#
+# The drafter is accepted when it predicts what the *target* will emit next, and at inference
+# its context is the target's own greedy continuation, not human text. So the frozen target
+# first writes greedy continuations of text windows (batched, through the same cached decode
+# path the engine uses, in bf16 like the engine); one full forward over each finished sequence
+# gives the context features (layer outputs at ``target_layer_ids``) and the labels (the
+# target's argmax at every position). The drafter then trains on blocks anchored at every
+# generated position: for a block at p the context is positions < p (as decode.py feeds it)
+# and slot j is labelled with the target's argmax at p+j-1, which is the next token of the
+# greedy sequence. Blocks are randomly cut shorter (slots past the cut are neither seen nor
+# scored) so that K < block_size - 1 drafts what it was trained on.
+
+
+@torch.no_grad()
+def greedy_continue(target: Qwen3_5TextModel, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
+    """[B, P] prompts -> [B, P + n_new]: batched greedy decoding with the engine's default
+    kernel forms (chunked prefill, recurrent one-token decode)."""
+    from .model import Cache
+
+    B, P = prompts.shape
+    cache = Cache(len(target.layers), P + n_new + 1)
+    h, _ = target(prompts, cache, gdn_form="chunked", attn_form="multi")
+    out = [prompts, target.logits(h[:, -1:]).argmax(-1)]
+    for _ in range(n_new - 1):
+        h, _ = target(out[-1], cache, gdn_form="recurrent", attn_form="multi")
+        out.append(target.logits(h[:, -1:]).argmax(-1))
+    return torch.cat(out, 1)
+
+
+@torch.no_grad()
+def features(target: Qwen3_5TextModel, cfg: ReferenceConfig, seqs: torch.Tensor):
+    """(aux [B,T,n*H] bf16, labels [B,T]): concatenated target layer outputs at
+    ``target_layer_ids`` and the target's argmax at every position (position t predicts
+    token t+1), from one full (training-path) forward."""
+    ids = tuple(cfg.drafter.target_layer_ids)
+    h, aux = target(seqs, aux_layers=ids)
+    return (torch.cat([aux[i] for i in ids], -1).to(torch.bfloat16),
+            target.logits(h).argmax(-1))
+
+
+def make_dataset(target, cfg, stream: np.ndarray, T: int, prompt_lens: list[int], B: int,
+                 seconds: float, gen: torch.Generator, device, min_batches: int = 1) -> dict:
+    """Greedy continuations of random text windows until ``seconds`` pass. Every sequence
+    has T tokens: a text prompt of P tokens (cycling through ``prompt_lens``) and T-P
+    greedy tokens. Returns {"seq", "aux", "labels", "plen"} (row-aligned)."""
+    seqs, auxs, labels, plens = [], [], [], []
+    t0 = time.time()
+    i = 0
+    while i < min_batches or time.time() - t0 < seconds:
+        P = prompt_lens[i % len(prompt_lens)]
+        prompt = batch(stream, B, P - 1, gen, device)  # [B, P]
+        s = greedy_continue(target, prompt, T - P)
+        a, lab = features(target, cfg, s)
+        seqs.append(s)
+        auxs.append(a)
+        labels.append(lab)
+        plens.append(torch.full((B,), P, device=device))
+        i += 1
+    d = {"seq": torch.cat(seqs), "aux": torch.cat(auxs), "labels": torch.cat(labels),
+         "plen": torch.cat(plens)}
+    agree = (d["labels"][:, :-1] == d["seq"][:, 1:]).float()
+    gen_part = torch.arange(T - 1, device=device)[None, :] >= d["plen"][:, None] - 1
+    log(f"generated {i} batches = {len(d['seq'])} sequences x {T} tokens in "
+        f"{time.time() - t0:.1f}s; full-forward argmax == greedy token on "
+        f"{agree[gen_part].mean().item():.4f} of generated positions")
+    return d
+
+
+def block_loss(drafter: DFlashDrafter, cfg: ReferenceConfig, E: torch.Tensor, seq, aux, labels,
+               anchors: torch.Tensor, lengths: torch.Tensor, gamma: float):
+    """Blocks [x_p, mask...] at ``anchors`` (shared by the batch), block a cut to
+    ``lengths[a]`` slots. Slot j (1 <= j < length) predicts labels[p+j-1] (the target's next
+    token after x_{p+j-1}). Returns (loss weighted exp(-(j-1)/gamma), correct [B,A,bs-1]
+    bool, valid [A,bs-1] bool)."""
+    B, T = seq.shape
+    A = anchors.shape[0]
+    bs = cfg.drafter.block_size
+    device = seq.device
+    slot = torch.arange(bs, device=device)
+    positions = (anchors[:, None] + slot[None, :]).reshape(-1)  # [A*bs]
+    block = torch.full((B, A, bs), cfg.mask_token_id, dtype=torch.long, device=device)
+    block[:, :, 0] = seq[:, anchors]
+    emb = F.embedding(block.reshape(B, -1), E)
+    ctx_kv = drafter.context_kv(aux, torch.arange(T, device=device))
+    live = (slot[None, :] < lengths[:, None]).reshape(-1)  # [A*bs] slot exists
+    ctx_ok = torch.arange(T, device=device)[None, :] < anchors.repeat_interleave(bs)[:, None]
+    blk = torch.arange(A, device=device).repeat_interleave(bs)
+    blk_ok = (blk[:, None] == blk[None, :]) & live[None, :]
+    mask = torch.cat([ctx_ok, blk_ok], 1)  # [Q, T+Q]
+    hb = drafter(emb, positions, ctx_kv, mask).view(B, A, bs, -1)[:, :, 1:]
+    logits = F.linear(hb, E).float()
+    tgt = labels[:, positions.view(A, bs)[:, :-1]]  # [B, A, bs-1]
+    valid = live.view(A, bs)[:, 1:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
+                         reduction="none").view(B, A, bs - 1)
+    w = torch.exp(-torch.arange(bs - 1, device=device, dtype=torch.float32) / gamma)
+    wv = w[None, :] * valid.float()  # [A, bs-1]
+    loss = (ce * wv[None]).sum() / (wv.sum() * B)
+    return loss, logits.argmax(-1) == tgt, valid
+
+
+@torch.no_grad()
+def drafter_eval(drafter, cfg, E, data: dict, B: int, gen: torch.Generator, autocast,
+                 n_batches: int = 8) -> dict:
+    """Per-slot agreement with the target and expected tokens/iteration (1 + mean accepted
+    prefix) for full blocks (K = bs-1) and blocks of 4 slots (K = 3), on anchors spread
+    over the generated part of ``data``."""
+    drafter.eval()
+    bs = cfg.drafter.block_size
+    T = data["seq"].shape[1]
+    res = {}
+    for K in (bs - 1, 3):
+        hits, tpi = torch.zeros(bs - 1), 0.0
+        for b in range(n_batches):
+            rows = torch.randint(0, len(data["seq"]), (B,), generator=gen).to(E.device)
+            lo = int(data["plen"][rows].max())
+            anchors = torch.arange(lo, T - bs + 1, max(1, (T - bs + 1 - lo) // 16),
+                                   device=E.device)
+            lengths = torch.full_like(anchors, K + 1)
+            with autocast():
+                _, ok, _ = block_loss(drafter, cfg, E, data["seq"][rows], data["aux"][rows],
+                                      data["labels"][rows], anchors, lengths, 5.0)
+            ok = ok[..., :K]
+            hits[:K] += ok.float().mean((0, 1)).cpu() / n_batches
+            tpi += (1 + ok.long().cumprod(-1).sum(-1).float().mean().item()) / n_batches
+        res[f"K={K}"] = (round(tpi, 3), [round(x, 3) for x in hits[:K].tolist()])
+    drafter.train()
+    return res
+
+
+def train_drafter_only(a) -> int:
+    """Train only the drafter on the frozen target of ``a.init``; write ``a.out`` with
+    model.safetensors / config.json / tokenizer.json copied unchanged."""
+    from safetensors.torch import save_file
+
+    from .engine import load_networks
+
+    init = a.init
+    if init is None or not (init / "model.safetensors").is_file():
+        raise SystemExit(f"--drafter-only needs --init DIR with a trained model.safetensors "
+                         f"(and config.json); got {init}")
+    if a.out.resolve() == init.resolve():
+        raise SystemExit("--out must differ from --init: the init weights are read while "
+                         "the output is written; copy the result over afterwards")
+    from tokenizers import Tokenizer
+
+    from .data import held_out_split, training_texts
+
+    torch.manual_seed(a.seed)
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    cfg, target, _, drafter, _ = load_networks(init)
+    if drafter is None or a.fresh:
+        drafter = DFlashDrafter(cfg)
+        init_weights(drafter, a.seed * 10 + 2)
+        log("drafter: fresh init")
+    else:
+        log(f"drafter: warm start from {init / 'drafter.safetensors'}")
+    target = target.to(device, torch.bfloat16).eval().requires_grad_(False)
+    drafter = drafter.to(device).train()
+    E = target.embed_tokens.weight.detach().float()  # autocast casts it back on cuda
+    tok_path = init / "tokenizer.json" if (init / "tokenizer.json").is_file() \
+        else WEIGHTS_DIR / "tokenizer.json"
+    tok = Tokenizer.from_file(str(tok_path))
+
+    t0 = time.time()
+    train_texts, held_texts = held_out_split(training_texts(a.max_bytes))
+    train = token_stream(train_texts, tok, cfg.eos_token_id)
+    held = token_stream(held_texts, tok, cfg.eos_token_id) if held_texts else train[-200_000:]
+    log(f"data: {len(train):,} train / {len(held):,} held-out tokens ({time.time() - t0:.1f}s)")
+    gen = torch.Generator().manual_seed(a.seed + 1)
+    plens = [int(x) for x in a.prompt_lens.split(",")]
+    T = a.seq
+    if max(plens) > T - cfg.drafter.block_size - 1:
+        raise SystemExit(f"--prompt-lens {a.prompt_lens}: each must be < --seq {T} minus "
+                         f"block_size+1 so that blocks fit in the generated part")
+    use_amp = device.type == "cuda"
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp)
+
+    held_d = make_dataset(target, cfg, held, T, plens, a.gen_batch, 0, gen, device,
+                          min_batches=len(plens))
+    data = make_dataset(target, cfg, train, T, plens, a.gen_batch, a.gen_seconds, gen, device,
+                        min_batches=len(plens))
+    log(f"before: {drafter_eval(drafter, cfg, E, held_d, 64, torch.Generator().manual_seed(7), autocast)}")
+
+    opt = torch.optim.AdamW(param_groups([drafter], 0.01), lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
+                            fused=device.type == "cuda")
+    bs = cfg.drafter.block_size
+    by_plen = {P: (data["plen"] == P).nonzero()[:, 0] for P in plens}
+    warmup, total, budget = 50, a.steps or 10**9, a.minutes * 60
+    t_start = time.time()
+    step = 0
+    while step < total:
+        if not a.steps and step == 10:
+            t10 = time.time()
+        if not a.steps and step == 40:
+            per = (time.time() - t10) / 30
+            total = max(60, int((budget - (t10 - t_start)) / per))
+            log(f"{per * 1000:.0f} ms/step -> {total} steps in {a.minutes} min")
+        frac = step / total if total < 10**9 else 0.0
+        lr = a.lr * min(1.0, (step + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        P = plens[step % len(plens)]
+        pool = by_plen[P]
+        rows = pool[torch.randint(0, len(pool), (a.batch,), generator=gen).to(device)]
+        anchors = (P + torch.randperm(T - bs + 1 - P, generator=gen)[: a.anchors]).to(device)
+        cut = torch.randint(2, bs + 1, (len(anchors),), generator=gen)
+        full = torch.rand(len(anchors), generator=gen) < 0.5
+        lengths = torch.where(full, bs, cut).to(device)
+        with autocast():
+            loss, ok, valid = block_loss(drafter, cfg, E, data["seq"][rows], data["aux"][rows],
+                                         data["labels"][rows], anchors, lengths, a.gamma)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 200 == 0 or step == 1:
+            acc = (ok.float().mean(0) * valid).sum(0) / valid.sum(0).clamp(min=1)
+            log(f"step {step}/{total if total < 10**9 else '?'} lr {lr:.2e} loss {loss.item():.3f} "
+                f"acc {[round(x, 2) for x in acc.tolist()]} ({time.time() - t_start:.0f}s)")
+    log(f"trained {step} steps x {a.batch} seqs x {a.anchors} blocks in {time.time() - t_start:.0f}s")
+    log(f"after: {drafter_eval(drafter, cfg, E, held_d, 64, torch.Generator().manual_seed(7), autocast)}")
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        src = init / name if (init / name).is_file() else tok_path
+        shutil.copyfile(src, a.out / name)
+    save_file({k: v.detach().to(torch.bfloat16).cpu().contiguous()
+               for k, v in drafter.state_dict().items()}, str(a.out / "drafter.safetensors"))
+    log(f"saved {a.out} (model.safetensors copied unchanged from {init})")
+    if a.probe:
+        acceptance_probe(a.out, a.device, a.probe, 96)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
@@ -242,7 +491,23 @@ def main(argv=None) -> int:
     ap.add_argument("--max-bytes", type=int, default=30_000_000, help="stdlib text cap")
     ap.add_argument("--probe", type=int, default=6, help="code prompts for the acceptance probe")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--drafter-only", action="store_true",
+                    help="freeze the target + MTP of --init and train only the drafter, on the "
+                         "target's own greedy continuations")
+    ap.add_argument("--init", type=Path, help="weights directory for --drafter-only")
+    ap.add_argument("--fresh", action="store_true",
+                    help="--drafter-only: start the drafter from a fresh init, not --init's")
+    ap.add_argument("--gen-seconds", type=float, default=30.0,
+                    help="--drafter-only: time spent generating greedy training data")
+    ap.add_argument("--gen-batch", type=int, default=512,
+                    help="--drafter-only: sequences generated per batch")
+    ap.add_argument("--prompt-lens", default="32,96,192",
+                    help="--drafter-only: text prompt lengths (comma list) before the greedy part")
+    ap.add_argument("--gamma", type=float, default=4.0,
+                    help="--drafter-only: slot j's loss weight is exp(-(j-1)/gamma)")
     a = ap.parse_args(argv)
+    if a.drafter_only:
+        return train_drafter_only(a)
 
     from tokenizers import Tokenizer
 
