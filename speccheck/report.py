@@ -37,7 +37,9 @@ def attribution_str(a: dict) -> str:
     if not a.get("paths"):
         return "kernel path: unattributed (no alternative paths)"
     spec, base = a.get("reproduces_spec") or [], a.get("reproduces_base") or []
-    if spec and not base:
+    if spec and not base and len(spec) == len(a["paths"]):
+        head = "every re-scored path gives the spec token: the baseline's decode path is the odd one"
+    elif spec and not base:
         head = f"attributed to {', '.join(spec)}"
     elif spec and base:
         head = f"paths split: spec token from {', '.join(spec)}; baseline token from {', '.join(base)}"
