@@ -87,3 +87,12 @@ def test_end_to_end_smoke_run_diff_gate_report(tmp_path):
     # the same suite compared with itself across stores agrees exactly
     same = runner.invoke(main, ["compare", "--store", st, "--with-store", st])
     assert same.exit_code == 0 and "4/4 prompts exact" in same.output
+
+
+def test_sweep_prints_the_k_table_and_best_k(tmp_path):
+    r = CliRunner().invoke(main, ["sweep", "--store", str(tmp_path / "st"), "--method", "mtp", "--k", "1-2",
+                                  "--corpus", "smoke"])
+    assert r.exit_code == 0, r.output
+    rows = [line for line in r.output.splitlines() if line.startswith("| mtp-k")]
+    assert [row.split("|")[1].strip() for row in rows] == ["mtp-k1", "mtp-k2"]
+    assert "best mtp: mtp-k" in r.output
