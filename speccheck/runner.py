@@ -144,7 +144,8 @@ def run_suite(plan: RunPlan, store: Store, log: Log = _print,
         if plan.rescore:
             rescore_suite(engine, suite, [c.name for c in plan.configs], log)
         if plan.attribute:
-            attribute_suite(plan, suite, [c.name for c in plan.configs if not c.is_baseline], log)
+            attribute_suite(plan, engine.attribution_variants(), suite,
+                            [c.name for c in plan.configs if not c.is_baseline], log)
     finally:
         engine.close()
     return suite
@@ -230,7 +231,8 @@ def _score_record(engine: Engine, comps) -> dict:
 
 # --- kernel-path attribution -------------------------------------------------------------------
 
-def attribute_suite(plan: RunPlan, suite: Suite, config_names: Sequence[str], log: Log = _print) -> None:
+def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: Suite,
+                    config_names: Sequence[str], log: Log = _print) -> None:
     """For each first divergence of a spec config from the baseline, re-score the common prefix
     under every alternative kernel-path setting the engine offers and record which setting
     produces which token at the divergent position."""
@@ -255,11 +257,6 @@ def attribute_suite(plan: RunPlan, suite: Suite, config_names: Sequence[str], lo
         todo[name] = items
     if not todo:
         return
-    engine_cls_variants = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
-    try:
-        variants = engine_cls_variants.attribution_variants()
-    finally:
-        engine_cls_variants.close()
     all_items = [it for items in todo.values() for it in items]
     for label, args in variants.items():
         if not all_items:
