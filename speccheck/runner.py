@@ -61,6 +61,11 @@ def open_suite(plan: RunPlan, store: Store, corpus: Corpus) -> Suite:
     return store.suite(sid, plan.suite_meta(corpus))
 
 
+def weights_fingerprint(identity: dict) -> tuple:
+    """What makes a stored run stale when it changes: the weights and tokenizer it ran with."""
+    return tuple(identity.get(k) for k in ("model_hash", "draft_hash", "tokenizer_hash"))
+
+
 def tokenized_inputs(suite: Suite, engine: Engine, corpus: Corpus) -> dict[str, np.ndarray]:
     """Prompts are tokenised once per suite and stored, so every config sees identical input."""
     inputs = suite.load_inputs()
@@ -123,8 +128,10 @@ def run_suite(plan: RunPlan, store: Store, log: Log = _print,
     engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
     try:
         inputs = tokenized_inputs(suite, engine, corpus)
+        current = weights_fingerprint(engine.identity())
         todo = [(c, r) for c in plan.configs for r in range(plan.repeats)
-                if not suite.is_complete(c.name, r)]
+                if not (suite.is_complete(c.name, r)
+                        and weights_fingerprint(suite.run_identity(c.name, r)) == current)]
         done = len(plan.configs) * plan.repeats - len(todo)
         log(f"suite {suite.id}: {len(plan.configs)} configs x {plan.repeats} repeats on corpus "
             f"{corpus.name} ({len(corpus.prompts)} prompts); {done} already stored, {len(todo)} to run")

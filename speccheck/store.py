@@ -153,9 +153,16 @@ class Suite:
             return False
         return bool(_load_json(manifest).get("complete"))
 
+    def run_identity(self, config_name: str, repeat: int) -> dict:
+        return _load_json(self.run_dir(config_name, repeat) / "manifest.json").get("identity") or {}
+
     def write_run(self, record: RunRecord) -> Path:
-        """Write one run atomically: temp directory, then rename over any old (failed) one."""
+        """Write one run atomically: temp directory, then rename over any old (failed) one.
+        A new first repeat makes that config's rescoring and attribution stale: they go."""
         final = self.run_dir(record.config.name, record.repeat)
+        if record.repeat == 0:
+            self.rescore_path(record.config.name, 0).unlink(missing_ok=True)
+            (self.root / "attribution" / f"{record.config.name}.json").unlink(missing_ok=True)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
         comps = record.completions

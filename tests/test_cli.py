@@ -96,3 +96,18 @@ def test_sweep_prints_the_k_table_and_best_k(tmp_path):
     rows = [line for line in r.output.splitlines() if line.startswith("| mtp-k")]
     assert [row.split("|")[1].strip() for row in rows] == ["mtp-k1", "mtp-k2"]
     assert "best mtp: mtp-k" in r.output
+
+
+def test_runs_made_with_other_weights_are_redone(tmp_path):
+    """A stored run whose weights fingerprint differs from the engine's now is stale: `run` redoes it."""
+    st = tmp_path / "st"
+    args = ["run", "--store", str(st), "--corpus", "smoke", "--method", "baseline", "--repeats", "1",
+            "--no-attribution"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    manifest = next(st.rglob("manifest.json"))
+    m = json.loads(manifest.read_text())
+    m["identity"]["model_hash"] = "weights-of-last-week"
+    manifest.write_text(json.dumps(m))
+    again = CliRunner().invoke(main, args)
+    assert "1 to run" in again.output
+    assert json.loads(manifest.read_text())["identity"]["model_hash"] != "weights-of-last-week"

@@ -100,3 +100,11 @@ def test_manifest_is_plain_json(suite):
     path = suite.write_run(record()) / "manifest.json"
     m = json.loads(path.read_text())
     assert m["complete"] is True and m["config"]["method"] == "mtp" and m["completions"][0]["n_tokens"] == 5
+
+
+def test_new_first_repeat_drops_stale_rescoring(suite):
+    suite.write_run(record())
+    suite.write_rescore("mtp-k3", 0, ["a"], [Scored(np.zeros((1, 2)), np.zeros((1, 2)), np.zeros(1))])
+    suite.write_attribution("mtp-k3", [])
+    suite.write_run(record())
+    assert suite.load_rescore("mtp-k3", 0) is None and suite.load_attribution("mtp-k3") is None
