@@ -46,6 +46,34 @@ WEIGHTS_DIR = Path(__file__).parent / "weights"
 MTP_STEPS = 3
 
 
+class StepSchedule:
+    """Warm-up + cosine learning rate over a step count that is either given (``--steps``) or
+    fitted to a time budget (``--minutes``) from the speed of steps 10..40."""
+
+    def __init__(self, base_lr: float, warmup: int, floor: float, steps: int, minutes: float, log) -> None:
+        self.base_lr, self.warmup, self.floor, self.log = base_lr, warmup, floor, log
+        self.fixed = bool(steps)
+        self.total = steps or 10**9
+        self.budget = minutes * 60
+        self.t_start = time.time()
+        self.t10 = 0.0
+
+    def lr(self, step: int) -> float:
+        """Called once per step, before it: also refits the step count at step 40."""
+        if not self.fixed and step == 10:
+            self.t10 = time.time()
+        if not self.fixed and step == 40:
+            per = (time.time() - self.t10) / 30
+            self.total = max(60, int((self.budget - (self.t10 - self.t_start)) / per))
+            self.log(f"{per * 1000:.0f} ms/step -> {self.total} steps in {self.budget / 60:g} min")
+        frac = step / max(self.total, 1) if self.total < 10**9 else 0.0
+        cosine = 0.5 * (1 + math.cos(math.pi * frac))
+        return self.base_lr * min(1.0, (step + 1) / self.warmup) * (self.floor + (1 - self.floor) * cosine)
+
+    def shown(self) -> str:
+        return str(self.total) if self.total < 10**9 else "?"
+
+
 def log(*a) -> None:
     print(*a, flush=True)
 
@@ -427,18 +455,10 @@ def train_drafter_only(a) -> int:
                             fused=device.type == "cuda")
     bs = cfg.drafter.block_size
     by_plen = {P: (data["plen"] == P).nonzero()[:, 0] for P in plens}
-    warmup, total, budget = 50, a.steps or 10**9, a.minutes * 60
-    t_start = time.time()
+    sched = StepSchedule(a.lr, warmup=50, floor=0.05, steps=a.steps, minutes=a.minutes, log=log)
     step = 0
-    while step < total:
-        if not a.steps and step == 10:
-            t10 = time.time()
-        if not a.steps and step == 40:
-            per = (time.time() - t10) / 30
-            total = max(60, int((budget - (t10 - t_start)) / per))
-            log(f"{per * 1000:.0f} ms/step -> {total} steps in {a.minutes} min")
-        frac = step / total if total < 10**9 else 0.0
-        lr = a.lr * min(1.0, (step + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+    while step < sched.total:
+        lr = sched.lr(step)
         for g in opt.param_groups:
             g["lr"] = lr
         P = plens[step % len(plens)]
@@ -458,9 +478,9 @@ def train_drafter_only(a) -> int:
         step += 1
         if step % 200 == 0 or step == 1:
             acc = (ok.float().mean(0) * valid).sum(0) / valid.sum(0).clamp(min=1)
-            log(f"step {step}/{total if total < 10**9 else '?'} lr {lr:.2e} loss {loss.item():.3f} "
-                f"acc {[round(x, 2) for x in acc.tolist()]} ({time.time() - t_start:.0f}s)")
-    log(f"trained {step} steps x {a.batch} seqs x {a.anchors} blocks in {time.time() - t_start:.0f}s")
+            log(f"step {step}/{sched.shown()} lr {lr:.2e} loss {loss.item():.3f} "
+                f"acc {[round(x, 2) for x in acc.tolist()]} ({time.time() - sched.t_start:.0f}s)")
+    log(f"trained {step} steps x {a.batch} seqs x {a.anchors} blocks in {time.time() - sched.t_start:.0f}s")
     log(f"after: {drafter_eval(drafter, cfg, E, held_d, 64, torch.Generator().manual_seed(7), autocast)}")
 
     a.out.mkdir(parents=True, exist_ok=True)
@@ -548,20 +568,10 @@ def main(argv=None) -> int:
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp)
 
     gen = torch.Generator().manual_seed(a.seed + 1)
-    warmup = 100
-    total = a.steps or 10**9
-    budget = a.minutes * 60
-    t_start = time.time()
+    sched = StepSchedule(a.lr, warmup=100, floor=0.1, steps=a.steps, minutes=a.minutes, log=log)
     step = 0
-    while step < total:
-        if not a.steps and step == 10:
-            t10 = time.time()
-        if not a.steps and step == 40:
-            per = (time.time() - t10) / 30
-            total = max(60, int((budget - (t10 - t_start)) / per))
-            log(f"{per * 1000:.0f} ms/step -> {total} steps in {a.minutes} min")
-        frac = step / max(total, 1) if total < 10**9 else 0.0
-        lr = a.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    while step < sched.total:
+        lr = sched.lr(step)
         for g in opt.param_groups:
             g["lr"] = lr
         seq = batch(train, a.batch, a.seq, gen, device)
@@ -574,10 +584,10 @@ def main(argv=None) -> int:
         opt.step()
         step += 1
         if step % 100 == 0 or step == 1:
-            log(f"step {step}/{total if total < 10**9 else '?'} lr {lr:.2e} lm {lm.item():.3f} "
+            log(f"step {step}/{sched.shown()} lr {lr:.2e} lm {lm.item():.3f} "
                 f"mtp {[round(x.item(), 3) for _, x in m]} draft-loss {dl.item():.3f} "
-                f"draft-acc {[round(x, 2) for x in dacc.tolist()]} ({time.time() - t_start:.0f}s)")
-    log(f"trained {step} steps x {a.batch}x{a.seq} tokens in {time.time() - t_start:.0f}s")
+                f"draft-acc {[round(x, 2) for x in dacc.tolist()]} ({time.time() - sched.t_start:.0f}s)")
+    log(f"trained {step} steps x {a.batch}x{a.seq} tokens in {time.time() - sched.t_start:.0f}s")
     ev = evaluate(nets, cfg, held, 32, a.seq, device, 8, autocast)
     log(f"held-out: loss {ev['lm']:.4f} perplexity {math.exp(ev['lm']):.2f}")
     log(f"held-out MTP agreement with target top-1 per step {[round(float(x), 3) for x in ev['mtp_acc']]}")
