@@ -150,28 +150,42 @@ def mtp_losses(mtp: MTPModule, E: torch.Tensor, seq: torch.Tensor, h: torch.Tens
     return out
 
 
+def block_hidden(drafter: DFlashDrafter, cfg: ReferenceConfig, E: torch.Tensor, seq: torch.Tensor,
+                 aux: torch.Tensor, anchors: torch.Tensor, live: torch.Tensor | None = None):
+    """Drafter hidden states of blocks [x_p, mask, ...] at ``anchors`` (shared by the batch), fed as
+    decode.py feeds them: context = target features at positions < p, attention non-causal inside
+    a block (over its ``live`` slots only, when given). Returns (hidden of slots 1.. [B, A, bs-1, H],
+    positions [A*bs])."""
+    B, T = aux.shape[0], aux.shape[1]
+    A = anchors.shape[0]
+    bs = cfg.drafter.block_size
+    device = seq.device
+    slot = torch.arange(bs, device=device)
+    positions = (anchors[:, None] + slot[None, :]).reshape(-1)  # [A*bs]
+    block = torch.full((B, A, bs), cfg.mask_token_id, dtype=torch.long, device=device)
+    block[:, :, 0] = seq[:, anchors]
+    emb = F.embedding(block.reshape(B, -1), E)
+    ctx_kv = drafter.context_kv(aux, torch.arange(T, device=device))
+    ctx_ok = torch.arange(T, device=device)[None, :] < anchors.repeat_interleave(bs)[:, None]
+    blk = torch.arange(A, device=device).repeat_interleave(bs)
+    blk_ok = blk[:, None] == blk[None, :]
+    if live is not None:
+        blk_ok = blk_ok & live[None, :]
+    mask = torch.cat([ctx_ok, blk_ok], 1)  # [Q, T+Q]
+    return drafter(emb, positions, ctx_kv, mask).view(B, A, bs, -1)[:, :, 1:], positions
+
+
 def drafter_losses(drafter: DFlashDrafter, cfg: ReferenceConfig, E: torch.Tensor,
                    seq: torch.Tensor, aux: torch.Tensor, teacher: torch.Tensor, n_anchors: int,
                    gen: torch.Generator):
     """Blocks [x_p, mask...] at random anchors p; slot j predicts x_{p+j}, distilled from
     the target's distribution at p+j-1. Returns (weighted loss, per-slot agreement with the
     target's top-1 [bs-1])."""
-    B, T1 = seq.shape
-    T = T1 - 1
+    T = seq.shape[1] - 1
     bs = cfg.drafter.block_size
     device = seq.device
     anchors = torch.randint(1, T - bs + 1, (n_anchors,), generator=gen).to(device)  # p <= T-bs
-    slot = torch.arange(bs, device=device)
-    positions = (anchors[:, None] + slot[None, :]).reshape(-1)  # [A*bs]
-    block = torch.full((B, n_anchors, bs), cfg.mask_token_id, dtype=torch.long, device=device)
-    block[:, :, 0] = seq[:, anchors]
-    emb = F.embedding(block.reshape(B, -1), E)
-    ctx_kv = drafter.context_kv(aux, torch.arange(T, device=device))
-    ctx_ok = torch.arange(T, device=device)[None, :] < anchors.repeat_interleave(bs)[:, None]
-    blk = torch.arange(n_anchors, device=device).repeat_interleave(bs)
-    blk_ok = blk[:, None] == blk[None, :]
-    mask = torch.cat([ctx_ok, blk_ok], 1)  # [Q, T+Q]
-    hb = drafter(emb, positions, ctx_kv, mask).view(B, n_anchors, bs, -1)[:, :, 1:]
+    hb, positions = block_hidden(drafter, cfg, E, seq, aux, anchors)
     logits = F.linear(hb, E).float()
     tb = teacher[:, positions.view(n_anchors, bs)[:, :-1]]  # [B, A, bs-1, V]
     ce = soft_ce(logits, tb)
@@ -337,22 +351,12 @@ def block_loss(drafter: DFlashDrafter, cfg: ReferenceConfig, E: torch.Tensor, se
     ``lengths[a]`` slots. Slot j (1 <= j < length) predicts labels[p+j-1] (the target's next
     token after x_{p+j-1}). Returns (loss weighted exp(-(j-1)/gamma), correct [B,A,bs-1]
     bool, valid [A,bs-1] bool)."""
-    B, T = seq.shape
-    A = anchors.shape[0]
+    B, A = seq.shape[0], anchors.shape[0]
     bs = cfg.drafter.block_size
     device = seq.device
     slot = torch.arange(bs, device=device)
-    positions = (anchors[:, None] + slot[None, :]).reshape(-1)  # [A*bs]
-    block = torch.full((B, A, bs), cfg.mask_token_id, dtype=torch.long, device=device)
-    block[:, :, 0] = seq[:, anchors]
-    emb = F.embedding(block.reshape(B, -1), E)
-    ctx_kv = drafter.context_kv(aux, torch.arange(T, device=device))
     live = (slot[None, :] < lengths[:, None]).reshape(-1)  # [A*bs] slot exists
-    ctx_ok = torch.arange(T, device=device)[None, :] < anchors.repeat_interleave(bs)[:, None]
-    blk = torch.arange(A, device=device).repeat_interleave(bs)
-    blk_ok = (blk[:, None] == blk[None, :]) & live[None, :]
-    mask = torch.cat([ctx_ok, blk_ok], 1)  # [Q, T+Q]
-    hb = drafter(emb, positions, ctx_kv, mask).view(B, A, bs, -1)[:, :, 1:]
+    hb, positions = block_hidden(drafter, cfg, E, seq, aux, anchors, live)
     logits = F.linear(hb, E).float()
     tgt = labels[:, positions.view(A, bs)[:, :-1]]  # [B, A, bs-1]
     valid = live.view(A, bs)[:, 1:]
