@@ -25,15 +25,19 @@ def _gdn_inputs(T, seed=0, B=1, H=4, D=64):
 @pytest.mark.parametrize("T,chunk", [(1, 64), (5, 64), (37, 16), (130, 64)])
 def test_chunked_equals_recurrent(T, chunk):
     q, k, v, g, beta, s0 = _gdn_inputs(T)
-    o_r, s_r, per_r = gdn_recurrent(q, k, v, g, beta, s0, per_position=True)
-    o_c, s_c, per_c = gdn_chunked(q, k, v, g, beta, s0, chunk, per_position=True)
-    per_r, per_c = per_r.stack(), per_c.stack()
+    o_r, s_r, none_r = gdn_recurrent(q, k, v, g, beta, s0)
+    o_c, s_c, none_c = gdn_chunked(q, k, v, g, beta, s0, chunk)
+    assert none_r is None and none_c is None
     assert torch.allclose(o_r, o_c, atol=1e-5, rtol=1e-4)
     assert torch.allclose(s_r, s_c, atol=1e-5, rtol=1e-4)
-    assert torch.allclose(per_r, per_c, atol=1e-5, rtol=1e-4)
-    assert torch.equal(per_r[:, -1], s_r)
-    _, s_plain, none = gdn_chunked(q, k, v, g, beta, s0, chunk)
-    assert none is None and torch.allclose(s_plain, s_r, atol=1e-5, rtol=1e-4)
+    # with per-position states the final state is the last of them, not returned twice
+    o_rp, no_r, per_r = gdn_recurrent(q, k, v, g, beta, s0, per_position=True)
+    o_cp, no_c, per_c = gdn_chunked(q, k, v, g, beta, s0, chunk, per_position=True)
+    assert no_r is None and no_c is None and len(per_r) == len(per_c) == T
+    assert torch.equal(o_rp, o_r) and torch.equal(o_cp, o_c)
+    assert torch.equal(per_r.at(T - 1), s_r)
+    assert torch.allclose(per_c.at(T - 1), s_c, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(per_r.stack(), per_c.stack(), atol=1e-5, rtol=1e-4)
 
 
 def test_gdn_per_position_state_is_prefix_state():
@@ -139,3 +143,25 @@ def test_shipped_weights_load_and_fit_budget():
     cfg, target, mtp, drafter, trained = load_networks(WEIGHTS_DIR)
     assert trained and mtp is not None and drafter is not None
     assert cfg.drafter.block_size == 8
+
+
+@torch.no_grad()
+def test_bf16_logits_exact_for_leading_tokens():
+    """The two-stage lm head (bf16 ranking, fp32 recompute of the leaders) gives the same
+    top tokens and the same leading logits as the full fp32 product; a row where the leaders
+    cannot be told apart in bf16 falls back to the full product."""
+    cfg = ReferenceConfig()
+    target = Qwen3_5TextModel(cfg)
+    init_weights(target, 0, std=0.5)
+    target = target.to(torch.bfloat16)
+    h = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    h[5] = 0  # every logit 0: all tied in bf16 -> fallback row
+    got = target.logits(h, exact_top=5)
+    full = torch.nn.functional.linear(h.float(), target.embed_tokens.weight.float())
+    top_full = full.topk(5, dim=-1)
+    top_got = got.topk(5, dim=-1)
+    assert torch.equal(top_got.indices, top_full.indices)
+    assert torch.allclose(top_got.values, top_full.values, rtol=0, atol=1e-5)
+    assert torch.equal(got[5], full[5])
+    # the tail is the bf16-rounded value: close, not exact
+    assert torch.allclose(got, full, rtol=1e-2, atol=1e-2)

@@ -142,7 +142,7 @@ class Decoder:
         cache = Cache(len(self.target.layers), len(ids) + 1)
         h, _ = self.target(self._t(ids)[None], cache, gdn_form=self.knobs.gdn_prefill,
                            attn_form=self.knobs.attn_prefill)
-        rows = torch.log_softmax(self.target.logits(h[0, len(prompt_ids) - 1: len(ids) - 1]), -1)
+        rows = torch.log_softmax(self.target.logits(h[0, len(prompt_ids) - 1: len(ids) - 1], top_k), -1)
         vals, idx = rows.topk(top_k, dim=-1)
         tok = rows.gather(1, self._t(continuation)[:, None])[:, 0]
         return idx.cpu().numpy(), vals.cpu().numpy(), tok.cpu().numpy()
@@ -152,19 +152,19 @@ class Decoder:
     def _t(self, ids) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
-    def _prefill(self, prompt_ids, max_len, aux_layers=()):
+    def _prefill(self, prompt_ids, max_len, top_k, aux_layers=()):
         if not prompt_ids:
             raise ValueError("empty prompt: at least one token is needed")
         cache = Cache(len(self.target.layers), max_len)
         h, aux = self.target(self._t(prompt_ids)[None], cache, gdn_form=self.knobs.gdn_prefill,
                              attn_form=self.knobs.attn_prefill, aux_layers=aux_layers)
-        row = torch.log_softmax(self.target.logits(h[0, -1:]), -1)
+        row = torch.log_softmax(self.target.logits(h[0, -1:], top_k), -1)
         return cache, h[0], aux, row
 
     def _baseline(self, prompt_ids, max_tokens, top_k) -> Generation:
         out = _Out(max_tokens, self.cfg.eos_token_id, top_k)
         t0 = time.perf_counter()
-        cache, _, _, row = self._prefill(prompt_ids, len(prompt_ids) + max_tokens + 2)
+        cache, _, _, row = self._prefill(prompt_ids, len(prompt_ids) + max_tokens + 2, top_k)
         tok = int(row[0].argmax())
         out.add([tok], row)
         _sync(self.device)
@@ -172,7 +172,7 @@ class Decoder:
         while out.finish is None:
             h, _ = self.target(self._t([tok])[None], cache, gdn_form=self.knobs.gdn_decode,
                                attn_form=self.knobs.attn_decode)
-            row = torch.log_softmax(self.target.logits(h[0]), -1)
+            row = torch.log_softmax(self.target.logits(h[0], top_k), -1)
             tok = int(row[0].argmax())
             out.add([tok], row)
         _sync(self.device)
@@ -191,7 +191,7 @@ class Decoder:
         out = _Out(max_tokens, self.cfg.eos_token_id, top_k)
         counters = SpecCounters(accepted_per_pos=[0] * k)
         t0 = time.perf_counter()
-        cache, hidden, aux, row = self._prefill(prompt_ids, max_len, aux_ids)
+        cache, hidden, aux, row = self._prefill(prompt_ids, max_len, top_k, aux_ids)
         tokens = list(prompt_ids)
         x = int(row[0].argmax())
         tokens.append(x)
@@ -214,7 +214,7 @@ class Decoder:
             h, aux = self.target(feed, cache, gdn_form=self.knobs.gdn_verify,
                                  attn_form=self.knobs.attn_verify, per_position=True,
                                  aux_layers=aux_ids)
-            rows = torch.log_softmax(self.target.logits(h[0]), -1)  # [k+1, V]
+            rows = torch.log_softmax(self.target.logits(h[0], top_k), -1)  # [k+1, V]
             top2 = rows.topk(2, dim=-1).indices.cpu().tolist()
             m = 0
             while m < k and (drafts[m] == top2[m][0]
@@ -263,11 +263,11 @@ class Decoder:
         assert mcache.length == p - n
         emb = self.target.embed_tokens(self._t(tokens[p - n + 1: p + 1]))[None]
         mh = self.mtp(emb, pending_h[None], mcache)[:, -1:]
-        drafts = [int(self.target.logits(mh[0, -1]).argmax())]
+        drafts = [int(self.target.rough_logits(mh[0, -1]).argmax())]
         for _ in range(k - 1):
             emb = self.target.embed_tokens(self._t(drafts[-1:]))[None]
             mh = self.mtp(emb, mh, mcache)
-            drafts.append(int(self.target.logits(mh[0, -1]).argmax()))
+            drafts.append(int(self.target.rough_logits(mh[0, -1]).argmax()))
         mcache.length = p  # drop the speculative positions
         return drafts
 
@@ -286,6 +286,5 @@ class Decoder:
         block = [tokens[-1]] + [self.cfg.mask_token_id] * k
         emb = self.target.embed_tokens(self._t(block))[None]
         bpos = torch.arange(p, p + k + 1, device=self.device)
-        ctx = [(kk[:, :, :p], vv[:, :, :p]) for kk, vv in zip(st["k"], st["v"])]
-        hb = self.drafter(emb, bpos, ctx)
-        return self.target.logits(hb[0, 1:]).argmax(-1).tolist()
+        hb = self.drafter(emb, bpos, list(zip(st["k"], st["v"])), ctx_len=p)
+        return self.target.rough_logits(hb[0, 1:]).argmax(-1).tolist()

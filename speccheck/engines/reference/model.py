@@ -101,6 +101,21 @@ class ReferenceConfig:
 # --------------------------------------------------------------------------- small pieces
 
 
+def inference_cached(owner: nn.Module, name: str, sources: list[torch.Tensor], build):
+    """``build()`` of parameters, cached on ``owner`` at inference and rebuilt when any source
+    changes; recomputed (differentiable) when autograd is on. A CPU decode step is bound by
+    per-op overhead, so weight-only work (fused projections, norm scales) is done once."""
+    if torch.is_grad_enabled():
+        return build()
+    key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in sources)
+    cached = owner.__dict__.get("_cached_" + name)
+    if cached is None or cached[0] != key:
+        with torch.inference_mode(False), torch.no_grad():
+            cached = (key, build())
+        owner.__dict__["_cached_" + name] = cached
+    return cached[1]
+
+
 class Qwen3_5RMSNorm(nn.Module):
     """Zero-centred RMSNorm of the family: ``x̂ * (1 + w)`` computed in fp32, returned in
     the weights' dtype (the residual stream itself stays fp32, see Qwen3_5TextModel)."""
@@ -111,8 +126,8 @@ class Qwen3_5RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (h * (1.0 + self.weight.float())).to(self.weight.dtype)
+        scale = inference_cached(self, "scale", [self.weight], lambda: 1.0 + self.weight.float())
+        return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(self.weight.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -124,8 +139,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (h * self.weight.float()).to(self.weight.dtype)
+        scale = inference_cached(self, "scale", [self.weight], lambda: self.weight.float())
+        return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(self.weight.dtype)
 
 
 class Qwen3_5RMSNormGated(nn.Module):
@@ -173,17 +188,9 @@ class NondetLinear(nn.Linear):
 
 
 def fused_weight(owner: nn.Module, name: str, linears: list[nn.Linear]) -> torch.Tensor:
-    """The row-concatenation of several projections' weights, so one GEMM replaces several
-    (a CPU decode step is bound by per-op overhead). Cached at inference, rebuilt when any
-    weight changes; differentiable (not cached) when autograd is on."""
-    if torch.is_grad_enabled():
-        return torch.cat([lin.weight for lin in linears])
-    key = tuple((lin.weight.data_ptr(), lin.weight._version, lin.weight.dtype) for lin in linears)
-    cached = owner.__dict__.get("_fused_" + name)
-    if cached is None or cached[0] != key:
-        cached = (key, torch.cat([lin.weight.detach() for lin in linears]))
-        owner.__dict__["_fused_" + name] = cached
-    return cached[1]
+    """The row-concatenation of several projections' weights, so one GEMM replaces several."""
+    weights = [lin.weight for lin in linears]
+    return inference_cached(owner, name, weights, lambda: torch.cat(weights))
 
 
 class Qwen3_5MLP(nn.Module):
@@ -200,13 +207,29 @@ class Qwen3_5MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def rope_cos_sin(positions: torch.Tensor, rot_dim: int, theta: float, dtype) -> tuple:
-    """Neox-style RoPE tables for ``rot_dim`` leading dims; computed in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32,
-                                             device=positions.device) / rot_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+ROPE_TABLE_SIZE = 1 << 15  # positions; a longer sequence is refused (cache overflow first)
+
+
+@functools.lru_cache(maxsize=32)
+def _rope_table(rot_dim: int, theta: float, dtype, device) -> tuple:
+    with torch.inference_mode(False), torch.no_grad():
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32,
+                                                 device=device) / rot_dim))
+        freqs = torch.arange(ROPE_TABLE_SIZE, dtype=torch.float32, device=device)[:, None] \
+            * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor | range, rot_dim: int, theta: float, dtype,
+                 device=None) -> tuple:
+    """Neox-style RoPE cos/sin for ``rot_dim`` leading dims at ``positions`` (a tensor, or a
+    ``range`` for consecutive positions), looked up in a table computed once in fp32."""
+    if isinstance(positions, range):
+        cos, sin = _rope_table(rot_dim, theta, dtype, torch.device(device))
+        return cos[positions.start:positions.stop], sin[positions.start:positions.stop]
+    cos, sin = _rope_table(rot_dim, theta, dtype, positions.device)
+    return cos[positions], sin[positions]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -222,8 +245,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 @functools.lru_cache(maxsize=64)
-def _tril_mask(n: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+def _upper_mask(n: int, device: torch.device) -> torch.Tensor:
+    """True strictly above the diagonal (j > i: a later token cannot affect an earlier one)."""
+    with torch.inference_mode(False):
+        return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -265,32 +290,42 @@ class PerPositionStates:
 
 
 def gdn_recurrent(q, k, v, g, beta, state, per_position: bool = False):
-    """Gated delta rule, one token at a time (the decode kernel).
+    """Gated delta rule, one token at a time (the decode kernel):
+    S <- exp(g) S;  S <- S + k (beta (v - k.S));  o = q.S
 
     q,k: [B,T,H,Dk]; v: [B,T,H,Dv]; g (log decay, <=0), beta: [B,T,H]; state: fp32
-    [B,H,Dk,Dv]. Returns output [B,T,H,Dv] (fp32), final state and, if asked, the state
-    after every position [B,T,H,Dk,Dv] (for exact rollback after a rejected draft).
+    [B,H,Dk,Dv]. Returns output [B,T,H,Dv] (fp32), the final state, and with
+    ``per_position`` instead of the final state (None) the state after every position
+    (for exact rollback after a rejected draft; the final one is ``per.at(T - 1)``).
     """
     q, k, v, g, beta = _gdn_prep(q, k, v, g, beta)
     T = q.shape[2]
+    decay = g.exp()[..., None, None]
+    q, k, v, beta = q[..., None, :], k[..., None, :], v[..., None, :], beta[..., None, None]
     outs, states = [], []
     s = state
     for t in range(T):
-        s = s * g[:, :, t].exp()[..., None, None]
-        kt = k[:, :, t]
-        kv_mem = (s * kt[..., None]).sum(-2)
-        delta = (v[:, :, t] - kv_mem) * beta[:, :, t][..., None]
-        s = s + kt[..., None] * delta[..., None, :]
-        outs.append((s * q[:, :, t][..., None]).sum(-2))
+        s = s * decay[:, :, t]
+        kt = k[:, :, t]  # [B,H,1,Dk]
+        delta = (v[:, :, t] - kt @ s) * beta[:, :, t]  # [B,H,1,Dv]
+        s = s + kt.transpose(-1, -2) @ delta
+        outs.append(q[:, :, t] @ s)
         if per_position:
             states.append(s)
-    out = torch.stack(outs, dim=2).transpose(1, 2)
-    return out, s, (PerPositionStates(torch.stack(states, dim=1)) if per_position else None)
+    out = (outs[0] if T == 1 else torch.cat(outs, dim=2)).transpose(1, 2)
+    if per_position:
+        return out, None, PerPositionStates(torch.stack(states, dim=1))
+    return out, s, None
 
 
 def gdn_chunked(q, k, v, g, beta, state, chunk_size: int = 64, per_position: bool = False):
     """Gated delta rule in the chunked parallel (WY / UT-transform) form (the prefill
-    kernel). Same contract as :func:`gdn_recurrent`; ``state`` may be None (zeros)."""
+    kernel). Same contract as :func:`gdn_recurrent`; ``state`` may be None (zeros).
+
+    Per chunk: [u | w] = (I + tril(diag(beta) K K^T * D, -1))^-1 [beta V | beta exp(cum) K],
+    v_new = u - w S, o = exp(cum) Q S + (Q K^T * D) v_new, with D_ij = exp(cum_i - cum_j)
+    for j <= i. With ``per_position`` and one chunk (a verify) the state is left as parts
+    and only the kept position's state is ever formed (:class:`PerPositionStates`)."""
     q, k, v, g, beta = _gdn_prep(q, k, v, g, beta)
     B, H, T, Dk = k.shape
     Dv = v.shape[-1]
@@ -302,20 +337,30 @@ def gdn_chunked(q, k, v, g, beta, state, chunk_size: int = 64, per_position: boo
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
     n = (T + pad) // C
-    q, k, v = (x.reshape(B, H, n, C, -1) for x in (q, k, v))
-    g, beta = g.reshape(B, H, n, C), beta.reshape(B, H, n, C)
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    if n > 1:
+        q, k, v = (x.reshape(B, H, n, C, -1) for x in (q, k, v))
+        g, beta = g.reshape(B, H, n, C), beta.reshape(B, H, n, C)
     cum = g.cumsum(-1)
-    lower = _tril_mask(C, q.device)
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
-    ut = (k_beta @ k.transpose(-1, -2)) * decay
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    ut = ut.masked_fill(~lower, 0.0).tril(-1) + eye
-    u = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(ut, k_beta * cum.exp()[..., None], upper=False,
-                                      unitriangular=True)
-    intra = (q @ k.transpose(-1, -2)) * decay
-    q_dec = q * cum.exp()[..., None]
+    exp_cum = cum.exp()[..., None]
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(_upper_mask(C, q.device),
+                                                                 float("-inf")).exp()
+    kt = k.transpose(-1, -2)
+    k_beta = k * beta[..., None]
+    # the unit-triangular solve reads only the strictly lower triangle: no mask, no eye
+    uw = torch.linalg.solve_triangular((k_beta @ kt) * decay,
+                                       torch.cat([v * beta[..., None], k_beta * exp_cum], -1),
+                                       upper=False, unitriangular=True)
+    u, w = uw[..., :Dv], uw[..., Dv:]
+    intra = (q @ kt) * decay
+    q_dec = q * exp_cum
+    if n == 1:
+        v_new = u - w @ state
+        out = q_dec @ state + intra @ v_new
+        out = out.transpose(1, 2)  # (one chunk is never padded)
+        if per_position:
+            return out, None, PerPositionStates(parts=(state, cum, decay, k, v_new))
+        k_dec = kt * (cum[..., -1:] - cum).exp()[..., None, :]
+        return out, state * exp_cum[..., -1, :, None] + k_dec @ v_new, None
     k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]
     outs, states = [], []
@@ -325,15 +370,13 @@ def gdn_chunked(q, k, v, g, beta, state, chunk_size: int = 64, per_position: boo
         outs.append(q_dec[:, :, i] @ s + intra[:, :, i] @ v_new)
         if per_position:
             states.append(PerPositionStates(parts=(s, cum[:, :, i], decay[:, :, i], k[:, :, i],
-                                                   v_new)))
+                                                   v_new)).stack())
         s = s * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
     out = torch.stack(outs, dim=2).reshape(B, H, n * C, Dv)[:, :, :T].transpose(1, 2)
     # (a padded tail has g=0, beta=0: no decay and no update, so s is exact)
-    per = None
     if per_position:
-        per = (states[0] if n == 1 and not pad else
-               PerPositionStates(torch.cat([p.stack() for p in states], dim=1)[:, :T]))
-    return out, s, per
+        return out, None, PerPositionStates(torch.cat(states, dim=1)[:, :T])
+    return out, s, None
 
 
 # --------------------------------------------------------------------------- cache
@@ -360,10 +403,10 @@ class Cache:
         for i, p in self.pending.items():
             kind = p[0]
             if kind == "gdn":
-                per_state, per_conv, final = p[1], p[2], p[3]
-                self.conv[i] = per_conv[:, n_new - 1]
-                keep_all = n_new == len(per_state) or not roll_back_gdn
-                self.gdn[i] = final if keep_all else per_state.at(n_new - 1)
+                per_state, window = p[1], p[2]
+                # conv state = the last K-1 inputs: window holds K-1 old + T new [B, K-1+T, C]
+                self.conv[i] = window[:, n_new: n_new + window.shape[1] - len(per_state)]
+                self.gdn[i] = per_state.at((n_new if roll_back_gdn else len(per_state)) - 1)
         self.pending = {}
         self.length += n_new
 
@@ -410,27 +453,31 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         proj = F.linear(x, fused_weight(self, "in_proj", [self.in_proj_qkv, self.in_proj_z,
                                                           self.in_proj_b, self.in_proj_a]))
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
-        mixed = mixed.transpose(1, 2)  # [B, C, T]
         z = z.reshape(B, T, self.nv, self.dv)
-        w = self.conv1d.weight  # [C, 1, K]
+        # the causal depthwise conv accumulates in fp32 (as causal-conv1d kernels do)
+        w = inference_cached(self, "conv_w", [self.conv1d.weight],
+                             lambda: self.conv1d.weight.float())  # [C, 1, K]
         if cache is None:
-            conv_out = F.conv1d(mixed, w, padding=self.kernel - 1, groups=self.conv_dim)[..., :T]
+            conv_out = F.conv1d(mixed.transpose(1, 2).float(), w, padding=self.kernel - 1,
+                                groups=self.conv_dim)[..., :T].transpose(1, 2)
             state = None
         else:
-            prev = cache.conv[idx]
+            prev = cache.conv[idx]  # the last K-1 inputs [B, K-1, C]
             if prev is None:
-                prev = mixed.new_zeros(B, self.conv_dim, self.kernel - 1)
-            full = torch.cat([prev, mixed], dim=-1)  # [B, C, K-1+T]
-            if T <= 16:  # depthwise conv as K multiply-adds: cheaper than a conv call
-                conv_out = full[..., :T] * w[:, 0, 0, None]
-                for j in range(1, self.kernel):
-                    conv_out = conv_out + full[..., j:j + T] * w[:, 0, j, None]
+                prev = mixed.new_zeros(B, self.kernel - 1, self.conv_dim)
+            full = torch.cat([prev, mixed], dim=1)  # [B, K-1+T, C]
+            if T <= 16:  # few positions: one windowed product is cheaper than a conv call
+                w_kc = inference_cached(self, "conv_w_kc", [self.conv1d.weight],
+                                        lambda: self.conv1d.weight[:, 0].t().float().contiguous())
+                windows = full.float().unfold(1, self.kernel, 1).transpose(-1, -2)  # [B,T,K,C]
+                conv_out = (windows * w_kc).sum(-2)
             else:
-                conv_out = F.conv1d(full, w, groups=self.conv_dim)
+                conv_out = F.conv1d(full.transpose(1, 2).float(), w,
+                                    groups=self.conv_dim).transpose(1, 2)
             state = cache.gdn[idx]
             if state is None:
                 state = x.new_zeros(B, self.nv, self.dk, self.dv, dtype=torch.float32)
-        conv_out = F.silu(conv_out).transpose(1, 2)
+        conv_out = F.silu(conv_out)  # [B, T, C]
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(B, T, self.nk, self.dk)
         k = k.reshape(B, T, self.nk, self.dk)
@@ -450,13 +497,10 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             raise ValueError(f"unknown GDN form {form!r}; choose one of {GDN_FORMS}")
         if cache is not None:
             if per_position:
-                # conv window after position t: inputs t+1 .. t+K-1 of `full`
-                K1 = self.kernel - 1
-                per_conv = full.unfold(-1, K1, 1)[:, :, 1:].permute(0, 2, 1, 3)  # [B,T,C,K-1]
-                cache.pending[idx] = ("gdn", per, per_conv, s)
+                cache.pending[idx] = ("gdn", per, full)
             else:
                 cache.gdn[idx] = s
-                cache.conv[idx] = full[..., -(self.kernel - 1):]
+                cache.conv[idx] = full[:, -(self.kernel - 1):]
         out = self.norm(out.to(x.dtype), z)
         return self.out_proj(out.reshape(B, T, self.value_dim))
 
@@ -509,8 +553,8 @@ class Qwen3_5Attention(nn.Module):
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(qkv[..., nq:nq + nk].reshape(B, T, self.nkv, self.d)).transpose(1, 2)
         v = qkv[..., nq + nk:].reshape(B, T, self.nkv, self.d).transpose(1, 2)
-        pos = torch.arange(start, start + T, device=x.device) if positions is None else positions
-        cos, sin = rope_cos_sin(pos, self.rot, self.theta, q.dtype)
+        pos = range(start, start + T) if positions is None else positions
+        cos, sin = rope_cos_sin(pos, self.rot, self.theta, q.dtype, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             if mask is None:
@@ -569,17 +613,35 @@ class Qwen3_5TextModel(nn.Module):
         self.layers = nn.ModuleList(Qwen3_5DecoderLayer(cfg, t) for t in cfg.layer_types)
         self.norm = Qwen3_5RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """fp32 logits from final-normed hidden states (tied embedding as lm head). The
-        product itself runs in fp32: bf16 logits (resolution ~0.06 at |logit| ~10) would
-        turn near-ties into exact ties that argmax breaks by token id."""
+    def logits(self, h: torch.Tensor, exact_top: int = 20) -> torch.Tensor:
+        """fp32 logits from final-normed hidden states (tied embedding as lm head), exact for
+        (at least) the ``exact_top`` leading tokens.
+
+        bf16 logits (resolution ~0.06 at |logit| ~10) would turn near-ties into exact ties
+        that argmax breaks by token id, and an fp32 GEMM over the vocabulary costs a CPU
+        decode step ~10 %. So a bf16 GEMM ranks the vocabulary and the best C = max(32,
+        2 * exact_top) are recomputed in fp32 from the same bf16 operands: rounding is
+        monotone, so the true leaders are among them whenever the ``exact_top``-th rounded
+        value beats the C-th (else that row gets the full fp32 product). The tail keeps its
+        rounded value: it enters only the softmax normaliser (≲1e-3 nats); margins between
+        leading tokens are exact."""
         w = self.embed_tokens.weight
-        if w.dtype != torch.float32:
-            key = (w.data_ptr(), w._version, w.device)
-            if getattr(self, "_lm_w32_key", None) != key:
-                self._lm_w32, self._lm_w32_key = w.detach().float(), key
-            w = self._lm_w32
-        return F.linear(h.float(), w)
+        if w.dtype == torch.float32:
+            return F.linear(h.float(), w)
+        h = h.to(w.dtype)
+        out = F.linear(h, w).float()
+        top, cand = out.topk(max(32, 2 * exact_top), dim=-1)
+        out.scatter_(-1, cand, (w[cand].float() * h.float()[..., None, :]).sum(-1))
+        unsure = top[..., exact_top - 1] <= top[..., -1]
+        if bool(unsure.any()):
+            out[unsure] = F.linear(h[unsure].float(), w.float())
+        return out
+
+    def rough_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits in the weights' dtype (a bf16 GEMM, rounded): enough to pick a draft
+        token, which the target's verify then checks against :meth:`logits`."""
+        w = self.embed_tokens.weight
+        return F.linear(h.to(w.dtype), w).float()  # (argmax over bf16 is slow on CPU)
 
     def forward(self, ids: torch.Tensor, cache: Cache | None = None, *, gdn_form="chunked",
                 attn_form="multi", per_position=False, aux_layers=()):
@@ -650,20 +712,32 @@ class DFlashAttention(nn.Module):
 
     def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
         B, T, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.d)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        kv = F.linear(x, fused_weight(self, "kv", [self.k_proj, self.v_proj]))
+        nk = self.nkv * self.d
+        k = self.k_norm(kv[..., :nk].view(B, T, self.nkv, self.d)).transpose(1, 2)
+        v = kv[..., nk:].view(B, T, self.nkv, self.d).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, self.d, self.theta, k.dtype)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask=None):
-        """x: [B,T,H] block slots at ``positions``; ctx_k/v: [B,Hkv,L,D]; mask (optional,
-        bool [T, L+T], True = may attend) for batched training blocks."""
+    def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None):
+        """x: [B,T,H] block slots at ``positions``; mask (optional, bool [T, L+T], True = may
+        attend) for batched training blocks. ctx_k/v: [B,Hkv,L,D] context, or with
+        ``ctx_len`` buffers holding it in [:ctx_len] with room after it: the block's own
+        K/V are written there (scratch) instead of copying the context."""
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.d)).transpose(1, 2)
+        qkv = F.linear(x, fused_weight(self, "qkv", [self.q_proj, self.k_proj, self.v_proj]))
+        nq, nk = self.nh * self.d, self.nkv * self.d
+        q = self.q_norm(qkv[..., :nq].view(B, T, self.nh, self.d)).transpose(1, 2)
+        k = self.k_norm(qkv[..., nq:nq + nk].view(B, T, self.nkv, self.d)).transpose(1, 2)
+        v = qkv[..., nq + nk:].view(B, T, self.nkv, self.d).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, self.d, self.theta, q.dtype)
-        q = apply_rope(q, cos, sin)
-        k, v = self.kv(x, positions)
-        K, V = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if ctx_len is None:
+            K, V = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        else:
+            ctx_k[:, :, ctx_len:ctx_len + T] = k
+            ctx_v[:, :, ctx_len:ctx_len + T] = v
+            K, V = ctx_k[:, :, :ctx_len + T], ctx_v[:, :, :ctx_len + T]
         o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.d))
 
@@ -676,8 +750,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask)
+    def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask, ctx_len)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -701,10 +775,11 @@ class DFlashDrafter(nn.Module):
         ctx = self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
         return [layer.self_attn.kv(ctx, positions) for layer in self.layers]
 
-    def forward(self, block_embeds, positions, ctx_kv, mask=None) -> torch.Tensor:
+    def forward(self, block_embeds, positions, ctx_kv, mask=None, ctx_len=None) -> torch.Tensor:
+        """ctx_kv: per layer (K, V) of the context (see DFlashAttention.forward)."""
         x = block_embeds.float()
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            x = layer(x, positions, ck, cv, mask)
+            x = layer(x, positions, ck, cv, mask, ctx_len)
         return self.norm(x)
 
 

@@ -319,7 +319,8 @@ def features(target: Qwen3_5TextModel, cfg: ReferenceConfig, seqs: torch.Tensor)
 
 def make_dataset(target, cfg, stream: np.ndarray, T: int, prompt_lens: list[int], B: int,
                  seconds: float, gen: torch.Generator, device, min_batches: int = 1) -> dict:
-    """Greedy continuations of random text windows until ``seconds`` pass. Every sequence
+    """Greedy continuations of random text windows: ``min_batches`` batches, and more until
+    ``seconds`` pass (a time budget makes the amount machine-dependent). Every sequence
     has T tokens: a text prompt of P tokens (cycling through ``prompt_lens``) and T-P
     greedy tokens. Returns {"seq", "aux", "labels", "plen"} (row-aligned)."""
     seqs, auxs, labels, plens = [], [], [], []
@@ -451,8 +452,9 @@ def train_drafter_only(a) -> int:
 
     held_d = make_dataset(target, cfg, held, T, plens, a.gen_batch, 0, gen, device,
                           min_batches=len(plens))
-    data = make_dataset(target, cfg, train, T, plens, a.gen_batch, a.gen_seconds, gen, device,
-                        min_batches=len(plens))
+    data = make_dataset(target, cfg, train, T, plens, a.gen_batch,
+                        0 if a.gen_batches else a.gen_seconds, gen, device,
+                        min_batches=a.gen_batches or len(plens))
     log(f"before: {drafter_eval(drafter, cfg, E, held_d, 64, torch.Generator().manual_seed(7), autocast)}")
 
     opt = torch.optim.AdamW(param_groups([drafter], 0.01), lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
@@ -522,7 +524,11 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true",
                     help="--drafter-only: start the drafter from a fresh init, not --init's")
     ap.add_argument("--gen-seconds", type=float, default=30.0,
-                    help="--drafter-only: time spent generating greedy training data")
+                    help="--drafter-only: time spent generating greedy training data (the "
+                         "amount then depends on the machine's speed; see --gen-batches)")
+    ap.add_argument("--gen-batches", type=int, default=0,
+                    help="--drafter-only: generate exactly this many batches instead of "
+                         "--gen-seconds (with --steps: the same data and steps on any machine)")
     ap.add_argument("--gen-batch", type=int, default=512,
                     help="--drafter-only: sequences generated per batch")
     ap.add_argument("--prompt-lens", default="32,96,192",
