@@ -619,7 +619,7 @@ class Qwen3_5TextModel(nn.Module):
 
         bf16 logits (resolution ~0.06 at |logit| ~10) would turn near-ties into exact ties
         that argmax breaks by token id, and an fp32 GEMM over the vocabulary costs a CPU
-        decode step ~10 %. So a bf16 GEMM ranks the vocabulary and the best C = max(32,
+        decode step ~10 % (on CUDA it is one launch and is what runs). So a bf16 GEMM ranks the vocabulary and the best C = max(32,
         2 * exact_top) are recomputed in fp32 from the same bf16 operands: rounding is
         monotone, so the true leaders are among them whenever the ``exact_top``-th rounded
         value beats the C-th (else that row gets the full fp32 product). The tail keeps its
@@ -628,6 +628,9 @@ class Qwen3_5TextModel(nn.Module):
         w = self.embed_tokens.weight
         if w.dtype == torch.float32:
             return F.linear(h.float(), w)
+        if w.is_cuda:  # a GPU does the full fp32 product in one launch: cheaper than two stages
+            w32 = inference_cached(self, "lm_head_fp32", [w], lambda: w.float())
+            return F.linear(h.float(), w32)
         h = h.to(w.dtype)
         out = F.linear(h, w).float()
         top, cand = out.topk(max(32, 2 * exact_top), dim=-1)
