@@ -3,10 +3,11 @@
     python benchmarks/bench_reference.py [--corpus code] [--repeats 3] [--mtp-k 1,2,3,5,7]
         [--dflash-k 3,5,7,10] [--engine-arg key=value ...]
 
-Every config first runs once to warm up, then ``--repeats`` times; the table gives the median
-decode tok/s (generated tokens after the first / decode seconds, summed over the corpus),
-tokens per iteration and the speedup over the baseline's median. Not a test: numbers depend
-on the machine (CPU threads, contention).
+Every config first runs once to warm up; then ``--repeats`` rounds each run every config once,
+in turn, so that a machine whose speed drifts (a shared CPU) slows all configs alike. The
+table gives the median decode tok/s (generated tokens after the first / decode seconds, summed
+over the corpus), tokens per iteration and the speedup over the baseline's median. Not a test:
+numbers depend on the machine (CPU threads, contention).
 """
 from __future__ import annotations
 
@@ -52,29 +53,37 @@ def main(argv=None) -> int:
     configs = [SpecConfig()]
     configs += [SpecConfig("mtp", int(k)) for k in a.mtp_k.split(",") if k]
     configs += [SpecConfig("dflash", int(k)) for k in a.dflash_k.split(",") if k]
+    for cfg in configs:
+        run(engine, prompts, ids, cfg)  # warm-up
+    by_cfg = {cfg.name: [] for cfg in configs}
+    for i in range(a.repeats):
+        for cfg in configs:
+            by_cfg[cfg.name].append(run(engine, prompts, ids, cfg))
+        print(f"  round {i + 1}/{a.repeats}: " + "  ".join(
+            f"{name} {r[-1][0]:.0f}" for name, r in by_cfg.items()), file=sys.stderr, flush=True)
     rows = []
     base_tokens = None
     for cfg in configs:
-        run(engine, prompts, ids, cfg)  # warm-up
-        results = [run(engine, prompts, ids, cfg) for _ in range(a.repeats)]
+        results = by_cfg[cfg.name]
         tps = statistics.median(r[0] for r in results)
         same = None
         if cfg.is_baseline:
             base_tokens = results[0][3]
         else:
             same = sum(x == y for x, y in zip(results[0][3], base_tokens))
-        rows.append((cfg.name, tps, results[0][1], [round(r[0], 1) for r in results], same))
-        print(f"  {cfg.name:<11} {tps:7.1f} tok/s", file=sys.stderr, flush=True)
-    base = rows[0][1]
+        # speedup: the median over rounds of (this config / baseline in the same round)
+        speedup = statistics.median(r[0] / b[0] for r, b in zip(results, by_cfg["baseline"]))
+        rows.append((cfg.name, tps, speedup, results[0][1], [round(r[0], 1) for r in results],
+                     same))
     print(f"{'config':<12}{'tok/s (median)':>15}{'speedup':>9}{'tok/iter':>10}  runs"
           f"{'':>20}identical to baseline")
-    for name, tps, tpi, runs, same in rows:
+    for name, tps, speedup, tpi, runs, same in rows:
         ident_txt = "" if same is None else f"{same}/{len(prompts)}"
-        print(f"{name:<12}{tps:>15.1f}{tps / base:>8.2f}x{tpi:>10.2f}  {str(runs):<24}{ident_txt}")
+        print(f"{name:<12}{tps:>15.1f}{speedup:>8.2f}x{tpi:>10.2f}  {str(runs):<24}{ident_txt}")
     for method in ("mtp", "dflash"):
-        best = max((r for r in rows if r[0].startswith(method)), key=lambda r: r[1], default=None)
+        best = max((r for r in rows if r[0].startswith(method)), key=lambda r: r[2], default=None)
         if best:
-            print(f"best {method}: {best[0]} {best[1]:.1f} tok/s = {best[1] / base:.2f}x baseline")
+            print(f"best {method}: {best[0]} {best[1]:.1f} tok/s = {best[2]:.2f}x baseline")
     return 0
 
 

@@ -27,8 +27,8 @@ byte for byte, so the target and MTP stay exactly as shipped. The shipped drafte
 9,000 steps, 470 s in all with the probe), warm-started from the previous drafter (itself
 26,624 sequences / 6,297 steps from the jointly trained one). The ``after:`` held-out score
 it prints fell (4.87 -> 3.71 tokens/iteration) while acceptance on real prompts rose (code
-prompts, K=7: 2.47 -> 2.69): that score is taken on greedy continuations of stdlib windows,
-which a small target often lets fall into loops a drafter predicts trivially.
+prompts, K=7: 2.47 -> 2.69): that score is taken teacher-forced on greedy continuations of
+stdlib windows, not on the prompts the suite runs; judge a drafter by the probe.
 """
 from __future__ import annotations
 
