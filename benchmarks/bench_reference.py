@@ -75,11 +75,12 @@ def main(argv=None) -> int:
         speedup = statistics.median(r[0] / b[0] for r, b in zip(results, by_cfg["baseline"]))
         rows.append((cfg.name, tps, speedup, results[0][1], [round(r[0], 1) for r in results],
                      same))
-    print(f"{'config':<12}{'tok/s (median)':>15}{'speedup':>9}{'tok/iter':>10}  runs"
-          f"{'':>20}identical to baseline")
+    width = max(len(str(r[4])) for r in rows) + 2
+    print(f"{'config':<12}{'tok/s (median)':>15}{'speedup':>9}{'tok/iter':>10}  "
+          f"{'runs (tok/s)':<{width}}identical to baseline")
     for name, tps, speedup, tpi, runs, same in rows:
         ident_txt = "" if same is None else f"{same}/{len(prompts)}"
-        print(f"{name:<12}{tps:>15.1f}{speedup:>8.2f}x{tpi:>10.2f}  {str(runs):<24}{ident_txt}")
+        print(f"{name:<12}{tps:>15.1f}{speedup:>8.2f}x{tpi:>10.2f}  {str(runs):<{width}}{ident_txt}")
     for method in ("mtp", "dflash"):
         best = max((r for r in rows if r[0].startswith(method)), key=lambda r: r[2], default=None)
         if best:
