@@ -207,7 +207,7 @@ class Qwen3_5MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-ROPE_TABLE_SIZE = 1 << 15  # positions; a longer sequence is refused (cache overflow first)
+ROPE_TABLE_SIZE = 1 << 15  # positions (the config allows 8192)
 
 
 @functools.lru_cache(maxsize=32)
@@ -226,6 +226,9 @@ def rope_cos_sin(positions: torch.Tensor | range, rot_dim: int, theta: float, dt
     """Neox-style RoPE cos/sin for ``rot_dim`` leading dims at ``positions`` (a tensor, or a
     ``range`` for consecutive positions), looked up in a table computed once in fp32."""
     if isinstance(positions, range):
+        if positions.stop > ROPE_TABLE_SIZE:
+            raise ValueError(f"position {positions.stop - 1} is past the {ROPE_TABLE_SIZE} "
+                             f"positions this model supports; shorten the prompt or max_tokens")
         cos, sin = _rope_table(rot_dim, theta, dtype, torch.device(device))
         return cos[positions.start:positions.stop], sin[positions.start:positions.stop]
     cos, sin = _rope_table(rot_dim, theta, dtype, positions.device)
