@@ -142,7 +142,8 @@ class Decoder:
         cache = Cache(len(self.target.layers), len(ids) + 1)
         h, _ = self.target(self._t(ids)[None], cache, gdn_form=self.knobs.gdn_prefill,
                            attn_form=self.knobs.attn_prefill)
-        rows = torch.log_softmax(self.target.logits(h[0, len(prompt_ids) - 1: len(ids) - 1], top_k), -1)
+        hs = h[0, len(prompt_ids) - 1: len(ids) - 1]
+        rows = torch.log_softmax(self.target.logits(hs, top_k), -1)
         vals, idx = rows.topk(top_k, dim=-1)
         tok = rows.gather(1, self._t(continuation)[:, None])[:, 0]
         return idx.cpu().numpy(), vals.cpu().numpy(), tok.cpu().numpy()

@@ -622,12 +622,12 @@ class Qwen3_5TextModel(nn.Module):
 
         bf16 logits (resolution ~0.06 at |logit| ~10) would turn near-ties into exact ties
         that argmax breaks by token id, and an fp32 GEMM over the vocabulary costs a CPU
-        decode step ~10 % (on CUDA it is one launch and is what runs). So a bf16 GEMM ranks the vocabulary and the best C = max(32,
-        2 * exact_top) are recomputed in fp32 from the same bf16 operands: rounding is
-        monotone, so the true leaders are among them whenever the ``exact_top``-th rounded
-        value beats the C-th (else that row gets the full fp32 product). The tail keeps its
-        rounded value: it enters only the softmax normaliser (≲1e-3 nats); margins between
-        leading tokens are exact."""
+        decode step ~10 % (on CUDA it is one launch, and it is what runs there). So a bf16
+        GEMM ranks the vocabulary and the best C = max(32, 2 * exact_top) are recomputed in
+        fp32 from the same bf16 operands: rounding is monotone, so the true leaders are among
+        them whenever the ``exact_top``-th rounded value beats the C-th (else that row gets
+        the full fp32 product). The tail keeps its rounded value: it enters only the softmax
+        normaliser (≲1e-3 nats); margins between leading tokens are exact."""
         w = self.embed_tokens.weight
         if w.dtype == torch.float32:
             return F.linear(h.float(), w)
@@ -716,14 +716,16 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
+    def _kv_heads(self, k: torch.Tensor, v: torch.Tensor, cos, sin) -> tuple:
+        """[B,T,Hkv*D] projections -> normed, rotated K and V [B,Hkv,T,D]."""
+        B, T, _ = k.shape
+        k = self.k_norm(k.view(B, T, self.nkv, self.d)).transpose(1, 2)
+        return apply_rope(k, cos, sin), v.view(B, T, self.nkv, self.d).transpose(1, 2)
+
     def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
-        B, T, _ = x.shape
         kv = F.linear(x, fused_weight(self, "kv", [self.k_proj, self.v_proj]))
-        nk = self.nkv * self.d
-        k = self.k_norm(kv[..., :nk].view(B, T, self.nkv, self.d)).transpose(1, 2)
-        v = kv[..., nk:].view(B, T, self.nkv, self.d).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions, self.d, self.theta, k.dtype)
-        return apply_rope(k, cos, sin), v
+        cos, sin = rope_cos_sin(positions, self.d, self.theta, kv.dtype)
+        return self._kv_heads(*kv.split(self.nkv * self.d, dim=-1), cos, sin)
 
     def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None):
         """x: [B,T,H] block slots at ``positions``; mask (optional, bool [T, L+T], True = may
@@ -733,11 +735,10 @@ class DFlashAttention(nn.Module):
         B, T, _ = x.shape
         qkv = F.linear(x, fused_weight(self, "qkv", [self.q_proj, self.k_proj, self.v_proj]))
         nq, nk = self.nh * self.d, self.nkv * self.d
+        cos, sin = rope_cos_sin(positions, self.d, self.theta, qkv.dtype)
         q = self.q_norm(qkv[..., :nq].view(B, T, self.nh, self.d)).transpose(1, 2)
-        k = self.k_norm(qkv[..., nq:nq + nk].view(B, T, self.nkv, self.d)).transpose(1, 2)
-        v = qkv[..., nq + nk:].view(B, T, self.nkv, self.d).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions, self.d, self.theta, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = apply_rope(q, cos, sin)
+        k, v = self._kv_heads(qkv[..., nq:nq + nk], qkv[..., nq + nk:], cos, sin)
         if ctx_len is None:
             K, V = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
         else:
