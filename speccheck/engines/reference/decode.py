@@ -108,7 +108,8 @@ def _sync(device: torch.device) -> None:
 
 
 class Decoder:
-    """Runs one request at a time (batch 1) on the given networks."""
+    """Runs requests on the given networks: one at a time, or (baseline) as a left-padded
+    batch (:meth:`generate_batch`)."""
 
     def __init__(self, cfg: ReferenceConfig, target: Qwen3_5TextModel, mtp: MTPModule | None,
                  drafter: DFlashDrafter | None, knobs: Knobs):
@@ -129,6 +130,48 @@ class Decoder:
         if k < 1:
             raise ValueError(f"method {method} needs K >= 1, got {k}")
         return self._speculative(prompt_ids, max_tokens, method, k, top_k)
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[list[int]], max_tokens: list[int],
+                       top_k: int = 5) -> list[Generation]:
+        """Baseline greedy decoding of several prompts in one batch: left-padded to one
+        length (pads neither touch the GDN state nor are seen by attention, see Cache), one
+        token per sequence per step until every sequence stops. The batch's prefill and
+        decode times are shared out in proportion to each sequence's tokens, so that sums
+        over the batch (tok/s of a run) are the batch's own."""
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("empty prompt: at least one token is needed")
+        B, P = len(prompts), max(len(p) for p in prompts)
+        max_len = P + max(max_tokens) + 2
+        pad = torch.zeros(B, max_len, dtype=torch.bool, device=self.device)
+        for b, p in enumerate(prompts):
+            pad[b, : P - len(p)] = True
+        ids = self._t([[self.cfg.eos_token_id] * (P - len(p)) + list(p) for p in prompts])
+        outs = [_Out(n, self.cfg.eos_token_id, top_k) for n in max_tokens]
+        t0 = time.perf_counter()
+        cache = Cache(len(self.target.layers), max_len, pad=pad)
+        h, _ = self.target(ids, cache, gdn_form=self.knobs.gdn_prefill,
+                           attn_form=self.knobs.attn_prefill)
+        rows = torch.log_softmax(self.target.logits(h[:, -1], top_k), -1)  # [B, V]
+        tok = rows.argmax(-1)
+        for b, o in enumerate(outs):
+            o.add([int(tok[b])], rows[b:b + 1])
+        _sync(self.device)
+        t1 = time.perf_counter()
+        while any(o.finish is None for o in outs):
+            h, _ = self.target(tok[:, None], cache, gdn_form=self.knobs.gdn_decode,
+                               attn_form=self.knobs.attn_decode)
+            rows = torch.log_softmax(self.target.logits(h[:, 0], top_k), -1)
+            tok = rows.argmax(-1)
+            for b, o in enumerate(outs):
+                o.add([int(tok[b])], rows[b:b + 1])  # (a finished one ignores it)
+        _sync(self.device)
+        t2 = time.perf_counter()
+        prompt_share = [len(p) / sum(map(len, prompts)) for p in prompts]
+        decoded = sum(len(o.tokens) - 1 for o in outs) or 1
+        return [Generation(o.tokens, o.lps, np.array(o.tk_ids), np.array(o.tk_lps), o.finish,
+                           (t1 - t0) * share, (t2 - t1) * (len(o.tokens) - 1) / decoded, None,
+                           len(o.tokens) - 1) for o, share in zip(outs, prompt_share)]
 
     @torch.inference_mode()
     def score(self, prompt_ids: list[int], continuation: list[int], top_k: int = 5):

@@ -41,6 +41,8 @@ ENGINE_ARGS = {
     # one thread by default: the toy model's ops are too small to gain from more (measured 313 vs
     # 326 tok/s), and spin-waiting OpenMP threads collapse (~50x) when the CPU is shared
     "threads": (None, "1", "torch CPU threads (default 1; empty = torch default)"),
+    "batch": (None, "1", "baseline: prompts decoded together in one left-padded batch "
+                         "(speculative configs run one prompt at a time)"),
     "fault": (("none",) + tuple(FAULTS), "none", "planted spec-decode bug for self-tests"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -69,8 +71,9 @@ def parse_engine_args(args: dict[str, str]) -> dict[str, str]:
         if allowed and out[k] not in allowed:
             raise EngineUsageError(f"--engine-arg {k}={out[k]!r} is not valid for the reference "
                                    f"engine; choose one of {', '.join(allowed)}")
-    if out["threads"] and not (out["threads"].isdigit() and int(out["threads"]) > 0):
-        raise EngineUsageError(f"--engine-arg threads={out['threads']!r}: give a positive integer")
+    for key in ("threads", "batch"):
+        if out[key] and not (out[key].isdigit() and int(out[key]) > 0):
+            raise EngineUsageError(f"--engine-arg {key}={out[key]!r}: give a positive integer")
     return out
 
 
@@ -201,6 +204,7 @@ class ReferenceEngine(Engine):
             "knobs": {k: self.args[k] for k in ("gdn_prefill", "gdn_decode", "gdn_verify",
                                                 "attn_prefill", "attn_decode", "attn_verify")},
             "fault": self.args["fault"],
+            "batch": int(self.args["batch"]),
             "block_size": self.cfg.drafter.block_size,
         }
 
@@ -215,18 +219,27 @@ class ReferenceEngine(Engine):
         if config.method not in ("baseline",) + self.methods:
             raise EngineUsageError(f"--method {config.method!r} is not offered by the reference "
                                    f"engine; choose baseline, mtp or dflash")
+        batch = int(self.args["batch"]) if config.is_baseline else 1
         out = []
-        for prompt, ids in zip(prompts, prompt_ids):
+        for i in range(0, len(prompts), batch):
+            group = list(zip(prompts[i:i + batch], prompt_ids[i:i + batch]))
+            names = ", ".join(p.id for p, _ in group)
             try:
-                g = self.decoder.generate(list(ids), prompt.max_tokens, config.method, config.k,
-                                          top_k)
+                if batch == 1:
+                    p, ids = group[0]
+                    gens = [self.decoder.generate(list(ids), p.max_tokens, config.method,
+                                                  config.k, top_k)]
+                else:
+                    gens = self.decoder.generate_batch([list(ids) for _, ids in group],
+                                                       [p.max_tokens for p, _ in group], top_k)
             except ValueError as e:
-                raise EngineUsageError(f"prompt {prompt.id}: {e}") from e
+                raise EngineUsageError(f"prompt {names}: {e}") from e
             except RuntimeError as e:
-                raise EngineError(f"reference engine failed on prompt {prompt.id}: {e}") from e
-            out.append(Completion(prompt.id, list(ids), g.token_ids, g.logprobs, g.topk_ids,
-                                  g.topk_logprobs, self.detokenize(g.token_ids), g.finish_reason,
-                                  g.ttft_s, g.decode_s, g.spec))
+                raise EngineError(f"reference engine failed on prompt {names}: {e}") from e
+            for (p, ids), g in zip(group, gens):
+                out.append(Completion(p.id, list(ids), g.token_ids, g.logprobs, g.topk_ids,
+                                      g.topk_logprobs, self.detokenize(g.token_ids),
+                                      g.finish_reason, g.ttft_s, g.decode_s, g.spec))
         return out
 
     def score(self, prompt_ids: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],

@@ -386,15 +386,23 @@ def gdn_chunked(q, k, v, g, beta, state, chunk_size: int = 64, per_position: boo
 
 
 class Cache:
-    """Per-sequence inference state (batch 1): GDN recurrent state (fp32) and conv state
-    per linear layer, K/V per attention layer, and the number of positions seen.
+    """Inference state: GDN recurrent state (fp32) and conv state per linear layer, K/V per
+    attention layer, and the number of positions seen.
 
     Verify forwards leave per-position candidates in ``pending`` so that
-    :meth:`commit` can keep exactly the first ``n`` new positions (exact rollback)."""
+    :meth:`commit` can keep exactly the first ``n`` new positions (exact rollback).
 
-    def __init__(self, n_layers: int, max_len: int):
+    A batch of prompts of different lengths is left-padded to one length: ``pad`` [B,
+    max_len] marks the pad positions. They feed zeros into the GDN conv, so q = k = v = 0
+    there: the recurrent state stays exactly zero through the pad prefix and the conv window
+    holds what an empty one does. As attention keys they are masked. Attention depends only
+    on relative positions, so each sequence computes what it would alone; all then advance
+    one position per decode step."""
+
+    def __init__(self, n_layers: int, max_len: int, pad: torch.Tensor | None = None):
         self.length = 0
         self.max_len = max_len
+        self.pad = pad
         self.gdn: list = [None] * n_layers
         self.conv: list = [None] * n_layers
         self.k: list = [None] * n_layers
@@ -457,6 +465,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
                                                           self.in_proj_b, self.in_proj_a]))
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
         z = z.reshape(B, T, self.nv, self.dv)
+        if cache is not None and cache.pad is not None:  # left pads feed zeros (see Cache)
+            mixed = mixed * (~cache.pad[:, cache.length:cache.length + T, None]).to(mixed.dtype)
         # the causal depthwise conv accumulates in fp32 (as causal-conv1d kernels do)
         w = inference_cached(self, "conv_w", [self.conv1d.weight],
                              lambda: self.conv1d.weight.float())  # [C, 1, K]
@@ -508,19 +518,27 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(B, T, self.value_dim))
 
 
-def _attend(q, K, V, start: int, form: str, causal_offset: bool = True):
+def _attend(q, K, V, start: int, form: str, pad: torch.Tensor | None = None):
     """q: [B,H,T,D] at positions start..start+T-1; K,V: [B,Hkv,start+T,D] (all visible
-    keys). ``multi`` = one SDPA with a causal mask, ``single`` = one SDPA per query."""
-    T = q.shape[2]
+    keys). ``multi`` = one SDPA with a causal mask, ``single`` = one SDPA per query.
+    ``pad`` [B, >=start+T]: left-pad positions, masked as keys (a pad query may look at
+    them, so that no row is empty; its output is never used)."""
+    T, L = q.shape[2], K.shape[2]
+    allowed = None  # [B, 1, T, L]: key visibility from the padding (causality apart)
+    if pad is not None:
+        allowed = ~pad[:, None, None, :L] | pad[:, None, start:start + T, None]
     if form == "multi":
-        if T == 1:
+        if T == 1 and allowed is None:
             return F.scaled_dot_product_attention(q, K, V, enable_gqa=True)
-        L = K.shape[2]
         mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)
+        if allowed is not None:
+            mask = mask & allowed
         return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=True)
     if form == "single":
-        outs = [F.scaled_dot_product_attention(q[:, :, i:i + 1], K[:, :, : start + i + 1],
-                                               V[:, :, : start + i + 1], enable_gqa=True)
+        outs = [F.scaled_dot_product_attention(
+                    q[:, :, i:i + 1], K[:, :, : start + i + 1], V[:, :, : start + i + 1],
+                    attn_mask=None if allowed is None else allowed[:, :, i:i + 1, : start + i + 1],
+                    enable_gqa=True)
                 for i in range(T)]
         return torch.cat(outs, dim=2)
     raise ValueError(f"unknown attention form {form!r}; choose one of {ATTN_FORMS}")
@@ -573,7 +591,7 @@ class Qwen3_5Attention(nn.Module):
             cache.k[idx][:, :, start:start + T] = k
             cache.v[idx][:, :, start:start + T] = v
             o = _attend(q, cache.k[idx][:, :, : start + T], cache.v[idx][:, :, : start + T],
-                        start, form)
+                        start, form, cache.pad)
         o = o.transpose(1, 2).reshape(B, T, self.nh * self.d)
         return self.o_proj(o * torch.sigmoid(gate))
 
