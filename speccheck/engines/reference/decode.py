@@ -123,55 +123,30 @@ class Decoder:
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_tokens: int, method: str = "baseline",
                  k: int = 0, top_k: int = 5) -> Generation:
+        return self.generate_batch([prompt_ids], [max_tokens], method, k, top_k)[0]
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[list[int]], max_tokens: list[int],
+                       method: str = "baseline", k: int = 0, top_k: int = 5) -> list[Generation]:
+        """Greedy decoding of several prompts in one batch, left-padded to one length (pads
+        neither touch the GDN state nor are seen by attention, see Cache). Speculative
+        sequences accept different numbers of tokens, so after the prefill each keeps its own
+        length; one that stops leaves the batch. The batch's prefill and decode times are
+        shared out in proportion to each sequence's tokens, so that sums over the batch (the
+        tok/s of a run) are the batch's own."""
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("empty prompt: at least one token is needed")
         if method == "baseline":
-            return self._baseline(prompt_ids, max_tokens, top_k)
+            return self._baseline(prompts, max_tokens, top_k)
         if method not in ("mtp", "dflash"):
             raise ValueError(f"unknown method {method!r}: choose baseline, mtp or dflash")
         if k < 1:
             raise ValueError(f"method {method} needs K >= 1, got {k}")
-        return self._speculative(prompt_ids, max_tokens, method, k, top_k)
-
-    @torch.inference_mode()
-    def generate_batch(self, prompts: list[list[int]], max_tokens: list[int],
-                       top_k: int = 5) -> list[Generation]:
-        """Baseline greedy decoding of several prompts in one batch: left-padded to one
-        length (pads neither touch the GDN state nor are seen by attention, see Cache), one
-        token per sequence per step until every sequence stops. The batch's prefill and
-        decode times are shared out in proportion to each sequence's tokens, so that sums
-        over the batch (tok/s of a run) are the batch's own."""
-        if not prompts or any(not p for p in prompts):
-            raise ValueError("empty prompt: at least one token is needed")
-        B, P = len(prompts), max(len(p) for p in prompts)
-        max_len = P + max(max_tokens) + 2
-        pad = torch.zeros(B, max_len, dtype=torch.bool, device=self.device)
-        for b, p in enumerate(prompts):
-            pad[b, : P - len(p)] = True
-        ids = self._t([[self.cfg.eos_token_id] * (P - len(p)) + list(p) for p in prompts])
-        outs = [_Out(n, self.cfg.eos_token_id, top_k) for n in max_tokens]
-        t0 = time.perf_counter()
-        cache = Cache(len(self.target.layers), max_len, pad=pad)
-        h, _ = self.target(ids, cache, gdn_form=self.knobs.gdn_prefill,
-                           attn_form=self.knobs.attn_prefill)
-        rows = torch.log_softmax(self.target.logits(h[:, -1], top_k), -1)  # [B, V]
-        tok = rows.argmax(-1)
-        for b, o in enumerate(outs):
-            o.add([int(tok[b])], rows[b:b + 1])
-        _sync(self.device)
-        t1 = time.perf_counter()
-        while any(o.finish is None for o in outs):
-            h, _ = self.target(tok[:, None], cache, gdn_form=self.knobs.gdn_decode,
-                               attn_form=self.knobs.attn_decode)
-            rows = torch.log_softmax(self.target.logits(h[:, 0], top_k), -1)
-            tok = rows.argmax(-1)
-            for b, o in enumerate(outs):
-                o.add([int(tok[b])], rows[b:b + 1])  # (a finished one ignores it)
-        _sync(self.device)
-        t2 = time.perf_counter()
-        prompt_share = [len(p) / sum(map(len, prompts)) for p in prompts]
-        decoded = sum(len(o.tokens) - 1 for o in outs) or 1
-        return [Generation(o.tokens, o.lps, np.array(o.tk_ids), np.array(o.tk_lps), o.finish,
-                           (t1 - t0) * share, (t2 - t1) * (len(o.tokens) - 1) / decoded, None,
-                           len(o.tokens) - 1) for o, share in zip(outs, prompt_share)]
+        if method == "mtp" and self.mtp is None:
+            raise ValueError("method mtp needs the MTP weights (mtp.* in model.safetensors)")
+        if method == "dflash" and self.drafter is None:
+            raise ValueError("method dflash needs the drafter (drafter.safetensors)")
+        return self._speculative(prompts, max_tokens, method, k, top_k)
 
     @torch.inference_mode()
     def score(self, prompt_ids: list[int], continuation: list[int], top_k: int = 5):
@@ -196,96 +171,119 @@ class Decoder:
     def _t(self, ids) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
-    def _prefill(self, prompt_ids, max_len, top_k, aux_layers=()):
-        if not prompt_ids:
-            raise ValueError("empty prompt: at least one token is needed")
-        cache = Cache(len(self.target.layers), max_len)
-        h, aux = self.target(self._t(prompt_ids)[None], cache, gdn_form=self.knobs.gdn_prefill,
+    def _prefill(self, prompts, max_len, top_k, aux_layers=()):
+        """The prompts, left-padded to one length P (no pad when they are equal), through the
+        prefill path. Returns (cache, hidden [B,P,H], aux {layer: [B,P,H]}, log-prob rows of
+        the next token [B,V], pad count per prompt)."""
+        P = max(len(p) for p in prompts)
+        pads = [P - len(p) for p in prompts]
+        pad = None
+        if any(pads):
+            pad = torch.zeros(len(prompts), max_len, dtype=torch.bool, device=self.device)
+            for b, n in enumerate(pads):
+                pad[b, :n] = True
+        ids = self._t([[self.cfg.eos_token_id] * n + list(p) for n, p in zip(pads, prompts)])
+        cache = Cache(len(self.target.layers), max_len, pad=pad)
+        h, aux = self.target(ids, cache, gdn_form=self.knobs.gdn_prefill,
                              attn_form=self.knobs.attn_prefill, aux_layers=aux_layers)
-        row = torch.log_softmax(self.target.logits(h[0, -1:], top_k), -1)
-        return cache, h[0], aux, row
+        rows = torch.log_softmax(self.target.logits(h[:, -1], top_k), -1)
+        return cache, h, aux, rows, pads
 
-    def _baseline(self, prompt_ids, max_tokens, top_k) -> Generation:
-        out = _Out(max_tokens, self.cfg.eos_token_id, top_k)
+    def _generations(self, prompts, outs, counters, iterations, t0, t1, t2) -> list[Generation]:
+        """Generation per sequence; batch times shared out (prefill by prompt tokens, decode
+        by generated tokens)."""
+        _sync(self.device)
+        n_prompt = sum(map(len, prompts))
+        n_decoded = sum(len(o.tokens) - 1 for o in outs) or 1
+        return [Generation(o.tokens, o.lps, np.array(o.tk_ids), np.array(o.tk_lps), o.finish,
+                           (t1 - t0) * len(p) / n_prompt,
+                           (t2 - t1) * (len(o.tokens) - 1) / n_decoded, c, it)
+                for p, o, c, it in zip(prompts, outs, counters, iterations)]
+
+    def _baseline(self, prompts, max_tokens, top_k) -> list[Generation]:
+        outs = [_Out(n, self.cfg.eos_token_id, top_k) for n in max_tokens]
         t0 = time.perf_counter()
-        cache, _, _, row = self._prefill(prompt_ids, len(prompt_ids) + max_tokens + 2, top_k)
-        tok = int(row[0].argmax())
-        out.add([tok], row)
+        cache, _, _, rows, _ = self._prefill(prompts, max(map(len, prompts)) + max(max_tokens) + 2,
+                                             top_k)
         _sync(self.device)
         t1 = time.perf_counter()
-        while out.finish is None:
-            h, _ = self.target(self._t([tok])[None], cache, gdn_form=self.knobs.gdn_decode,
+        while True:
+            tok = rows.argmax(-1)
+            for b, o in enumerate(outs):
+                o.add([int(tok[b])], rows[b:b + 1])  # (a finished one ignores it)
+            if all(o.finish is not None for o in outs):
+                break
+            h, _ = self.target(tok[:, None], cache, gdn_form=self.knobs.gdn_decode,
                                attn_form=self.knobs.attn_decode)
-            row = torch.log_softmax(self.target.logits(h[0], top_k), -1)
-            tok = int(row[0].argmax())
-            out.add([tok], row)
-        _sync(self.device)
+            rows = torch.log_softmax(self.target.logits(h[:, 0], top_k), -1)
         t2 = time.perf_counter()
-        return Generation(out.tokens, out.lps, np.array(out.tk_ids), np.array(out.tk_lps),
-                          out.finish, t1 - t0, t2 - t1, None, len(out.tokens) - 1)
+        iterations = [len(o.tokens) - 1 for o in outs]
+        return self._generations(prompts, outs, [None] * len(outs), iterations, t0, t1, t2)
 
-    def _speculative(self, prompt_ids, max_tokens, method, k, top_k) -> Generation:
-        if method == "mtp" and self.mtp is None:
-            raise ValueError("method mtp needs the MTP weights (mtp.* in model.safetensors)")
-        if method == "dflash" and self.drafter is None:
-            raise ValueError("method dflash needs the drafter (drafter.safetensors)")
+    def _speculative(self, prompts, max_tokens, method, k, top_k) -> list[Generation]:
         fault = self.knobs.fault
         aux_ids = tuple(self.cfg.drafter.target_layer_ids) if method == "dflash" else ()
-        max_len = len(prompt_ids) + max_tokens + k + 4
-        out = _Out(max_tokens, self.cfg.eos_token_id, top_k)
-        counters = SpecCounters(accepted_per_pos=[0] * k)
+        B = len(prompts)
+        max_len = max(map(len, prompts)) + max(max_tokens) + k + 4
+        outs = [_Out(n, self.cfg.eos_token_id, top_k) for n in max_tokens]
+        counters = [SpecCounters(accepted_per_pos=[0] * k) for _ in range(B)]
+        iterations = [0] * B
         t0 = time.perf_counter()
-        cache, hidden, aux, row = self._prefill(prompt_ids, max_len, top_k, aux_ids)
-        tokens = list(prompt_ids)
-        x = int(row[0].argmax())
-        tokens.append(x)
-        out.add([x], row)
+        cache, hidden, aux, rows, pads = self._prefill(prompts, max_len, top_k, aux_ids)
+        x = rows.argmax(-1).tolist()
+        tokens = [list(p) + [t] for p, t in zip(prompts, x)]
+        for b, o in enumerate(outs):
+            o.add([x[b]], rows[b:b + 1])
         _sync(self.device)
         t1 = time.perf_counter()
 
-        draft_state = self._draft_init(method, max_len)
-        # target outputs for positions whose successors are known but the drafter has not seen
-        pending_h = hidden
-        pending_aux = torch.cat([aux[i][0] for i in aux_ids], -1) if aux_ids else None
-        iterations = 0
-        while out.finish is None:
-            p = len(tokens) - 1  # position of x (fed to the target in this verify)
-            if method == "mtp":
-                drafts = self._draft_mtp(draft_state, tokens, pending_h, k)
-            else:
-                drafts = self._draft_dflash(draft_state, tokens, pending_aux, k)
-            feed = self._t([x] + drafts)[None]
+        # per sequence: the drafter's state, and target outputs for positions whose successors
+        # are known but the drafter has not seen (the prompt's, unpadded, to begin with)
+        states = [self._draft_init(method, max_len) for _ in range(B)]
+        pending = [hidden[b, n:] if method == "mtp" else
+                   torch.cat([aux[i][b, n:] for i in aux_ids], -1) for b, n in enumerate(pads)]
+        live = [b for b in range(B) if outs[b].finish is None]  # sequences still decoding
+        if B > 1:
+            cache.make_ragged()
+            cache.select(live)
+        while live:
+            drafts = [self._draft_mtp(states[b], tokens[b], pending[b], k) if method == "mtp"
+                      else self._draft_dflash(states[b], tokens[b], pending[b], k) for b in live]
+            feed = self._t([[x[b]] + d for b, d in zip(live, drafts)])  # [n, k+1]
             h, aux = self.target(feed, cache, gdn_form=self.knobs.gdn_verify,
                                  attn_form=self.knobs.attn_verify, per_position=True,
                                  aux_layers=aux_ids)
-            rows = torch.log_softmax(self.target.logits(h[0], top_k), -1)  # [k+1, V]
+            rows = torch.log_softmax(self.target.logits(h.flatten(0, 1), top_k), -1)
+            rows = rows.view(len(live), k + 1, -1)
             top2 = rows.topk(2, dim=-1).indices.cpu().tolist()
-            m = 0
-            while m < k and (drafts[m] == top2[m][0]
-                             or (fault == "accept-top2" and drafts[m] == top2[m][1])):
-                m += 1
-            bonus_pos = min(m + 1, k) if fault == "bonus-off-by-one" else m
-            bonus = top2[bonus_pos][0]
-            emitted = drafts[:m] + [bonus]
-            row_idx = list(range(m)) + [bonus_pos]
-            out.add(emitted, rows[row_idx])
-            cache.commit(m + 1, roll_back_gdn=fault != "stale-state")
-            iterations += 1
-            counters.drafts += 1
-            counters.draft_tokens += k
-            counters.accepted_tokens += m
-            for i in range(m):
-                counters.accepted_per_pos[i] += 1
-            tokens.extend(emitted)
-            x = bonus
-            assert cache.length == len(tokens) - 1 == p + m + 1
-            pending_h = h[0, : m + 1]
-            if aux_ids:
-                pending_aux = torch.cat([aux[i][0, : m + 1] for i in aux_ids], -1)
-        _sync(self.device)
+            kept = []
+            for j, b in enumerate(live):
+                m = 0
+                while m < k and (drafts[j][m] == top2[j][m][0]
+                                 or (fault == "accept-top2" and drafts[j][m] == top2[j][m][1])):
+                    m += 1
+                bonus_pos = min(m + 1, k) if fault == "bonus-off-by-one" else m
+                emitted = drafts[j][:m] + [top2[j][bonus_pos][0]]
+                outs[b].add(emitted, rows[j, list(range(m)) + [bonus_pos]])
+                tokens[b].extend(emitted)
+                x[b] = emitted[-1]
+                iterations[b] += 1
+                c = counters[b]
+                c.drafts, c.draft_tokens, c.accepted_tokens = (
+                    c.drafts + 1, c.draft_tokens + k, c.accepted_tokens + m)
+                for i in range(m):
+                    c.accepted_per_pos[i] += 1
+                pending[b] = (h[j, : m + 1] if method == "mtp" else
+                              torch.cat([aux[i][j, : m + 1] for i in aux_ids], -1))
+                kept.append(m + 1)
+            roll_back = fault != "stale-state"
+            cache.commit(kept if B > 1 else kept[0], roll_back_gdn=roll_back)
+            still = [j for j, b in enumerate(live) if outs[b].finish is None]
+            if B > 1 and len(still) < len(live):
+                cache.select(still)
+            live = [live[j] for j in still]
         t2 = time.perf_counter()
-        return Generation(out.tokens, out.lps, np.array(out.tk_ids), np.array(out.tk_lps),
-                          out.finish, t1 - t0, t2 - t1, counters, iterations)
+        return self._generations(prompts, outs, counters, iterations, t0, t1, t2)
 
     # ------------------------------------------------------------------ drafters
 

@@ -397,10 +397,13 @@ class Cache:
     there: the recurrent state stays exactly zero through the pad prefix and the conv window
     holds what an empty one does. As attention keys they are masked. Attention depends only
     on relative positions, so each sequence computes what it would alone; all then advance
-    one position per decode step."""
+    one position per decode step. Speculative decoding lets them drift apart: after
+    :meth:`make_ragged` every sequence has its own length (``lengths`` [B]), a forward writes
+    sequence b's tokens at lengths[b].., and :meth:`commit` keeps a count per sequence."""
 
     def __init__(self, n_layers: int, max_len: int, pad: torch.Tensor | None = None):
         self.length = 0
+        self.lengths: torch.Tensor | None = None
         self.max_len = max_len
         self.pad = pad
         self.gdn: list = [None] * n_layers
@@ -409,17 +412,42 @@ class Cache:
         self.v: list = [None] * n_layers
         self.pending: dict = {}
 
-    def commit(self, n_new: int, roll_back_gdn: bool = True) -> None:
-        """Keep the first ``n_new`` positions of the last forward and drop the rest."""
+    def commit(self, n_new: int | list[int], roll_back_gdn: bool = True) -> None:
+        """Keep the first ``n_new`` positions of the last forward and drop the rest (a list:
+        a count per sequence of a ragged batch)."""
+        counts = [n_new] if isinstance(n_new, int) else list(n_new)
         for i, p in self.pending.items():
-            kind = p[0]
-            if kind == "gdn":
-                per_state, window = p[1], p[2]
-                # conv state = the last K-1 inputs: window holds K-1 old + T new [B, K-1+T, C]
-                self.conv[i] = window[:, n_new: n_new + window.shape[1] - len(per_state)]
-                self.gdn[i] = per_state.at((n_new if roll_back_gdn else len(per_state)) - 1)
+            per_state, window = p[1], p[2]
+            # conv state = the last K-1 inputs: window holds K-1 old + T new [B, K-1+T, C]
+            k1 = window.shape[1] - len(per_state)
+            keep = [n if roll_back_gdn else len(per_state) for n in counts]
+            if isinstance(n_new, int):
+                self.conv[i] = window[:, n_new: n_new + k1]
+                self.gdn[i] = per_state.at(keep[0] - 1)
+            else:
+                self.conv[i] = torch.stack([window[b, n: n + k1] for b, n in enumerate(counts)])
+                self.gdn[i] = torch.stack([per_state.at(n - 1)[b] for b, n in enumerate(keep)])
         self.pending = {}
-        self.length += n_new
+        if isinstance(n_new, int):
+            self.length += n_new
+        else:
+            self.lengths = self.lengths + torch.tensor(counts, device=self.lengths.device)
+
+    def make_ragged(self) -> None:
+        """From here on each sequence keeps its own length (see the class docstring)."""
+        if self.lengths is None:
+            t = next(t for t in self.gdn + self.k if t is not None)
+            self.lengths = torch.full((t.shape[0],), self.length, dtype=torch.long,
+                                      device=t.device)
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these sequences of a ragged batch (the others have finished)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.lengths.device)
+        for name in ("gdn", "conv", "k", "v"):
+            setattr(self, name, [None if t is None else t[idx] for t in getattr(self, name)])
+        self.lengths = self.lengths[idx]
+        if self.pad is not None:
+            self.pad = self.pad[idx]
 
     def snapshot(self) -> tuple:
         """A copy of the state at the current position (cheap: a few small tensors)."""
@@ -465,7 +493,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
                                                           self.in_proj_b, self.in_proj_a]))
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
         z = z.reshape(B, T, self.nv, self.dv)
-        if cache is not None and cache.pad is not None:  # left pads feed zeros (see Cache)
+        if cache is not None and cache.pad is not None and cache.lengths is None:
+            # left pads feed zeros (see Cache); a ragged batch is past its pads
             mixed = mixed * (~cache.pad[:, cache.length:cache.length + T, None]).to(mixed.dtype)
         # the causal depthwise conv accumulates in fp32 (as causal-conv1d kernels do)
         w = inference_cached(self, "conv_w", [self.conv1d.weight],
@@ -518,14 +547,21 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(B, T, self.value_dim))
 
 
-def _attend(q, K, V, start: int, form: str, pad: torch.Tensor | None = None):
+def _attend(q, K, V, start: int | torch.Tensor, form: str, pad: torch.Tensor | None = None):
     """q: [B,H,T,D] at positions start..start+T-1; K,V: [B,Hkv,start+T,D] (all visible
     keys). ``multi`` = one SDPA with a causal mask, ``single`` = one SDPA per query.
     ``pad`` [B, >=start+T]: left-pad positions, masked as keys (a pad query may look at
-    them, so that no row is empty; its output is never used)."""
+    them, so that no row is empty; its output is never used). A tensor ``start`` [B] is a
+    ragged batch: K,V hold max(start)+T positions and sequence b sees keys <= start[b]+i."""
     T, L = q.shape[2], K.shape[2]
-    allowed = None  # [B, 1, T, L]: key visibility from the padding (causality apart)
-    if pad is not None:
+    allowed = None  # [B, 1, T, L]: key visibility from padding and ragged lengths
+    if isinstance(start, torch.Tensor):
+        last = start[:, None] + torch.arange(T, device=q.device)  # [B, T]
+        allowed = torch.arange(L, device=q.device) <= last[:, None, :, None]
+        if pad is not None:
+            allowed = allowed & ~pad[:, None, None, :L]
+        start = L - T  # causality is in `allowed`; the forms below see the longest sequence
+    elif pad is not None:
         allowed = ~pad[:, None, None, :L] | pad[:, None, start:start + T, None]
     if form == "multi":
         if T == 1 and allowed is None:
@@ -574,8 +610,12 @@ class Qwen3_5Attention(nn.Module):
         q = self.q_norm(q).transpose(1, 2)
         k = self.k_norm(qkv[..., nq:nq + nk].reshape(B, T, self.nkv, self.d)).transpose(1, 2)
         v = qkv[..., nq + nk:].reshape(B, T, self.nkv, self.d).transpose(1, 2)
-        pos = range(start, start + T) if positions is None else positions
-        cos, sin = rope_cos_sin(pos, self.rot, self.theta, q.dtype, x.device)
+        if isinstance(start, torch.Tensor):  # ragged batch: sequence b at start[b]..
+            pos = start[:, None] + torch.arange(T, device=x.device)
+            cos, sin = (t[:, None] for t in rope_cos_sin(pos, self.rot, self.theta, q.dtype))
+        else:
+            pos = range(start, start + T) if positions is None else positions
+            cos, sin = rope_cos_sin(pos, self.rot, self.theta, q.dtype, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             if mask is None:
@@ -586,12 +626,18 @@ class Qwen3_5Attention(nn.Module):
             if cache.k[idx] is None:
                 cache.k[idx] = k.new_zeros(B, self.nkv, cache.max_len, self.d)
                 cache.v[idx] = v.new_zeros(B, self.nkv, cache.max_len, self.d)
-            if start + T > cache.max_len:
-                raise RuntimeError(f"cache overflow: {start + T} > {cache.max_len} positions")
-            cache.k[idx][:, :, start:start + T] = k
-            cache.v[idx][:, :, start:start + T] = v
-            o = _attend(q, cache.k[idx][:, :, : start + T], cache.v[idx][:, :, : start + T],
-                        start, form, cache.pad)
+            end = (int(start.max()) if isinstance(start, torch.Tensor) else start) + T
+            if end > cache.max_len:
+                raise RuntimeError(f"cache overflow: {end} > {cache.max_len} positions")
+            if isinstance(start, torch.Tensor):
+                for b, s in enumerate(start.tolist()):
+                    cache.k[idx][b, :, s:s + T] = k[b]
+                    cache.v[idx][b, :, s:s + T] = v[b]
+            else:
+                cache.k[idx][:, :, start:start + T] = k
+                cache.v[idx][:, :, start:start + T] = v
+            o = _attend(q, cache.k[idx][:, :, :end], cache.v[idx][:, :, :end], start, form,
+                        cache.pad)
         o = o.transpose(1, 2).reshape(B, T, self.nh * self.d)
         return self.o_proj(o * torch.sigmoid(gate))
 
@@ -675,14 +721,17 @@ class Qwen3_5TextModel(nn.Module):
 
         Returns (final-normed hidden [B,T,H], {layer_id: output of that layer [B,T,H]})."""
         x = self.embed_tokens(ids).float()  # fp32 residual stream; matmuls in weight dtype
-        start = 0 if cache is None else cache.length
+        start = 0 if cache is None else (cache.length if cache.lengths is None else cache.lengths)
         aux = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cache, i, start, gdn_form, attn_form, per_position)
             if i in aux_layers:
                 aux[i] = x
         if cache is not None and not per_position:
-            cache.length += ids.shape[1]
+            if cache.lengths is None:
+                cache.length += ids.shape[1]
+            else:
+                cache.lengths = cache.lengths + ids.shape[1]
         return self.norm(x), aux
 
 
