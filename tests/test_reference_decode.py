@@ -175,6 +175,18 @@ def test_batched_speculative_is_lossless(equal_engine, baseline, prompts, method
     assert _total(batched).accepted_tokens == pytest.approx(_total(alone).accepted_tokens, rel=0.05)
 
 
+@pytest.mark.parametrize("config", [SpecConfig(), SpecConfig("dflash", 7)])
+def test_identical_requests_in_one_batch_give_one_completion(config):
+    """N identical requests decoded together (bf16, the default kernels) give one unique
+    completion: rows of a batch do not leak into each other."""
+    p = _prompts(0)[0]
+    eng = ReferenceEngine(engine_args={"batch": "4"})
+    ids = eng.tokenize(p)
+    out = eng.generate([p] * 4, [ids] * 4, config, 5)
+    assert len({tuple(c.token_ids.tolist()) for c in out}) == 1
+    assert len({c.logprobs.tobytes() for c in out}) == 1
+
+
 def test_batch_arg_is_validated():
     with pytest.raises(EngineUsageError, match="batch"):
         ReferenceEngine(engine_args={"batch": "0"})
