@@ -108,8 +108,8 @@ def _sync(device: torch.device) -> None:
 
 
 class Decoder:
-    """Runs requests on the given networks: one at a time, or (baseline) as a left-padded
-    batch (:meth:`generate_batch`)."""
+    """Runs requests on the given networks, one at a time or as a batch
+    (:meth:`generate_batch`; one request is a batch of one)."""
 
     def __init__(self, cfg: ReferenceConfig, target: Qwen3_5TextModel, mtp: MTPModule | None,
                  drafter: DFlashDrafter | None, knobs: Knobs):
