@@ -116,31 +116,33 @@ def inference_cached(owner: nn.Module, name: str, sources: list[torch.Tensor], b
     return cached[1]
 
 
-class Qwen3_5RMSNorm(nn.Module):
-    """Zero-centred RMSNorm of the family: ``x̂ * (1 + w)`` computed in fp32, returned in
-    the weights' dtype (the residual stream itself stays fp32, see Qwen3_5TextModel)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = inference_cached(self, "scale", [self.weight], lambda: 1.0 + self.weight.float())
-        return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(self.weight.dtype)
-
-
 class RMSNorm(nn.Module):
-    """Plain RMSNorm (``x̂ * w``), as in Qwen3 / vLLM's RMSNorm, used by the drafter."""
+    """Plain RMSNorm (``x̂ * w``), as in Qwen3 / vLLM's RMSNorm, used by the drafter;
+    computed in fp32, returned in the weights' dtype."""
+
+    init = 1.0  # the weight's initial value
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), self.init))
+
+    def scale(self) -> torch.Tensor:
+        return self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = inference_cached(self, "scale", [self.weight], lambda: self.weight.float())
+        scale = inference_cached(self, "scale", [self.weight], self.scale)
         return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(self.weight.dtype)
+
+
+class Qwen3_5RMSNorm(RMSNorm):
+    """Zero-centred RMSNorm of the family: ``x̂ * (1 + w)`` (the residual stream itself
+    stays fp32, see Qwen3_5TextModel)."""
+
+    init = 0.0
+
+    def scale(self) -> torch.Tensor:
+        return 1.0 + self.weight.float()
 
 
 class Qwen3_5RMSNormGated(nn.Module):
