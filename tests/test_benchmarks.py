@@ -1,0 +1,53 @@
+"""The benchmark scripts still run against today's engine (they are not imported anywhere
+else, so an API change would break them silently), and what they print holds together."""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_reference_table_in_fp32_every_spec_config_is_identical(capsys):
+    """In fp32 with equal kernel forms the speculative configs reproduce the baseline, so the
+    bench's last column must read 4/4 (smoke corpus) for each of them."""
+    bench = _load("bench_reference")
+    args = ["--corpus", "smoke", "--repeats", "1", "--mtp-k", "2", "--dflash-k", "3"]
+    for kv in ("dtype=fp32", "gdn_verify=recurrent", "attn_verify=single", "threads=1"):
+        args += ["--engine-arg", kv]
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    rows = {m[1]: m for m in re.finditer(
+        r"^(\S+)\s+([\d.]+)\s+([\d.]+)x\s+([\d.]+)\s+\[[\d., ]+\]\s*(\d+/\d+)?$", out, re.M)}
+    assert set(rows) == {"baseline", "mtp-k2", "dflash-k3"}, out
+    assert float(rows["baseline"][3]) == 1.0
+    for name in ("mtp-k2", "dflash-k3"):
+        assert rows[name][5] == "4/4", out
+        assert float(rows[name][4]) > 1.0  # some drafts were accepted
+
+
+def test_profile_reference_prints_every_phase_and_the_loop_split(capsys):
+    prof = _load("profile_reference")
+    assert prof.main(["--context", "24", "--k", "1,3", "--iters", "3", "--top", "2",
+                      "--corpus", "smoke", "--prompts", "2", "--engine-arg", "threads=1"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("decode step (1 token", "verify K=3", "MTP draft step", "DFlash block draft",
+                   "profiled ops per step"):
+        assert needle in out, out
+    loop = {m[1]: m for m in re.finditer(
+        r"^  (baseline|mtp-k3|dflash-k7)\s+([\d.]+) ms/iter, ([\d.]+) tok/iter.*\| (.*)$",
+        out, re.M)}
+    assert set(loop) == {"baseline", "mtp-k3", "dflash-k7"}, out
+    assert float(loop["baseline"][3]) == 1.0
+    assert "MTP drafting" in loop["mtp-k3"][4] and "DFlash draft" in loop["dflash-k7"][4]
+    assert "target forward" in loop["baseline"][4] and "commit" not in loop["baseline"][4]
