@@ -142,12 +142,13 @@ def test_engine_args_and_api(equal_engine):
 
 @pytest.mark.parametrize("form", ["single", "multi"])
 def test_batched_baseline_equals_one_at_a_time(baseline, prompts, form):
-    """A left-padded batch (prompts of 14..83 tokens, chunked prefill, recurrent decode):
-    pads touch neither the GDN state nor attention, so in fp32 every sequence decodes what it
-    decodes alone; only the summation order of batched kernels differs."""
+    """A batch of prompts of 14..83 tokens, each prefilled alone, then decoded together at
+    their own lengths: attention masks every key past a sequence's own position, so in fp32
+    every sequence decodes what it decodes alone; only the summation order of batched kernels
+    differs."""
     ps, ids = prompts
     eng = ReferenceEngine(engine_args={**EQUAL, "attn_decode": form, "batch": "4"})
-    assert len({len(i) for i in ids}) > 2  # really different lengths, so really padded
+    assert len({len(i) for i in ids}) > 2  # really different lengths, so really ragged
     batched = eng.generate(ps, ids, SpecConfig(), 5)
     alone = baseline if form == "single" else ReferenceEngine(
         engine_args={**EQUAL, "attn_decode": form}).generate(ps, ids, SpecConfig(), 5)

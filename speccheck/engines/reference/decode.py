@@ -128,12 +128,12 @@ class Decoder:
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_tokens: list[int],
                        method: str = "baseline", k: int = 0, top_k: int = 5) -> list[Generation]:
-        """Greedy decoding of several prompts in one batch, left-padded to one length (pads
-        neither touch the GDN state nor are seen by attention, see Cache). Speculative
-        sequences accept different numbers of tokens, so after the prefill each keeps its own
-        length; one that stops leaves the batch. The batch's prefill and decode times are
-        shared out in proportion to each sequence's tokens, so that sums over the batch (the
-        tok/s of a run) are the batch's own."""
+        """Greedy decoding of several prompts as one batch: each prompt is prefilled alone,
+        then all decode together, each sequence at its own length (see Cache; speculative
+        sequences also accept different numbers of tokens); one that stops leaves the
+        batch. The batch's prefill and decode times are shared out in proportion to each
+        sequence's tokens, so that sums over the batch (the tok/s of a run) are the batch's
+        own."""
         if not prompts or any(not p for p in prompts):
             raise ValueError("empty prompt: at least one token is needed")
         if method == "baseline":
@@ -172,22 +172,21 @@ class Decoder:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def _prefill(self, prompts, max_len, top_k, aux_layers=()):
-        """The prompts, left-padded to one length P (no pad when they are equal), through the
-        prefill path. Returns (cache, hidden [B,P,H], aux {layer: [B,P,H]}, log-prob rows of
-        the next token [B,V], pad count per prompt)."""
-        P = max(len(p) for p in prompts)
-        pads = [P - len(p) for p in prompts]
-        pad = None
-        if any(pads):
-            pad = torch.zeros(len(prompts), max_len, dtype=torch.bool, device=self.device)
-            for b, n in enumerate(pads):
-                pad[b, :n] = True
-        ids = self._t([[self.cfg.eos_token_id] * n + list(p) for n, p in zip(pads, prompts)])
-        cache = Cache(len(self.target.layers), max_len, pad=pad)
-        h, aux = self.target(ids, cache, gdn_form=self.knobs.gdn_prefill,
-                             attn_form=self.knobs.attn_prefill, aux_layers=aux_layers)
-        rows = torch.log_softmax(self.target.logits(h[:, -1], top_k), -1)
-        return cache, h, aux, rows, pads
+        """Each prompt alone through the prefill path (as a server prefills a request when
+        it arrives), then all of them as one batch (:meth:`Cache.join`, each sequence at its
+        own length). Returns (cache, hidden [P_b,H] per prompt, aux {layer: [P_b,H]} per
+        prompt, log-prob rows of each prompt's next token [B,V])."""
+        caches, hidden, aux, last = [], [], [], []
+        for p in prompts:
+            cache = Cache(len(self.target.layers), max_len)
+            h, a = self.target(self._t(p)[None], cache, gdn_form=self.knobs.gdn_prefill,
+                               attn_form=self.knobs.attn_prefill, aux_layers=aux_layers)
+            caches.append(cache)
+            hidden.append(h[0])
+            aux.append({i: t[0] for i, t in a.items()})
+            last.append(h[:, -1])
+        rows = torch.log_softmax(self.target.logits(torch.cat(last), top_k), -1)
+        return (caches[0] if len(caches) == 1 else Cache.join(caches)), hidden, aux, rows
 
     def _generations(self, prompts, outs, counters, iterations, t0, t1, t2) -> list[Generation]:
         """Generation per sequence; batch times shared out (prefill by prompt tokens, decode
@@ -203,16 +202,22 @@ class Decoder:
     def _baseline(self, prompts, max_tokens, top_k) -> list[Generation]:
         outs = [_Out(n, self.cfg.eos_token_id, top_k) for n in max_tokens]
         t0 = time.perf_counter()
-        cache, _, _, rows, _ = self._prefill(prompts, max(map(len, prompts)) + max(max_tokens) + 2,
-                                             top_k)
+        cache, _, _, rows = self._prefill(prompts, max(map(len, prompts)) + max(max_tokens) + 2,
+                                          top_k)
         _sync(self.device)
         t1 = time.perf_counter()
+        live = list(range(len(prompts)))  # sequences still decoding, in cache order
         while True:
             tok = rows.argmax(-1)
-            for b, o in enumerate(outs):
-                o.add([int(tok[b])], rows[b:b + 1])  # (a finished one ignores it)
-            if all(o.finish is not None for o in outs):
+            for j, b in enumerate(live):
+                outs[b].add([int(tok[j])], rows[j:j + 1])
+            still = [j for j, b in enumerate(live) if outs[b].finish is None]
+            if not still:
                 break
+            if len(still) < len(live):
+                cache.select(still)
+                tok = tok[self._t(still)]
+                live = [live[j] for j in still]
             h, _ = self.target(tok[:, None], cache, gdn_form=self.knobs.gdn_decode,
                                attn_form=self.knobs.attn_decode)
             rows = torch.log_softmax(self.target.logits(h[:, 0], top_k), -1)
@@ -229,7 +234,7 @@ class Decoder:
         counters = [SpecCounters(accepted_per_pos=[0] * k) for _ in range(B)]
         iterations = [0] * B
         t0 = time.perf_counter()
-        cache, hidden, aux, rows, pads = self._prefill(prompts, max_len, top_k, aux_ids)
+        cache, hidden, aux, rows = self._prefill(prompts, max_len, top_k, aux_ids)
         x = rows.argmax(-1).tolist()
         tokens = [list(p) + [t] for p, t in zip(prompts, x)]
         for b, o in enumerate(outs):
@@ -238,13 +243,12 @@ class Decoder:
         t1 = time.perf_counter()
 
         # per sequence: the drafter's state, and target outputs for positions whose successors
-        # are known but the drafter has not seen (the prompt's, unpadded, to begin with)
+        # are known but the drafter has not seen (the prompt's, to begin with)
         states = [self._draft_init(method, max_len) for _ in range(B)]
-        pending = [hidden[b, n:] if method == "mtp" else
-                   torch.cat([aux[i][b, n:] for i in aux_ids], -1) for b, n in enumerate(pads)]
+        pending = [hidden[b] if method == "mtp" else torch.cat([aux[b][i] for i in aux_ids], -1)
+                   for b in range(B)]
         live = [b for b in range(B) if outs[b].finish is None]  # sequences still decoding
         if B > 1:
-            cache.make_ragged()
             cache.select(live)
         while live:
             drafts = [self._draft_mtp(states[b], tokens[b], pending[b], k) if method == "mtp"

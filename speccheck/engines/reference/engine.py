@@ -41,8 +41,8 @@ ENGINE_ARGS = {
     # one thread by default: the toy model's ops are too small to gain from more (measured 313 vs
     # 326 tok/s), and spin-waiting OpenMP threads collapse (~50x) when the CPU is shared
     "threads": (None, "1", "torch CPU threads (default 1; empty = torch default)"),
-    "batch": (None, "1", "prompts decoded together in one left-padded batch (speculative: "
-                         "each sequence keeps its own length and acceptance)"),
+    "batch": (None, "1", "prompts decoded together in one batch (each prefilled alone, then "
+                         "decoding at its own length and, speculating, its own acceptance)"),
     "fault": (("none",) + tuple(FAULTS), "none", "planted spec-decode bug for self-tests"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -216,27 +216,32 @@ class ReferenceEngine(Engine):
 
     def generate(self, prompts: Sequence[Prompt], prompt_ids: Sequence[Sequence[int]],
                  config: SpecConfig, top_k: int) -> list[Completion]:
+        batch = int(self.args["batch"])
+        return [c for i in range(0, len(prompts), batch)
+                for c in self._generate_batch(prompts[i:i + batch], prompt_ids[i:i + batch],
+                                              config, top_k)]
+
+    def generate_together(self, prompts: Sequence[Prompt], prompt_ids: Sequence[Sequence[int]],
+                          config: SpecConfig, top_k: int) -> list[Completion]:
+        return self._generate_batch(prompts, prompt_ids, config, top_k)
+
+    def _generate_batch(self, prompts, prompt_ids, config: SpecConfig, top_k: int) -> list[Completion]:
         if config.method not in ("baseline",) + self.methods:
             raise EngineUsageError(f"--method {config.method!r} is not offered by the reference "
                                    f"engine; choose baseline, mtp or dflash")
-        batch = int(self.args["batch"])
-        out = []
-        for i in range(0, len(prompts), batch):
-            group = list(zip(prompts[i:i + batch], prompt_ids[i:i + batch]))
-            names = ", ".join(p.id for p, _ in group)
-            try:
-                gens = self.decoder.generate_batch([list(ids) for _, ids in group],
-                                                   [p.max_tokens for p, _ in group],
-                                                   config.method, config.k, top_k)
-            except ValueError as e:
-                raise EngineUsageError(f"prompt {names}: {e}") from e
-            except RuntimeError as e:
-                raise EngineError(f"reference engine failed on prompt {names}: {e}") from e
-            for (p, ids), g in zip(group, gens):
-                out.append(Completion(p.id, list(ids), g.token_ids, g.logprobs, g.topk_ids,
-                                      g.topk_logprobs, self.detokenize(g.token_ids),
-                                      g.finish_reason, g.ttft_s, g.decode_s, g.spec))
-        return out
+        names = ", ".join(dict.fromkeys(p.id for p in prompts))
+        try:
+            gens = self.decoder.generate_batch([list(ids) for ids in prompt_ids],
+                                               [p.max_tokens for p in prompts],
+                                               config.method, config.k, top_k)
+        except ValueError as e:
+            raise EngineUsageError(f"prompt {names}: {e}") from e
+        except RuntimeError as e:
+            raise EngineError(f"reference engine failed on prompt {names}: {e}") from e
+        return [Completion(p.id, list(ids), g.token_ids, g.logprobs, g.topk_ids, g.topk_logprobs,
+                           self.detokenize(g.token_ids), g.finish_reason, g.ttft_s, g.decode_s,
+                           g.spec)
+                for p, ids, g in zip(prompts, prompt_ids, gens)]
 
     def score(self, prompt_ids: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
               top_k: int) -> list[Scored]:

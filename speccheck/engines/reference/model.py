@@ -394,25 +394,32 @@ class Cache:
     Verify forwards leave per-position candidates in ``pending`` so that
     :meth:`commit` can keep exactly the first ``n`` new positions (exact rollback).
 
-    A batch of prompts of different lengths is left-padded to one length: ``pad`` [B,
-    max_len] marks the pad positions. They feed zeros into the GDN conv, so q = k = v = 0
-    there: the recurrent state stays exactly zero through the pad prefix and the conv window
-    holds what an empty one does. As attention keys they are masked. Attention depends only
-    on relative positions, so each sequence computes what it would alone; all then advance
-    one position per decode step. Speculative decoding lets them drift apart: after
-    :meth:`make_ragged` every sequence has its own length (``lengths`` [B]), a forward writes
-    sequence b's tokens at lengths[b].., and :meth:`commit` keeps a count per sequence."""
+    A batch (:meth:`join`: prompts prefilled one by one, as a server prefills each request
+    when it arrives, then decoded together) keeps a length per sequence, ``lengths`` [B]: a
+    forward writes sequence b's tokens at lengths[b].., attention masks every key past a
+    sequence's own position, and :meth:`commit` keeps a count per sequence. Attention depends
+    only on relative positions, so each sequence computes what it would alone."""
 
-    def __init__(self, n_layers: int, max_len: int, pad: torch.Tensor | None = None):
+    def __init__(self, n_layers: int, max_len: int):
         self.length = 0
         self.lengths: torch.Tensor | None = None
         self.max_len = max_len
-        self.pad = pad
         self.gdn: list = [None] * n_layers
         self.conv: list = [None] * n_layers
         self.k: list = [None] * n_layers
         self.v: list = [None] * n_layers
         self.pending: dict = {}
+
+    @classmethod
+    def join(cls, caches: list["Cache"]) -> "Cache":
+        """One batch of single-sequence caches (same max_len), each at its own length."""
+        out = cls(len(caches[0].gdn), caches[0].max_len)
+        for name in ("gdn", "conv", "k", "v"):
+            setattr(out, name, [None if parts[0] is None else torch.cat(parts)
+                                for parts in zip(*(getattr(c, name) for c in caches))])
+        device = next(t for t in out.gdn + out.k if t is not None).device
+        out.lengths = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
+        return out
 
     def commit(self, n_new: int | list[int], roll_back_gdn: bool = True) -> None:
         """Keep the first ``n_new`` positions of the last forward and drop the rest (a list:
@@ -435,21 +442,12 @@ class Cache:
         else:
             self.lengths = self.lengths + torch.tensor(counts, device=self.lengths.device)
 
-    def make_ragged(self) -> None:
-        """From here on each sequence keeps its own length (see the class docstring)."""
-        if self.lengths is None:
-            t = next(t for t in self.gdn + self.k if t is not None)
-            self.lengths = torch.full((t.shape[0],), self.length, dtype=torch.long,
-                                      device=t.device)
-
     def select(self, rows: list[int]) -> None:
         """Keep only these sequences of a ragged batch (the others have finished)."""
         idx = torch.tensor(rows, dtype=torch.long, device=self.lengths.device)
         for name in ("gdn", "conv", "k", "v"):
             setattr(self, name, [None if t is None else t[idx] for t in getattr(self, name)])
         self.lengths = self.lengths[idx]
-        if self.pad is not None:
-            self.pad = self.pad[idx]
 
     def snapshot(self) -> tuple:
         """A copy of the state at the current position (cheap: a few small tensors)."""
@@ -495,9 +493,6 @@ class Qwen3_5GatedDeltaNet(nn.Module):
                                                           self.in_proj_b, self.in_proj_a]))
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
         z = z.reshape(B, T, self.nv, self.dv)
-        if cache is not None and cache.pad is not None and cache.lengths is None:
-            # left pads feed zeros (see Cache); a ragged batch is past its pads
-            mixed = mixed * (~cache.pad[:, cache.length:cache.length + T, None]).to(mixed.dtype)
         # the causal depthwise conv accumulates in fp32 (as causal-conv1d kernels do)
         w = inference_cached(self, "conv_w", [self.conv1d.weight],
                              lambda: self.conv1d.weight.float())  # [C, 1, K]
@@ -549,22 +544,17 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(B, T, self.value_dim))
 
 
-def _attend(q, K, V, start: int | torch.Tensor, form: str, pad: torch.Tensor | None = None):
+def _attend(q, K, V, start: int | torch.Tensor, form: str):
     """q: [B,H,T,D] at positions start..start+T-1; K,V: [B,Hkv,start+T,D] (all visible
-    keys). ``multi`` = one SDPA with a causal mask, ``single`` = one SDPA per query.
-    ``pad`` [B, >=start+T]: left-pad positions, masked as keys (a pad query may look at
-    them, so that no row is empty; its output is never used). A tensor ``start`` [B] is a
-    ragged batch: K,V hold max(start)+T positions and sequence b sees keys <= start[b]+i."""
+    keys). ``multi`` = one SDPA with a causal mask, ``single`` = one SDPA per query. A tensor
+    ``start`` [B] is a batch of sequences at their own lengths: K,V hold max(start)+T
+    positions and sequence b sees keys <= start[b]+i."""
     T, L = q.shape[2], K.shape[2]
-    allowed = None  # [B, 1, T, L]: key visibility from padding and ragged lengths
+    allowed = None  # [B, 1, T, L]: key visibility in a batch of sequences of their own lengths
     if isinstance(start, torch.Tensor):
         last = start[:, None] + torch.arange(T, device=q.device)  # [B, T]
         allowed = torch.arange(L, device=q.device) <= last[:, None, :, None]
-        if pad is not None:
-            allowed = allowed & ~pad[:, None, None, :L]
         start = L - T  # causality is in `allowed`; the forms below see the longest sequence
-    elif pad is not None:
-        allowed = ~pad[:, None, None, :L] | pad[:, None, start:start + T, None]
     if form == "multi":
         if T == 1 and allowed is None:
             return F.scaled_dot_product_attention(q, K, V, enable_gqa=True)
@@ -631,15 +621,14 @@ class Qwen3_5Attention(nn.Module):
             end = (int(start.max()) if isinstance(start, torch.Tensor) else start) + T
             if end > cache.max_len:
                 raise RuntimeError(f"cache overflow: {end} > {cache.max_len} positions")
-            if isinstance(start, torch.Tensor):
-                for b, s in enumerate(start.tolist()):
-                    cache.k[idx][b, :, s:s + T] = k[b]
-                    cache.v[idx][b, :, s:s + T] = v[b]
+            if isinstance(start, torch.Tensor):  # sequence b's tokens at start[b]..
+                rows = torch.arange(B, device=x.device)[:, None]
+                cache.k[idx][rows, :, pos] = k.transpose(1, 2)
+                cache.v[idx][rows, :, pos] = v.transpose(1, 2)
             else:
                 cache.k[idx][:, :, start:start + T] = k
                 cache.v[idx][:, :, start:start + T] = v
-            o = _attend(q, cache.k[idx][:, :, :end], cache.v[idx][:, :, :end], start, form,
-                        cache.pad)
+            o = _attend(q, cache.k[idx][:, :, :end], cache.v[idx][:, :, :end], start, form)
         o = o.transpose(1, 2).reshape(B, T, self.nh * self.d)
         return self.o_proj(o * torch.sigmoid(gate))
 
