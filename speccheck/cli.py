@@ -85,6 +85,9 @@ run_options = [
     click.option("--top-k", "top_k", default=5, show_default=True, type=click.IntRange(2, 20)),
     click.option("--engine-arg", "engine_args", multiple=True, help="Engine option key=value (repeatable)."),
     click.option("--no-attribution", is_flag=True, help="Skip kernel-path attribution of divergences."),
+    click.option("--concurrent", default=2, show_default=True, type=click.IntRange(0, 64),
+                 help="Also run each config on the whole corpus at once, every prompt N times: "
+                      "batch-composition invariance and N identical concurrent requests (0: off)."),
     click.option("--base-url", default=None, help="openai engine: server URL (e.g. http://127.0.0.1:8000)."),
     click.option("--served-model", default=None, help="openai engine: the server's model name."),
     click.option("--api-key-env", default=None,
@@ -93,7 +96,7 @@ run_options = [
 
 
 def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args,
-          no_attribution=False, base_url=None, served_model=None, api_key_env=None):
+          no_attribution=False, base_url=None, served_model=None, api_key_env=None, concurrent=0):
     from speccheck.runner import RunPlan
 
     args = _engine_args(engine_args)
@@ -114,7 +117,8 @@ def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, eng
     matrix = build_matrix(methods, k, configs, offered=cls.methods, engine=engine,
                           default_k=default_k, draft=draft, include_baseline=not cls.serves_one_config)
     return RunPlan(engine=engine, model=model, draft=draft, engine_args=args, corpus=corpus,
-                   configs=matrix, repeats=repeats, top_k=top_k, attribute=not no_attribution)
+                   configs=matrix, repeats=repeats, top_k=top_k, attribute=not no_attribution,
+                   concurrent=concurrent)
 
 
 def _suite(store_dir: str, suite_id: str | None):
@@ -158,7 +162,7 @@ def main() -> None:
 @_apply(run_options)
 @store_option
 def run(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args, no_attribution,
-        base_url, served_model, api_key_env, store_dir):
+        concurrent, base_url, served_model, api_key_env, store_dir):
     """Run the matrix (baseline always included) into the store; resumes finished runs."""
     from speccheck.runner import run_suite
 
@@ -166,7 +170,7 @@ def run(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engin
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     plan = _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args, no_attribution,
-                 base_url, served_model, api_key_env)
+                 base_url, served_model, api_key_env, concurrent)
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
@@ -177,8 +181,9 @@ def run(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engin
 
         suite = run_suite(plan, Store(store_dir), log=bar.console.print if console.is_terminal else click.echo,
                           progress=progress)
-    failed = [f"{c.name} r{r}" for c in plan.configs for r in range(plan.repeats)
-              if not suite.is_complete(c.name, r)]
+    runs = list(range(plan.repeats)) + ([-1] if plan.concurrent else [])
+    failed = [f"{c.name} " + ("all at once" if r < 0 else f"r{r}") for c in plan.configs
+              for r in runs if not suite.is_complete(c.name, r)]
     click.echo(f"stored in {suite.root}" + (f"; FAILED runs: {', '.join(failed)}" if failed else ""))
     if failed:
         sys.exit(EXIT_ENGINE)
@@ -212,7 +217,7 @@ def diff(methods, k, configs, against, as_json, run_missing, suite, store_dir, g
     if run_missing:
         from speccheck.runner import run_suite
 
-        plan = _plan("reference", None, None, methods, k, configs, "default", 2, 5, ())
+        plan = _plan("reference", None, None, methods, k, configs, "default", 2, 5, (), concurrent=2)
         run_suite(plan, Store(store_dir), log=lambda m: click.echo(m, err=True))
     s = _suite(store_dir, suite)
     names = _select(s, methods, k, configs)

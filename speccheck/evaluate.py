@@ -25,10 +25,12 @@ from speccheck.verify import (
     teacher_forced_agreement,
     teacher_forced_divergences,
     text_similarity,
+    unique_completions,
 )
 
-CHECKS = ("ran", "deterministic", "agrees_with_baseline", "divergences_are_low_confidence",
-          "acceptance_not_regressed", "speedup")
+CHECKS = ("ran", "deterministic", "batch_invariant", "concurrent_identical",
+          "agrees_with_baseline", "divergences_are_low_confidence", "acceptance_not_regressed",
+          "speedup")
 
 
 @dataclass
@@ -45,6 +47,24 @@ class Speed:
     cold_tok_s: float | None  # the first request of the first run
     ttft_s: float | None  # median
     speedup: float | None  # warm tok/s over the baseline's, same suite
+
+
+@dataclass
+class Together:
+    """The config's run of the whole corpus at once, each prompt ``copies`` times, against
+    its first run (one prompt at a time)."""
+
+    copies: int
+    requests: int
+    prompts: int
+    exact: int  # prompts whose first copy equals the prompt alone, token for token
+    prefix_agreement: float
+    divergences: list[Divergence]  # first copy vs alone
+    split: dict[str, int]  # prompt -> distinct completions among its copies, where > 1
+
+    @property
+    def high(self) -> list[Divergence]:
+        return [d for d in self.divergences if d.classification.cls == "high_confidence"]
 
 
 @dataclass
@@ -66,6 +86,7 @@ class ConfigResult:
     acceptance: Acceptance | None
     golden_tokens_per_iter: float | None
     speed: Speed
+    together: Together | None = None
     checks: list[Check] = field(default_factory=list)
 
     @property
@@ -200,6 +221,19 @@ def compare_runs(base: RunRecord, other: RunRecord, tau_tie: float, tau_low: flo
     return cmp
 
 
+def together_result(alone: RunRecord, together: RunRecord, tau_tie: float, tau_low: float,
+                    noise: float, detok=None) -> Together:
+    first = replace(together, completions=together.copy(0), copies=0)
+    cmp = compare_runs(alone, first, tau_tie, tau_low, noise, detok)
+    split = {}
+    for i, c in enumerate(first.completions):
+        n = unique_completions([together.copy(j)[i].token_ids for j in range(together.copies)])
+        if n > 1:
+            split[c.prompt_id] = n
+    return Together(together.copies, len(together.completions), cmp.prompts, cmp.exact,
+                    cmp.prefix_agreement, cmp.divergences, split)
+
+
 def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau_low: float,
                     noise: float, base_records: list[RunRecord], golden_acceptance: dict | None = None,
                     detok=None, base_speed: float | None = None) -> ConfigResult:
@@ -228,6 +262,12 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
         token_agreement=None, text_similarity=None, divergences=[], tf_divergences=[],
         class_counts={}, attribution=suite.load_attribution(name) or [], acceptance=None,
         golden_tokens_per_iter=None, speed=Speed(None, None, None, None))
+
+    together = suite.load_together(name)
+    if together is not None and together.status != "ok":
+        failed.append(f"all at once: {(together.error or 'failed').splitlines()[0]}")
+    elif together is not None and ok:
+        result.together = together_result(ok[0], together, tau_tie, tau_low, noise, detok)
 
     warm, cold, ttft = speed_of(ok)
     result.speed = Speed(warm, cold, ttft, warm / base_speed if warm and base_speed else None)
@@ -295,6 +335,7 @@ def _checks(r: ConfigResult, p: Policy, is_baseline: bool) -> list[Check]:
         msg = (f"{r.repeats} runs identical token for token" if r.identical_runs
                else f"runs differ: {'; '.join(r.nondeterminism[:5])}")
         checks.append(Check("deterministic", r.identical_runs or not p.require_deterministic, msg))
+    checks += _together_checks(r.together, p)
     if is_baseline:
         return checks
 
@@ -347,6 +388,30 @@ def _checks(r: ConfigResult, p: Policy, is_baseline: bool) -> list[Check]:
         checks.append(Check("speedup", sp is not None and sp >= p.min_speedup,
                             f"warm speedup {_x(sp)} vs required {p.min_speedup:.2f}x"))
     return checks
+
+
+def _together_checks(t: Together | None, p: Policy) -> list[Check]:
+    """batch_invariant: each prompt inside a batch of all the others (and of copies of
+    itself) gives its tokens alone, or -- unless the policy asks for exact invariance -- at
+    least flips no high-confidence token. concurrent_identical: identical requests in flight
+    together give one completion."""
+    if t is None:
+        why = "no run of the corpus all at once (speccheck run --concurrent N)"
+        return [Check("batch_invariant", True, why, skipped=True),
+                Check("concurrent_identical", True, why, skipped=True)]
+    figures = (f"{t.exact}/{t.prompts} prompts exact inside a batch of {t.requests}, prefix "
+               f"{_pct(t.prefix_agreement)}, {len(t.divergences)} divergence(s), "
+               f"{len(t.high)} high-confidence")
+    problems = t.high if not p.require_batch_invariant else t.divergences
+    batch = Check("batch_invariant", len(problems) <= (0 if p.require_batch_invariant
+                                                         else p.max_high_confidence),
+                  figures + "".join("\n    " + _fmt_div(d) for d in problems[:5]))
+    split = ", ".join(f"{pid}: {n} distinct" for pid, n in t.split.items())
+    concurrent = Check("concurrent_identical", not t.split or not p.require_concurrent_identical,
+                       f"{t.copies} identical concurrent requests per prompt -> "
+                       + (f"more than one completion for {len(t.split)} prompt(s) ({split})"
+                          if t.split else "1 completion each"))
+    return [batch, concurrent]
 
 
 def _pct(x: float | None) -> str:

@@ -44,6 +44,12 @@ class Policy:
     max_acceptance_drop: float = 0.05
     #: warm decode speedup over the baseline measured in the same suite (0 = report only)
     min_speedup: float = 0.0
+    #: with a run of the corpus all at once (`run --concurrent N`): identical requests in
+    #: flight together must get one completion
+    require_concurrent_identical: bool = True
+    #: ... and each prompt inside that batch must give exactly its tokens alone (batch
+    #: invariance, which few engines offer); when False only high-confidence changes fail
+    require_batch_invariant: bool = False
 
     def with_overrides(self, overrides: dict[str, object], source: str) -> "Policy":
         known = {f.name: f.type for f in fields(self)}

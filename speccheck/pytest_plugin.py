@@ -13,8 +13,12 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["test_deterministic", "test_agrees_with_baseline", "test_divergences_are_low_confidence",
+__all__ = ["test_deterministic", "test_batch_invariant", "test_concurrent_identical",
+           "test_agrees_with_baseline", "test_divergences_are_low_confidence",
            "test_acceptance_not_regressed", "test_baseline_matches_golden"]
+
+#: generated for the baseline too (the others compare a spec config with the baseline)
+_ALL_CONFIGS = ("test_deterministic", "test_batch_invariant", "test_concurrent_identical")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -30,6 +34,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--spec-repeats", default=2, type=int, help="repeats per config")
     g.addoption("--spec-engine-arg", action="append", default=[], help="engine option key=value")
     g.addoption("--spec-policy", default=None, help="policy TOML file")
+    g.addoption("--spec-concurrent", default=2, type=int,
+                help="also run the corpus all at once, each prompt N times (batch invariance, "
+                     "identical concurrent requests); 0: off")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -42,14 +49,15 @@ def _plan(config: pytest.Config):
     o = config.getoption
     return plan_from_options(o("--spec-engine"), o("--spec-model"), o("--spec-draft"),
                              tuple(o("--spec-method")), o("--spec-k"), (), o("--spec-corpus"),
-                             o("--spec-repeats"), 5, tuple(o("--spec-engine-arg")))
+                             o("--spec-repeats"), 5, tuple(o("--spec-engine-arg")),
+                             concurrent=o("--spec-concurrent"))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "spec_config" not in metafunc.fixturenames:
         return
     names = [c.name for c in _plan(metafunc.config).configs]
-    if metafunc.function.__name__ != "test_deterministic":
+    if metafunc.function.__name__ not in _ALL_CONFIGS:
         names = [n for n in names if n != "baseline"]
     metafunc.parametrize("spec_config", names, ids=names)
 
@@ -91,6 +99,19 @@ def test_deterministic(spec_result, spec_config):
     """Every repeat of the config (in-process and fresh-process) is identical token for token."""
     _assert_check(spec_result, spec_config, "ran")
     _assert_check(spec_result, spec_config, "deterministic")
+
+
+@pytest.mark.spec
+def test_batch_invariant(spec_result, spec_config):
+    """Each prompt inside a batch of all the others gives its tokens alone (up to classified
+    near-ties, unless the policy asks for exact batch invariance); --spec-concurrent 0 skips."""
+    _assert_check(spec_result, spec_config, "batch_invariant")
+
+
+@pytest.mark.spec
+def test_concurrent_identical(spec_result, spec_config):
+    """N identical requests in flight together get one completion; --spec-concurrent 0 skips."""
+    _assert_check(spec_result, spec_config, "concurrent_identical")
 
 
 @pytest.mark.spec

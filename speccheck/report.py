@@ -28,8 +28,14 @@ def acceptance_str(r: ConfigResult, limit: int = 8) -> str:
 
 def determinism_str(r: ConfigResult) -> str:
     if r.identical_runs is None:
-        return "-"
-    return f"identical x{r.repeats}" if r.identical_runs else f"DIFFERS ({len(r.nondeterminism)})"
+        text = "-"
+    else:
+        text = f"identical x{r.repeats}" if r.identical_runs else f"DIFFERS ({len(r.nondeterminism)})"
+    t = r.together
+    if t is not None:  # the corpus all at once: prompts unchanged by the batch, split copies
+        text += f"; in a batch {t.exact}/{t.prompts} exact" + (
+            f", {len(t.split)} prompt(s) split by {t.copies} concurrent copies" if t.split else "")
+    return text
 
 
 def attribution_str(a: dict) -> str:
@@ -73,6 +79,9 @@ def diff_text(result: SuiteResult, detok=None) -> str:
         if r.failed_runs:
             out.append("  engine failure  " + "; ".join(r.failed_runs))
         out.append(f"  determinism   {r.check('deterministic').message}")
+        if r.together is not None:
+            out.append(f"  all at once   {r.check('batch_invariant').message}")
+            out.append(f"                {r.check('concurrent_identical').message}")
         if r.config != "baseline":
             out.append(f"  agreement     {r.prompts_exact}/{r.prompts} prompts exact · prefix "
                        f"{_pct(r.prefix_agreement)} · teacher-forced {_pct(r.token_agreement)} · "

@@ -42,6 +42,9 @@ class RunPlan:
     fresh_process_repeat: bool = True  # the last repeat runs in a fresh process
     rescore: bool = True
     attribute: bool = True
+    #: N > 0: per config, also one run of the whole corpus at once with every prompt N times
+    #: (batch-composition invariance; N identical concurrent requests give one completion)
+    concurrent: int = 0
 
     def suite_meta(self, corpus: Corpus) -> dict:
         return {"engine": self.engine, "model": self.model, "draft": self.draft,
@@ -77,16 +80,19 @@ def tokenized_inputs(suite: Suite, engine: Engine, corpus: Corpus) -> dict[str, 
 
 
 def run_one(engine: Engine, suite: Suite, corpus: Corpus, inputs: dict[str, np.ndarray],
-            config: SpecConfig, repeat: int, top_k: int, fresh_process: bool) -> RunRecord:
+            config: SpecConfig, repeat: int, top_k: int, fresh_process: bool,
+            copies: int = 0) -> RunRecord:
     """Generate the whole corpus under one config and store it; an engine failure is stored
-    as a failed run (the matrix goes on), bad usage is raised."""
+    as a failed run (the matrix goes on), bad usage is raised. With ``copies`` N the corpus
+    goes to the engine all at once, N times over (stored as repeat -1)."""
     t0 = time.perf_counter()
     record = RunRecord(config=config, identity={}, corpus=corpus.name, corpus_hash=corpus.hash,
-                       repeat=repeat, fresh_process=fresh_process)
+                       repeat=-1 if copies else repeat, fresh_process=fresh_process, copies=copies)
     try:
-        prompts = corpus.prompts
-        record.completions = engine.generate(prompts, [inputs[p.id].tolist() for p in prompts],
-                                             config, top_k)
+        prompts = list(corpus.prompts) * max(copies, 1)
+        ids = [inputs[p.id].tolist() for p in prompts]
+        generate = engine.generate_together if copies else engine.generate
+        record.completions = generate(prompts, ids, config, top_k)
     except EngineUsageError:
         raise
     except Exception as e:  # noqa: BLE001 - any engine crash is recorded, not fatal to the matrix
@@ -114,6 +120,9 @@ def _summary_line(record: RunRecord) -> str:
     tpi = f"  {1 + spec.accepted_tokens / spec.drafts:.2f} tok/iter" if spec and spec.drafts else ""
     fresh = "  [fresh process]" if record.fresh_process else ""
     rate = f"{n / dec:7.1f} tok/s" if dec > 0 else "      - tok/s"
+    if record.copies:
+        return (f"{record.config.name:>12} all at once: {len(record.completions)} requests "
+                f"({record.copies} of each prompt)  {n:6d} tok")
     return (f"{record.config.name:>12} r{record.repeat}  {len(record.completions)} prompts  "
             f"{n:6d} tok  {rate}{tpi}{fresh}")
 
@@ -129,18 +138,28 @@ def run_suite(plan: RunPlan, store: Store, log: Log = _print,
     try:
         inputs = tokenized_inputs(suite, engine, corpus)
         current = weights_fingerprint(engine.identity())
-        todo = [(c, r) for c in plan.configs for r in range(plan.repeats)
+        # repeat -1: the corpus all at once (plan.concurrent copies of each prompt)
+        wanted = [(c, r) for c in plan.configs
+                  for r in list(range(plan.repeats)) + ([-1] if plan.concurrent else [])]
+        todo = [(c, r) for c, r in wanted
                 if not (suite.is_complete(c.name, r)
-                        and weights_fingerprint(suite.run_identity(c.name, r)) == current)]
-        done = len(plan.configs) * plan.repeats - len(todo)
-        log(f"suite {suite.id}: {len(plan.configs)} configs x {plan.repeats} repeats on corpus "
-            f"{corpus.name} ({len(corpus.prompts)} prompts); {done} already stored, {len(todo)} to run")
+                        and weights_fingerprint(suite.run_identity(c.name, r)) == current
+                        and (r >= 0 or suite.load_together(c.name).copies == plan.concurrent))]
+        done = len(wanted) - len(todo)
+        together = f" + all at once x{plan.concurrent}" if plan.concurrent else ""
+        log(f"suite {suite.id}: {len(plan.configs)} configs x {plan.repeats} repeats{together} "
+            f"on corpus {corpus.name} ({len(corpus.prompts)} prompts); {done} already stored, "
+            f"{len(todo)} to run")
         for i, (config, repeat) in enumerate(todo):
             if progress:
-                progress(i, len(todo), f"{config.name} r{repeat}")
+                progress(i, len(todo), f"{config.name} " + ("together" if repeat < 0 else f"r{repeat}"))
             fresh = (plan.fresh_process_repeat and plan.repeats > 1 and repeat == plan.repeats - 1
                      and not engine.fresh_process_per_config)
-            if fresh:
+            if repeat < 0:
+                record = run_one(engine, suite, corpus, inputs, config, repeat, plan.top_k,
+                                 fresh_process=engine.fresh_process_per_config,
+                                 copies=plan.concurrent)
+            elif fresh:
                 record = run_in_fresh_process(plan, store, suite, config, repeat)
             else:
                 record = run_one(engine, suite, corpus, inputs, config, repeat, plan.top_k,

@@ -126,7 +126,7 @@ def read_run(d: Path) -> RunRecord:
         config=SpecConfig(cfg["method"], cfg["k"], cfg.get("draft")), identity=m["identity"],
         corpus=m["corpus"], corpus_hash=m["corpus_hash"], repeat=m["repeat"],
         fresh_process=m["fresh_process"], status=m["status"], error=m["error"],
-        completions=comps, wall_s=m.get("wall_s", 0.0))
+        completions=comps, wall_s=m.get("wall_s", 0.0), copies=m.get("copies", 0))
 
 
 @dataclass
@@ -145,7 +145,8 @@ class Suite:
 
     # --- runs -----------------------------------------------------------------------------
     def run_dir(self, config_name: str, repeat: int) -> Path:
-        return self.root / "runs" / config_name / f"r{repeat}"
+        """``repeat`` -1 is the config's run of the whole corpus at once (``copies``)."""
+        return self.root / "runs" / config_name / ("together" if repeat < 0 else f"r{repeat}")
 
     def is_complete(self, config_name: str, repeat: int) -> bool:
         manifest = self.run_dir(config_name, repeat) / "manifest.json"
@@ -187,6 +188,7 @@ class Suite:
             "status": record.status,
             "error": record.error,
             "wall_s": record.wall_s,
+            "copies": record.copies,
             "completions": [
                 {"prompt_id": c.prompt_id, "text": c.text, "finish_reason": c.finish_reason,
                  "ttft_s": c.ttft_s, "decode_s": c.decode_s, "n_tokens": c.n_tokens,
@@ -206,6 +208,11 @@ class Suite:
 
     def load_run(self, config_name: str, repeat: int) -> RunRecord:
         return read_run(self.run_dir(config_name, repeat))
+
+    def load_together(self, config_name: str) -> RunRecord | None:
+        """The config's run of the whole corpus at once, if one is stored."""
+        d = self.run_dir(config_name, -1)
+        return read_run(d) if (d / "manifest.json").exists() else None
 
     def configs(self) -> list[str]:
         """Config names with at least one stored run, baseline first, then by method and K."""

@@ -156,6 +156,17 @@ class RunRecord:
     error: str | None = None
     completions: list[Completion] = field(default_factory=list)
     wall_s: float = 0.0
+    #: 0 for a run of the corpus one prompt at a time; N >= 1 for the run of the whole corpus
+    #: at once with every prompt N times (copy-major: all prompts, then all again, ...), the
+    #: batch-composition and concurrent-request variant of determinism (stored as repeat -1)
+    copies: int = 0
+
+    def copy(self, j: int) -> list[Completion]:
+        """The j-th copy of the corpus in a run with ``copies`` (the whole run if 0)."""
+        if not self.copies:
+            return list(self.completions)
+        n = len(self.completions) // self.copies
+        return self.completions[j * n:(j + 1) * n]
 
     def by_prompt(self) -> dict[str, Completion]:
         return {c.prompt_id: c for c in self.completions}

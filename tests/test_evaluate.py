@@ -133,3 +133,58 @@ def test_junit_and_markdown(suite, tmp_path):
     assert {c.get("name") for c in root.iter("testcase")} >= {"deterministic[mtp-k3]", "agrees_with_baseline[dflash-k7]"}
     md = markdown_report(res)
     assert "| mtp-k3 | 3 |" in md and "near_tie" in md and "**Verdict: PASS**" in md
+
+
+def write_together(suite, name, copies_of_each: list[list[Completion]]):
+    """A run of the corpus all at once: copies_of_each[j] is the j-th copy of the corpus."""
+    suite.write_run(RunRecord(SpecConfig.from_name(name), {"engine": "t", "model_hash": "m"}, "c",
+                              "h", -1, False, completions=[c for cp in copies_of_each for c in cp],
+                              copies=len(copies_of_each)))
+
+
+def test_all_at_once_checks_skip_without_such_a_run(suite):
+    res = evaluate_suite(suite, Policy(min_token_agreement=0.5))
+    for name in ("batch_invariant", "concurrent_identical"):
+        c = res.get("mtp-k3").check(name)
+        assert c.skipped and "--concurrent" in c.message
+
+
+def test_all_at_once_identical_passes_and_is_reported(suite):
+    corpus = [comp(p, t, NEAR.get(p)) for p, t in BASE.items()]
+    write_together(suite, "mtp-k3", [corpus, corpus])
+    res = evaluate_suite(suite, Policy(min_token_agreement=0.5))
+    r = res.get("mtp-k3")
+    assert r.together.exact == 3 and r.together.requests == 6 and not r.together.split
+    assert r.check("batch_invariant").passed and r.check("concurrent_identical").passed
+    assert "3/3 prompts exact inside a batch of 6" in r.check("batch_invariant").message
+    assert "in a batch 3/3 exact" in markdown_report(res)
+    assert suite.repeats("mtp-k3") == [0, 1]  # the run all at once is not a repeat
+
+
+def test_split_concurrent_copies_fail_naming_the_prompt(suite):
+    corpus = [comp(p, t, NEAR.get(p)) for p, t in BASE.items()]
+    other_b = [comp("a", BASE["a"], NEAR["a"]), comp("b", BASE["b"][:3] + [30, 31, 32]),
+               comp("c", BASE["c"])]
+    write_together(suite, "baseline", [corpus, other_b, corpus])
+    res = evaluate_suite(suite, Policy(min_token_agreement=0.5))
+    c = res.get("baseline").check("concurrent_identical")
+    assert not c.passed and "b: 2 distinct" in c.message and exit_code(res) == 1
+    assert res.get("baseline").check("batch_invariant").passed  # copy 0 equals the prompt alone
+    assert "concurrent_identical failed for config baseline" in gate_text(res)
+
+
+def test_batch_changes_near_tie_passes_high_confidence_fails(suite):
+    flipped = BASE["a"][:3] + [BASE["a"][3] + 1, 40, 41]  # the runner-up at a near-tie
+    near = [comp("a", flipped, NEAR["a"], flip_at=3, base_token=BASE["a"][3])] + \
+        [comp(p, BASE[p]) for p in ("b", "c")]
+    write_together(suite, "mtp-k3", [near])
+    res = evaluate_suite(suite, Policy(min_token_agreement=0.5))
+    c = res.get("mtp-k3").check("batch_invariant")
+    assert c.passed and "2/3 prompts exact" in c.message and "1 divergence(s), 0 high" in c.message
+    strict = evaluate_suite(suite, Policy(min_token_agreement=0.5, require_batch_invariant=True))
+    assert not strict.get("mtp-k3").check("batch_invariant").passed
+
+    wild = [comp("a", BASE["a"][:2] + [44, 45, 46, 47])] + [comp(p, BASE[p]) for p in ("b", "c")]
+    write_together(suite, "mtp-k3", [wild])
+    c = evaluate_suite(suite, Policy(min_token_agreement=0.5)).get("mtp-k3").check("batch_invariant")
+    assert not c.passed and "prompt a position 2" in c.message and "high_confidence" in c.message

@@ -282,6 +282,8 @@ def test_cli_run_against_serve_passes_gate(tmp_path):
                     "--method", method, "--corpus", "smoke", "--store", store]
             result = cli.invoke(main, args + (["--k", str(k)] if k else []))
             assert result.exit_code == 0, result.output
+            # and the corpus all at once: 4 prompts x 2 concurrent requests to the server
+            assert f"{method if k is None else f'mtp-k{k}'} all at once: 8 requests" in result.output
     gate = cli.invoke(main, ["gate", "--store", store])
     assert gate.exit_code == 0, gate.output
     assert "mtp-k2" in gate.output and "baseline" in gate.output

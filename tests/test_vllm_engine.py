@@ -373,7 +373,7 @@ class LLM:
 
     def generate(self, prompts, sp, use_tqdm=True):
         outs = []
-        for p in prompts:
+        for p, sp in zip(prompts, sp if isinstance(sp, list) else [sp] * len(prompts)):
             ids = list(p["prompt_token_ids"])
             plp = None
             if sp.prompt_logprobs:
@@ -442,8 +442,12 @@ def test_worker_protocol_with_fake_vllm(fake_vllm, worker, tmp_path, monkeypatch
         assert eng.last_call_fresh_process == (worker == "per-call")
         mtp = eng.generate(prompts, ids, SpecConfig("mtp", 3), 5)
         assert eng.last_call_fresh_process
-        for b, a, m in zip(base, again, mtp):
-            assert b.token_ids.tolist() == a.token_ids.tolist() == m.token_ids.tolist()
+        together = eng.generate_together(prompts * 2, ids * 2, SpecConfig("mtp", 3), 5)
+        assert [c.prompt_id for c in together] == ["a", "b", "a", "b"]
+        assert all(c.spec is None for c in together)  # one call's counters are not per request
+        for b, a, m, t in zip(base * 2, again * 2, mtp * 2, together):
+            assert b.token_ids.tolist() == a.token_ids.tolist() == m.token_ids.tolist() \
+                == t.token_ids.tolist()
             assert b.spec is None and m.spec.drafts > 0 and len(m.spec.accepted_per_pos) == 3
         assert base[0].n_tokens == 9 and (base[0].topk_ids[:, 0] == base[0].token_ids).all()
         scored = eng.score(ids, [c.token_ids.tolist() for c in base], 5)
@@ -496,6 +500,7 @@ def test_cli_run_diff_gate_with_fake_vllm(fake_vllm, tmp_path):
                                "--engine-arg", "worker=per-config"])
     assert res.exit_code == 0, res.output
     assert "mtp-k3 r1" in res.output
+    assert "mtp-k3 all at once: 8 requests (2 of each prompt)" in res.output  # the worker's one call
     res = runner.invoke(main, ["gate", "--store", store])
     assert res.exit_code == 0, res.output
 

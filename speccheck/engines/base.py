@@ -61,6 +61,15 @@ class Engine(ABC):
         """Greedy (temperature 0) completions of every prompt under one config, with the
         chosen token's logprob and the top-k at each generated position and spec counters."""
 
+    def generate_together(self, prompts: Sequence[Prompt], prompt_ids: Sequence[Sequence[int]],
+                          config: SpecConfig, top_k: int) -> list[Completion]:
+        """Like generate(), but every prompt is submitted at once (one batch, or concurrent
+        requests) instead of one after another: what a busy server does. Comparing the two
+        checks batch-composition invariance; duplicate prompts check that identical
+        concurrent requests get one answer. Spec counters may be absent (None) here."""
+        raise EngineUsageError(f"the {self.name} engine cannot submit requests together; "
+                               "run without --concurrent")
+
     @abstractmethod
     def score(self, prompt_ids: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
               top_k: int) -> list[Scored]:

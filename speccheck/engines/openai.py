@@ -5,7 +5,8 @@ Generation goes through ``/v1/completions`` with the prompt as token ids, ``temp
 ``logprobs: k`` and ``return_tokens_as_token_ids`` (top-k keyed ``token_id:N``, so no token
 string has to be mapped back); rescoring uses vLLM's ``prompt_logprobs`` extension. Spec
 counters come from ``/metrics`` (Prometheus text), scraped before and after every request,
-so each completion carries its own counters. Requests are sent one at a time.
+so each completion carries its own counters. Requests are sent one at a time, except in
+generate_together() (all in flight at once: the batch-composition variant).
 
 The server runs ONE config; the SpecConfig given to generate() says which one the user
 believes it runs, and the metrics must agree (drafts > 0 for a speculative config, no
@@ -23,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import httpx
@@ -459,23 +461,42 @@ class OpenAIEngine(Engine):
         out: list[Completion] = []
         for prompt, ids in zip(prompts, prompt_ids, strict=True):
             self._retried = False
-            body = {"model": self._served, "prompt": [int(t) for t in ids],
-                    "max_tokens": int(prompt.max_tokens), "temperature": 0,
-                    "logprobs": int(top_k), "return_tokens_as_token_ids": True,
-                    "return_token_ids": True}
-            t0 = time.perf_counter()
-            resp = self._json("POST", "/v1/completions", body)
-            wall = time.perf_counter() - t0
+            choice, wall = self._complete(prompt, ids, top_k)
             after = self._metrics_after(before)
             spec = counters_delta(before["spec"], after["spec"])
             before = after
-            choices = resp.get("choices") or []
-            if len(choices) != 1:
-                raise EngineError(f"prompt {prompt.id}: expected one choice from the server, "
-                                  f"got {len(choices)}")
-            out.append(completion_from_choice(prompt, ids, choices[0], top_k, wall, spec))
+            out.append(completion_from_choice(prompt, ids, choice, top_k, wall, spec))
         self._check_drafted(config, out)
         return out
+
+    def generate_together(self, prompts: Sequence[Prompt], prompt_ids: Sequence[Sequence[int]],
+                          config: SpecConfig, top_k: int) -> list[Completion]:
+        """Every request in flight at once (one thread each, at most 64 at a time). The
+        server's counters then cover all of them together, so completions carry none."""
+        self._server()
+        self._check_static(config, self._metrics()["spec"])
+
+        def one(pair):
+            choice, wall = self._complete(*pair, top_k)
+            return completion_from_choice(*pair, choice, top_k, wall, None)
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 64))) as pool:
+            return list(pool.map(one, zip(prompts, prompt_ids, strict=True)))
+
+    def _complete(self, prompt: Prompt, ids: Sequence[int], top_k: int) -> tuple[dict, float]:
+        """One greedy /v1/completions request: (its one choice, wall seconds)."""
+        body = {"model": self._served, "prompt": [int(t) for t in ids],
+                "max_tokens": int(prompt.max_tokens), "temperature": 0,
+                "logprobs": int(top_k), "return_tokens_as_token_ids": True,
+                "return_token_ids": True}
+        t0 = time.perf_counter()
+        resp = self._json("POST", "/v1/completions", body)
+        wall = time.perf_counter() - t0
+        choices = resp.get("choices") or []
+        if len(choices) != 1:
+            raise EngineError(f"prompt {prompt.id}: expected one choice from the server, "
+                              f"got {len(choices)}")
+        return choices[0], wall
 
     def _check_drafted(self, config: SpecConfig, out: list[Completion]) -> None:
         """A speculative config must have drafted; a server configured to speculate that

@@ -446,6 +446,16 @@ class VllmEngine(Engine):
 
     def generate(self, prompts: Sequence[Prompt], prompt_ids: Sequence[Sequence[int]],
                  config: SpecConfig, top_k: int) -> list[Completion]:
+        return self._generate(prompts, prompt_ids, config, top_k, together=False)
+
+    def generate_together(self, prompts: Sequence[Prompt], prompt_ids: Sequence[Sequence[int]],
+                          config: SpecConfig, top_k: int) -> list[Completion]:
+        """All prompts in one ``LLM.generate`` call, so the scheduler batches them. Spec
+        counters then cover the whole call and are not split per request (None)."""
+        return self._generate(prompts, prompt_ids, config, top_k, together=True)
+
+    def _generate(self, prompts, prompt_ids, config: SpecConfig, top_k: int,
+                  together: bool) -> list[Completion]:
         draft = config.draft or self.draft
         note = k_hint_note(config, draft)
         self._notes = [note] if note else []
@@ -453,15 +463,15 @@ class VllmEngine(Engine):
         req = {"op": "generate", "prompts": [list(map(int, p)) for p in prompt_ids],
                "max_tokens": [int(p.max_tokens) for p in prompts], "top_k": int(top_k),
                "stop_token_ids": eos_token_ids(self.model), "sampling": self.args["sampling"],
-               "warmup": bool(self.args["own"].get("warmup", True))}
+               "warmup": bool(self.args["own"].get("warmup", True)), "together": together}
         result = self._call(req, spec)
         rows = result["requests"]
-        comps = [completion_from_dict(p.id, row, top_k, spec is not None)
+        comps = [completion_from_dict(p.id, row, top_k, spec is not None and not together)
                  for p, row in zip(prompts, rows)]
         for c in comps:
             if not c.text:
                 c.text = self.detokenize(c.token_ids)
-        if spec is not None:
+        if spec is not None and not together:
             check_speculated(config, comps)
         return comps
 
