@@ -4,8 +4,9 @@
 #
 #   bash scripts/h200_vllm.sh run [CKPT_DIR]
 #       exports the reference checkpoint to CKPT_DIR (default /tmp/speccheck-ckpt) unless it
-#       is there, then `speccheck run --engine vllm`: baseline, MTP K=1,3,7 and DFlash K=7,
-#       2 repeats, with the settings the staged tree needs; then diff, gate and report; then
+#       is there, then `speccheck run --engine vllm`: baseline, MTP K=1,3,7 and DFlash K=7
+#       (env CONFIGS), 2 repeats and the corpus all at once (each prompt twice), with the
+#       settings the staged tree needs; then diff, gate and report; then
 #       (time permitting) scripts/capture_vllm_fixtures.py for fixtures the run did not
 #       capture. Everything comes back under $OUT: run.log, summary.txt, h200.tgz (store,
 #       fixtures, worker logs, report). Stops launching work after DEADLINE_S (default 500).
@@ -23,6 +24,7 @@ SITE=${SITE:-/root/site}
 OUT=${OUT:-/tmp/h200-out}
 DEADLINE_S=${DEADLINE_S:-510}
 CORPUS=${CORPUS:-smoke+code}
+CONFIGS=${CONFIGS:-mtp-k7 dflash-k7 mtp-k3 mtp-k1}
 WORK=${WORK:-/tmp/speccheck-h200}
 PIECES=${PIECES:-/root/pieces}
 
@@ -84,7 +86,9 @@ run() {
       ea+=(--engine-arg skip_tokenizer_init=false)
       attempt --method baseline
     fi
-    attempt --config mtp-k7 --config dflash-k7 --config mtp-k3 --config mtp-k1
+    local cfgs=()
+    for c in $CONFIGS; do cfgs+=(--config "$c"); done
+    attempt "${cfgs[@]}"
     if [ -d "$store" ]; then
       echo "== diff"; sc diff --store "$store" 2>&1
       echo "== gate"; sc gate --store "$store" --junit "$WORK/junit.xml" 2>&1; echo "gate exit $?"
