@@ -68,7 +68,7 @@ class Engine(ABC):
         checks batch-composition invariance; duplicate prompts check that identical
         concurrent requests get one answer. Spec counters may be absent (None) here."""
         raise EngineUsageError(f"the {self.name} engine cannot submit requests together; "
-                               "run without --concurrent")
+                               "run with --concurrent 0")
 
     @abstractmethod
     def score(self, prompt_ids: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
