@@ -223,11 +223,12 @@ def compare_runs(base: RunRecord, other: RunRecord, tau_tie: float, tau_low: flo
 
 def together_result(alone: RunRecord, together: RunRecord, tau_tie: float, tau_low: float,
                     noise: float, detok=None) -> Together:
-    first = replace(together, completions=together.copy(0), copies=0)
+    first = replace(together, completions=together.corpus_copy(0), copies=0)
     cmp = compare_runs(alone, first, tau_tie, tau_low, noise, detok)
+    copies = [together.corpus_copy(j) for j in range(together.copies)]
     split = {}
     for i, c in enumerate(first.completions):
-        n = unique_completions([together.copy(j)[i].token_ids for j in range(together.copies)])
+        n = unique_completions([cp[i].token_ids for cp in copies])
         if n > 1:
             split[c.prompt_id] = n
     return Together(together.copies, len(together.completions), cmp.prompts, cmp.exact,

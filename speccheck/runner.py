@@ -152,7 +152,7 @@ def run_suite(plan: RunPlan, store: Store, log: Log = _print,
             f"{len(todo)} to run")
         for i, (config, repeat) in enumerate(todo):
             if progress:
-                progress(i, len(todo), f"{config.name} " + ("together" if repeat < 0 else f"r{repeat}"))
+                progress(i, len(todo), f"{config.name} " + ("all at once" if repeat < 0 else f"r{repeat}"))
             fresh = (plan.fresh_process_repeat and plan.repeats > 1 and repeat == plan.repeats - 1
                      and not engine.fresh_process_per_config)
             if repeat < 0:

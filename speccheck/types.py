@@ -161,7 +161,7 @@ class RunRecord:
     #: batch-composition and concurrent-request variant of determinism (stored as repeat -1)
     copies: int = 0
 
-    def copy(self, j: int) -> list[Completion]:
+    def corpus_copy(self, j: int) -> list[Completion]:
         """The j-th copy of the corpus in a run with ``copies`` (the whole run if 0)."""
         if not self.copies:
             return list(self.completions)
