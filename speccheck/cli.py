@@ -402,6 +402,48 @@ def corpus_show(name):
         click.echo(f"  {p.id:24} {p.category:14} max_tokens={p.max_tokens:<5} {text[:70]}")
 
 
+@main.group()
+def kernels() -> None:
+    """Kernel-level harnesses (below the model)."""
+
+
+@kernels.command("gdn")
+@click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda")
+@click.option("--positions", default=8192, show_default=True, type=click.IntRange(1, 1 << 20))
+@click.option("--heads", default=4, show_default=True, type=click.IntRange(1, 256))
+@click.option("--head-dim", default=64, show_default=True, type=click.IntRange(1, 512))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def kernels_gdn(device, positions, heads, head_dim, seed, as_json):
+    """Every gated-delta-rule kernel here (reference recurrent/chunked; on CUDA the FLA kernels
+    of vLLM or fla) on the same bf16 inputs against an fp64 recurrence: error and argmax flips."""
+    import torch
+
+    from speccheck.kernels.gdn import compare, form_flips, kernels as gdn_kernels, make_inputs, table
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: CUDA is not available here; use --device cpu")
+    inputs = make_inputs(positions, heads, head_dim, head_dim, seed, device)
+    missing: list[str] = []
+    results = compare(inputs, gdn_kernels(device, missing))
+    if as_json:
+        click.echo(json.dumps({"device": device, "positions": positions, "heads": heads,
+                               "head_dim": head_dim, "seed": seed,
+                               "kernels": [r.to_dict() for r in results],
+                               "chunked_vs_recurrent": [
+                                   {"chunked": a, "recurrent": b, "flips": n, "compared": t}
+                                   for a, b, n, t in form_flips(results)],
+                               "not_here": missing}, indent=1))
+    else:
+        click.echo(f"gated delta rule on {device}: {positions} positions x {heads} heads, "
+                   f"head dim {head_dim}, bf16 q/k/v, fp32 g/beta/state, seed {seed}")
+        click.echo(table(results))
+        for why in missing:
+            click.echo(f"not here: {why}")
+
+
 @main.command("export-reference")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--model", default=None, help="Reference weights dir (default: the shipped ones).")
