@@ -257,18 +257,19 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
             nondet.append(f"r{rec.repeat} vs r{ok[0].repeat}: prompt {ids[prompt_i]} position {pos}"
                           + (" (fresh process)" if rec.fresh_process else ""))
 
+    # the corpus all at once (batch composition, identical concurrent requests)
+    together, all_at_once = suite.load_together(name), None
+    if together is not None and together.status != "ok":
+        failed.append(f"all at once: {(together.error or 'failed').splitlines()[0]}")
+    elif together is not None and ok:
+        all_at_once = together_result(ok[0], together, tau_tie, tau_low, noise, detok)
+
     result = ConfigResult(
         config=name, repeats=len(records), failed_runs=failed, identical_runs=identical,
         nondeterminism=nondet, prompts=0, prompts_exact=0, prefix_agreement=None,
         token_agreement=None, text_similarity=None, divergences=[], tf_divergences=[],
         class_counts={}, attribution=suite.load_attribution(name) or [], acceptance=None,
-        golden_tokens_per_iter=None, speed=Speed(None, None, None, None))
-
-    together = suite.load_together(name)
-    if together is not None and together.status != "ok":
-        failed.append(f"all at once: {(together.error or 'failed').splitlines()[0]}")
-    elif together is not None and ok:
-        result.together = together_result(ok[0], together, tau_tie, tau_low, noise, detok)
+        golden_tokens_per_iter=None, speed=Speed(None, None, None, None), together=all_at_once)
 
     warm, cold, ttft = speed_of(ok)
     result.speed = Speed(warm, cold, ttft, warm / base_speed if warm and base_speed else None)
