@@ -183,3 +183,15 @@ def test_acceptance_summary_example_and_bad_counters():
     class Counters:  # duck-typed like speccheck.types.SpecCounters
         drafts, draft_tokens, accepted_tokens, accepted_per_pos = 4, 8, 6, [4, 2]
     assert acceptance_of(Counters()).tokens_per_iter == 2.5
+
+
+def test_unknown_gap_is_not_excused_in_either_order():
+    """Found by the symmetry property: the baseline's chosen token (9) is outside its own
+    top-k, so its gap is unknown (NaN); with max_gap set that must be high_confidence whichever
+    side is called baseline (max(nan, x) and max(x, nan) differ)."""
+    b_ids, b_lp = np.array([3, 5]), np.array([-0.5, -0.6])
+    s_ids, s_lp = np.array([3, 9]), np.array([-0.5, -0.55])
+    c = classify_divergence(9, 3, b_ids, b_lp, s_ids, s_lp, 0.1, 0.3, max_gap=1.0)
+    r = classify_divergence(3, 9, s_ids, s_lp, b_ids, b_lp, 0.1, 0.3, max_gap=1.0)
+    assert c.cls == r.cls == "high_confidence"
+    assert math.isnan(c.base_gap) and c.spec_gap == pytest.approx(0.05)

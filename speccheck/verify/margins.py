@@ -110,7 +110,8 @@ def classify_divergence(base_token: int, spec_token: int,
     b_gap = _gap(base_token, spec_token, b_ids, b_lp)
     s_gap = _gap(spec_token, base_token, s_ids, s_lp)
     both_in = s_in_b is not None and b_in_s is not None
-    if both_in and max_gap is not None and not max(b_gap, s_gap) <= max_gap:
+    # (an unknown gap, NaN, is not excused; max() would depend on the order of a NaN)
+    if both_in and max_gap is not None and not (b_gap <= max_gap and s_gap <= max_gap):
         both_in = False
     if both_in and ((bm <= tau_tie and s_in_b == 1) or (sm <= tau_tie and b_in_s == 1)):
         cls = "near_tie"
