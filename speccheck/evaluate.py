@@ -248,13 +248,21 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
     identical: bool | None = None
     if len(ok) >= 2:
         ids = [c.prompt_id for c in ok[0].completions]
-        streams = [[rec.by_prompt()[p].token_ids if p in rec.by_prompt() else np.zeros(0, np.int32)
-                    for p in ids] for rec in ok]
-        det = determinism(streams)
-        identical = det.identical
+        empty = Completion("", [], [], [], [], [])
+        comps = [[rec.by_prompt().get(p, empty) for p in ids] for rec in ok]
+        det = determinism([[c.token_ids for c in run] for run in comps],
+                          [[c.logprobs for c in run] for run in comps],
+                          policy.determinism_logprob_tolerance)
+        identical = det.identical and (det.logprobs_identical
+                                       or not policy.require_deterministic_logprobs)
         for run_i, prompt_i, pos in det.mismatches:
             rec = ok[run_i]
             nondet.append(f"r{rec.repeat} vs r{ok[0].repeat}: prompt {ids[prompt_i]} position {pos}"
+                          + (" (fresh process)" if rec.fresh_process else ""))
+        for run_i, prompt_i, pos, delta in det.logprob_mismatches:
+            rec = ok[run_i]
+            nondet.append(f"r{rec.repeat} vs r{ok[0].repeat}: prompt {ids[prompt_i]} same tokens but "
+                          f"logprobs differ from position {pos} (max |Δ| {delta:.2g} nats)"
                           + (" (fresh process)" if rec.fresh_process else ""))
 
     # the corpus all at once (batch composition, identical concurrent requests)
@@ -334,8 +342,9 @@ def _checks(r: ConfigResult, p: Policy, is_baseline: bool) -> list[Check]:
         checks.append(Check("deterministic", not p.require_deterministic, "fewer than 2 stored runs to compare",
                             skipped=not p.require_deterministic))
     else:
-        msg = (f"{r.repeats} runs identical token for token" if r.identical_runs
-               else f"runs differ: {'; '.join(r.nondeterminism[:5])}")
+        msg = (f"{r.repeats} runs identical token for token"
+               + (", logprob for logprob" if p.require_deterministic_logprobs else "")
+               if r.identical_runs else f"runs differ: {'; '.join(r.nondeterminism[:5])}")
         checks.append(Check("deterministic", r.identical_runs or not p.require_deterministic, msg))
     checks += _together_checks(r.together, p)
     if is_baseline:

@@ -21,6 +21,12 @@ class PolicyError(ValueError):
 class Policy:
     #: every config must repeat token for token (in-process and fresh-process repeats)
     require_deterministic: bool = True
+    #: ... and, where the tokens agree, with the same logprobs (|Δ| <= the tolerance): a
+    #: kernel whose reduction order varies run to run moves every logprob but flips tokens
+    #: only at near-ties, so tokens alone catch it by luck. Turn off for an engine whose
+    #: kernel choice legitimately varies between processes (e.g. autotuning).
+    require_deterministic_logprobs: bool = True
+    determinism_logprob_tolerance: float = 1e-6
     #: divergences that are not explained by a near-tie (see verify.classify_divergence)
     max_high_confidence: int = 0
     #: share of spec tokens equal to the baseline's teacher-forced argmax (the "99.6 %" figure)

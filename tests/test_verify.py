@@ -195,3 +195,18 @@ def test_unknown_gap_is_not_excused_in_either_order():
     r = classify_divergence(3, 9, s_ids, s_lp, b_ids, b_lp, 0.1, 0.3, max_gap=1.0)
     assert c.cls == r.cls == "high_confidence"
     assert math.isnan(c.base_gap) and c.spec_gap == pytest.approx(0.05)
+
+
+def test_determinism_sees_logprob_drift_under_identical_tokens():
+    toks = [np.array([1, 2, 3])]
+    lp = [np.array([-0.1, -0.2, -0.3], np.float32)]
+    same = determinism([toks, toks], [lp, lp])
+    assert same.identical and same.logprobs_identical
+    moved = determinism([toks, toks], [lp, [lp[0] + np.float32([0, 0.003, 0])]])
+    assert moved.identical and not moved.logprobs_identical
+    assert moved.logprob_mismatches[0][:3] == (1, 0, 1)
+    assert moved.logprob_mismatches[0][3] == pytest.approx(0.003, rel=1e-3)
+    # within the tolerance, and past the first token difference, nothing is counted
+    assert determinism([toks, toks], [lp, [lp[0] + 1e-7]], logprob_tolerance=1e-6).logprobs_identical
+    flipped = determinism([toks, [np.array([1, 9, 3])]], [lp, [lp[0] + np.float32([0, 1, 1])]])
+    assert not flipped.identical and flipped.logprobs_identical

@@ -72,10 +72,15 @@ def text_similarity(a: str, b: str) -> float:
 
 @dataclass(frozen=True)
 class DeterminismResult:
-    """Whether every run of one config produced the same tokens as run 0 on every prompt.
+    """Whether every run of one config produced the same tokens as run 0 on every prompt,
+    and the same logprobs where the tokens are the same.
 
     ``mismatches`` holds ``(run index, prompt index, first differing position)`` for each
-    run ≥ 1 and prompt whose stream differs from run 0's. With fewer than two runs nothing
+    run ≥ 1 and prompt whose stream differs from run 0's. ``logprob_mismatches`` holds
+    ``(run index, prompt index, first position, max |Δ logprob|)`` where the tokens agree but
+    their logprobs differ by more than the tolerance: a kernel whose reduction order varies
+    run to run moves every logprob while it flips tokens only at near-ties, so the logprobs
+    show it for certain where the tokens show it by luck. With fewer than two runs nothing
     was compared and ``identical`` is vacuously True; check ``n_runs``.
     """
 
@@ -83,10 +88,19 @@ class DeterminismResult:
     n_runs: int
     n_prompts: int
     mismatches: tuple[tuple[int, int, int], ...]
+    logprob_mismatches: tuple[tuple[int, int, int, float], ...] = ()
+
+    @property
+    def logprobs_identical(self) -> bool:
+        return not self.logprob_mismatches
 
 
-def determinism(runs: Sequence[Sequence[np.ndarray]]) -> DeterminismResult:
-    """Compare runs × prompts token streams of one config against the first run."""
+def determinism(runs: Sequence[Sequence[np.ndarray]],
+                logprobs: Sequence[Sequence[np.ndarray]] | None = None,
+                logprob_tolerance: float = 0.0) -> DeterminismResult:
+    """Compare runs × prompts token streams of one config against the first run; with
+    ``logprobs`` (runs × prompts chosen-token logprobs) also the logprobs of the positions
+    before the first token difference (|Δ| > ``logprob_tolerance`` is a mismatch)."""
     runs = [list(r) for r in runs]
     if not runs:
         return DeterminismResult(True, 0, 0, ())
@@ -96,10 +110,24 @@ def determinism(runs: Sequence[Sequence[np.ndarray]]) -> DeterminismResult:
             raise ValueError(
                 f"determinism: run {i} has {len(r)} prompts but run 0 has {n_prompts}; "
                 "compare runs over the same prompt list, in the same order")
-    mismatches = []
+    lps = [list(r) for r in logprobs] if logprobs is not None else None
+    if lps is not None and [len(r) for r in lps] != [len(r) for r in runs]:
+        raise ValueError("determinism: logprobs must have the same runs × prompts as the tokens")
+    mismatches, lp_mismatches = [], []
     for ri, run in enumerate(runs[1:], start=1):
         for pi, (ref, got) in enumerate(zip(runs[0], run)):
             p = first_divergence(ref, got)
             if p is not None:
                 mismatches.append((ri, pi, p))
-    return DeterminismResult(not mismatches, len(runs), n_prompts, tuple(mismatches))
+            if lps is None:
+                continue
+            a, b = np.asarray(lps[0][pi], np.float64), np.asarray(lps[ri][pi], np.float64)
+            n = min(len(ref), len(got), len(a), len(b)) if p is None else min(p, len(a), len(b))
+            d = np.abs(a[:n] - b[:n])
+            d = np.where(np.isnan(d), np.inf, d)  # a NaN on one side only is a difference
+            d[np.isnan(a[:n]) & np.isnan(b[:n])] = 0.0
+            bad = np.flatnonzero(d > logprob_tolerance)
+            if len(bad):
+                lp_mismatches.append((ri, pi, int(bad[0]), float(d.max())))
+    return DeterminismResult(not mismatches, len(runs), n_prompts, tuple(mismatches),
+                             tuple(lp_mismatches))
