@@ -12,6 +12,7 @@ is deterministic) before training has happened.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from pathlib import Path
@@ -43,8 +44,15 @@ ENGINE_ARGS = {
     "threads": (None, "1", "torch CPU threads (default 1; empty = torch default)"),
     "batch": (None, "1", "prompts decoded together in one batch (each prefilled alone, then "
                          "decoding at its own length and, speculating, its own acceptance)"),
+    "no_draft_every": (None, "0", "every N-th verify step carries no draft and decodes one "
+                                  "token, as engines do near the context end or when the drafter "
+                                  "has nothing (0 = never)"),
     "fault": (("none",) + tuple(FAULTS), "none", "planted spec-decode bug for self-tests"),
 }
+#: engine args that pick code paths, not weights: :meth:`ReferenceEngine.with_args` changes them
+#: on the loaded networks
+PATH_ARGS = ("gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode",
+             "attn_verify", "batch", "no_draft_every", "fault")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -74,6 +82,9 @@ def parse_engine_args(args: dict[str, str]) -> dict[str, str]:
     for key in ("threads", "batch"):
         if out[key] and not (out[key].isdigit() and int(out[key]) > 0):
             raise EngineUsageError(f"--engine-arg {key}={out[key]!r}: give a positive integer")
+    if not out["no_draft_every"].isdigit():
+        raise EngineUsageError(f"--engine-arg no_draft_every={out['no_draft_every']!r}: give 0 "
+                               f"(every step drafts) or N >= 1 (every N-th verify step has no draft)")
     return out
 
 
@@ -165,10 +176,27 @@ class ReferenceEngine(Engine):
         dtype = DTYPES[self.args["dtype"]]
         self.target, self.mtp, self.drafter = (
             None if m is None else m.to(self.device, dtype).eval() for m in (target, mtp, drafter))
+        self._set_knobs()
+
+    def _set_knobs(self) -> None:
         fault = None if self.args["fault"] == "none" else self.args["fault"]
-        self.knobs = Knobs(fault=fault, **{k: self.args[k] for k in (
-            "gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode", "attn_verify")})
+        self.knobs = Knobs(fault=fault, no_draft_every=int(self.args["no_draft_every"]),
+                           **{k: self.args[k] for k in ("gdn_prefill", "gdn_decode", "gdn_verify",
+                                                        "attn_prefill", "attn_decode", "attn_verify")})
         self.decoder = Decoder(self.cfg, self.target, self.mtp, self.drafter, self.knobs)
+
+    def with_args(self, **overrides: str) -> "ReferenceEngine":
+        """This engine under other code-path args (PATH_ARGS: a planted fault, kernel forms,
+        batch), sharing the loaded networks: the self-test runs every fault on one load."""
+        other = sorted(set(overrides) - set(PATH_ARGS))
+        if other:
+            raise EngineUsageError(f"engine args {', '.join(other)} change what is loaded; make a "
+                                   f"new engine for them (with_args takes {', '.join(PATH_ARGS)})")
+        variant = copy.copy(self)
+        variant.engine_args = {**self.engine_args, **overrides}
+        variant.args = parse_engine_args(variant.engine_args)
+        variant._set_knobs()
+        return variant
 
     def _special(self, token: str) -> int:
         i = self.tokenizer.token_to_id(token)
@@ -205,6 +233,7 @@ class ReferenceEngine(Engine):
                                                 "attn_prefill", "attn_decode", "attn_verify")},
             "fault": self.args["fault"],
             "batch": int(self.args["batch"]),
+            "no_draft_every": int(self.args["no_draft_every"]),
             "block_size": self.cfg.drafter.block_size,
         }
 
