@@ -1,5 +1,5 @@
 """`speccheck` command line: run, diff, gate, report, golden record|check, sweep, corpus,
-export-reference, serve. Exit codes: 0 pass, 1 gate failed, 2 bad input or usage, 3 engine failure."""
+selftest, export-reference, serve. Exit codes: 0 pass, 1 gate failed, 2 bad input or usage, 3 engine failure."""
 from __future__ import annotations
 
 import json
@@ -442,6 +442,26 @@ def kernels_gdn(device, positions, heads, head_dim, seed, as_json):
         click.echo(table(results))
         for why in missing:
             click.echo(f"not here: {why}")
+
+
+@main.command()
+@click.option("--method", default="mtp", show_default=True,
+              help="Method for the faults that are not method-specific (any the reference engine offers).")
+@click.option("--corpus", default="selftest", show_default=True, help="Built-in corpus name or a file path.")
+@click.option("--fault", "faults", multiple=True, help="Only this planted fault (repeatable).")
+@click.option("--store", "store_dir", default=None, type=click.Path(file_okay=False),
+              help="Keep the runs in this store (default: a temporary directory).")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def selftest(method, corpus, faults, store_dir, as_json):
+    """Plant every reference-engine fault and show which check catches it: exit 1 when one is
+    missed or the clean engine fails a check."""
+    from speccheck.selftest import run_selftest, selftest_text
+
+    result = run_selftest(method, corpus, store_dir, list(faults) or None,
+                          log=lambda m: click.echo(m, err=True))
+    click.echo(json.dumps(result.to_dict(), indent=1, ensure_ascii=False) if as_json
+               else selftest_text(result))
+    sys.exit(0 if result.passed else 1)
 
 
 @main.command("export-reference")
