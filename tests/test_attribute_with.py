@@ -105,3 +105,23 @@ def test_attribute_with_is_refused_where_it_cannot_work():
     res = cli.invoke(main, ["run", "--engine", "openai", "--method", "baseline",
                             "--attribute-with", "eager"])
     assert res.exit_code == 2 and "LABEL=URL" in res.output
+
+
+def test_server_info_kernel_settings_are_recorded():
+    """vLLM's /server_info (VLLM_SERVER_DEV_MODE=1), shaped as vLLM 0.26 dumps VllmConfig."""
+    from speccheck.engines.openai import server_kernels
+
+    info = {"vllm_config": {
+        "attention_config": {"backend": None},
+        "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE", "mode": 3},
+        "model_config": {"enforce_eager": False},
+        "additional_config": {"gdn_prefill_backend": "triton"},
+        "speculative_config": {"method": "mtp", "attention_backend": None}},
+        "vllm_env": {"VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE": False, "VLLM_API_KEY_X": "no"}}
+    k = server_kernels(info)
+    assert k["attention_backend_requested"] == "auto"
+    assert k["gdn_prefill_backend_requested"] == "triton"
+    assert k["cudagraph_mode"] == "FULL_AND_PIECEWISE" and k["enforce_eager"] is False
+    assert k["VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE"] is False
+    assert not any("KEY" in name for name in k)
+    assert server_kernels({"vllm_config": "text form"}) == {}
