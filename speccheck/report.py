@@ -51,7 +51,7 @@ def attribution_str(a: dict) -> str:
         head = f"paths split: spec token from {', '.join(spec)}; baseline token from {', '.join(base)}"
     else:
         head = "unattributed: no alternative path reproduces the spec token"
-    return head
+    return head + "; " + " ".join(f"{label}→{tok}" for label, tok in sorted(a["paths"].items()))
 
 
 def divergence_line(d: Divergence, detok=None, attribution: dict | None = None) -> str:

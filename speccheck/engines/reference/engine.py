@@ -251,7 +251,7 @@ class ReferenceEngine(Engine):
             out.append(Scored(ids, lps, tok))
         return out
 
-    def attribution_variants(self) -> dict[str, dict[str, str]]:
+    def attribution_variants(self, configs=()) -> dict[str, dict[str, str]]:
         """Other kernel paths for the same network: GDN all-recurrent / all-chunked,
         attention all-single / all-multi, and fp32 (each only if it differs from now)."""
         a = self.args
