@@ -266,3 +266,24 @@ def test_boundaries():
 def _rows(tokens):
     ids = np.array([[t, t + 1] for t in tokens], np.int32).reshape(len(tokens), 2)
     return ids, np.tile(np.array([-0.1, -3.0], np.float32), (len(tokens), 1))
+
+
+def test_end_of_sequence_after_a_flip_where_the_baseline_ran_to_max_tokens():
+    """The baseline never stopped at end-of-sequence here (it may ignore it): a spec that
+    reached one after a near-tie flip and went on is explained; past max_tokens never is."""
+    b_ids = np.array([[1, 2], [2, 5], [3, 4]], np.int32)
+    lp = np.tile(np.array([-0.1, -0.11], np.float32), (3, 1))
+    s_ids = np.array([[1, 2], [5, 2], [9, 3]], np.int32)
+    d = find_divergences("p", [1, 2, 3], b_ids, lp, [1, 5, 9], s_ids, lp, 0.1, 0.2, 0.01)
+    assert d[0].cls == "near_tie"
+    b = boundary_divergence("p", [1, 2, 3], "length", [1, 5, 9], "length", d[0], {9})
+    assert b is None  # same length: the EOS was the last token
+    s4 = np.vstack([s_ids, [[4, 3]]])
+    d = find_divergences("p", [1, 2, 3], b_ids, lp, [1, 5, 9, 4], s4, np.vstack([lp, lp[:1]]),
+                         0.1, 0.2, 0.01)
+    b = boundary_divergence("p", [1, 2, 3], "length", [1, 5, 9, 4], "length", d[0], {9})
+    assert b.kind == "past_max_tokens" and not b.explained
+    b = boundary_divergence("p", [1, 2, 3, 7], "length", [1, 5, 9, 4], "length", d[0], {9})
+    assert b.kind == "past_end_of_sequence" and b.explained
+    b = boundary_divergence("p", [1, 2, 3, 9], "stop", [1, 5, 9, 4], "length", d[0], {9})
+    assert b.kind == "past_end_of_sequence" and not b.explained

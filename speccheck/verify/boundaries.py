@@ -79,30 +79,39 @@ def boundary_divergence(prompt_id: str, base_tokens, base_finish: str, spec_toke
     identical). ``stops`` are end-of-sequence ids (:func:`stop_tokens`), honoured for this
     prompt unless the baseline itself went on past one (``ignore_eos``).
 
-    Never explained: tokens after an end-of-sequence token; a stream longer than the other
-    side's ``"length"`` finish (max_tokens is the same for both); a
-    length or finish difference where one stream is a prefix of the other. Explained: a
-    length or finish difference after a tolerated (near-tie / low-confidence) first divergence.
+    Never explained: tokens after an end-of-sequence token where the baseline stopped at one
+    (where it ran to max_tokens, EOS may be ignored, and a tolerated flip explains it); a
+    stream longer than the other side's ``"length"`` finish (max_tokens is the same for
+    both); a length or finish difference where one stream is a prefix of the other.
+    Explained: a length or finish difference after a tolerated (near-tie / low-confidence)
+    first divergence.
     """
     b, s = np.asarray(base_tokens).ravel(), np.asarray(spec_tokens).ravel()
     nb, ns = len(b), len(s)
     make = lambda kind, pos, why=None, past=(): Boundary(  # noqa: E731
         prompt_id, kind, int(pos), nb, ns, str(base_finish), str(spec_finish), why,
         tuple(int(x) for x in past[:8]))
+    tolerated = first is not None and first.base_token >= 0 and first.spec_token >= 0 \
+        and first.cls != "high_confidence"
     honoured = not any(int(x) in stops for x in b[:-1])
-    if honoured:
-        after_stop = [i for i in range(ns - 1) if int(s[i]) in stops]
-        if after_stop:
-            i = after_stop[0] + 1
-            return make("past_end_of_sequence", i, past=s[i:])
+    after_stop = [i for i in range(ns - 1) if int(s[i]) in stops] if honoured else []
+    past_eos = None
+    if after_stop:
+        i = after_stop[0] + 1
+        # a baseline that stopped at end-of-sequence shows it is honoured; one cut at
+        # max_tokens does not (ignore_eos), so there a tolerated flip may lead to one
+        unsure = base_finish != "stop" and tolerated
+        past_eos = make("past_end_of_sequence", i, first if unsure else None, s[i:])
+        if not past_eos.explained:
+            return past_eos
     if base_finish == "length" and ns > nb:
         return make("past_max_tokens", nb, past=s[nb:])
     if spec_finish == "length" and nb > ns:  # a cap at ns that the baseline did not meet
         return make("stops_early", ns)
+    if past_eos is not None:
+        return past_eos
     if nb == ns and base_finish == spec_finish:
         return None
     kind = "finish_differs" if nb == ns else ("runs_longer" if ns > nb else "stops_early")
-    tolerated = first is not None and first.base_token >= 0 and first.spec_token >= 0 \
-        and first.cls != "high_confidence"
     pos = first.position if first is not None else min(nb, ns)
     return make(kind, pos, first if tolerated else None, s[nb:] if ns > nb else ())
