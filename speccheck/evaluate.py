@@ -602,7 +602,8 @@ def _counters_check(r: ConfigResult) -> Check:
     views = f"tokens/iteration: {views}" if views else "no counters in the first run"
     if not r.counter_problems:
         return Check("counters_consistent", True,
-                     f"{views}; counters agree with each other and with the tokens emitted")
+                     f"{views}; counters agree with each other and with the tokens emitted "
+                     "(an output cut at max_tokens or end-of-sequence drops up to K accepted tokens)")
     more = f"\n    ... and {len(r.counter_problems) - 8} more" if len(r.counter_problems) > 8 else ""
     return Check("counters_consistent", False,
                  f"{len(r.counter_problems)} impossible counter reading(s) for config {r.config} "
