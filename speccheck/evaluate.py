@@ -157,7 +157,8 @@ class SuiteResult:
     def to_dict(self) -> dict:
         return {"suite": self.suite, "meta": self.meta, "identity": self.identity,
                 "noise": self.noise, "noise_missing": self.noise_missing,
-                "tau_tie": self.tau_tie, "tau_low": self.tau_low, "policy": self.policy, "passed": self.passed,
+                "tau_tie": self.tau_tie, "tau_low": self.tau_low, "policy": self.policy,
+                "passed": self.passed,
                 "configs": [c.to_dict() for c in self.configs]}
 
 
@@ -519,7 +520,7 @@ def _checks(r: ConfigResult, p: Policy, is_baseline: bool) -> list[Check]:
             seen.add((d.prompt_id, d.position))
             unique_high.append(d)
     excused = {(d.prompt_id, d.position) for d in token_divs} - seen
-    unsure = []
+    unsure = [NOTHING_COMPARED] if not r.prompts else []
     if r.missing_evidence:
         unsure.append("evidence missing: divergences past the first cannot be classified without "
                       "the teacher-forced rescoring (see agrees_with_baseline)")
@@ -564,6 +565,9 @@ def _checks(r: ConfigResult, p: Policy, is_baseline: bool) -> list[Check]:
     return checks
 
 
+NOTHING_COMPARED = "evidence missing: no prompt was compared with a baseline output"
+
+
 def _untrusted_tau(n: int, why: str) -> str:
     return (f"{n} divergence(s) would be excused as near-tie/low-confidence, but the thresholds "
             f"were not calibrated -- path noise unmeasured ({why}); they came from the policy "
@@ -586,6 +590,8 @@ def _stopping_check(r: ConfigResult) -> Check:
                  + ", ".join(f"{b.prompt_id}: {b.base_tokens} -> {b.spec_tokens} tokens" for b in moved[:5])
                  + ")")
     unsure = [_untrusted_tau(len(moved), r.noise_missing)] if r.noise_missing and moved else []
+    if not r.prompts:
+        unsure.append(NOTHING_COMPARED)
     if bad:
         head = f"{len(bad)} prompt(s) stop elsewhere with nothing to explain it; " + head
     return Check("same_stopping", not bad and not unsure,

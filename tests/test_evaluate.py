@@ -246,8 +246,11 @@ def test_no_baseline_is_missing_evidence(tmp_path):
     for r in (0, 1):
         write(s, "mtp-k3", [comp(p, t, spec=MTP_COUNTERS) for p, t in BASE.items()], r)
     res = evaluate_suite(s, Policy())
-    agree = res.get("mtp-k3").check("agrees_with_baseline")
+    r = res.get("mtp-k3")
+    agree = r.check("agrees_with_baseline")
     assert not agree.passed and "no complete baseline" in agree.message and exit_code(res) == 1
+    for name in ("divergences_are_low_confidence", "same_stopping"):
+        assert not r.check(name).passed and "no prompt was compared" in r.check(name).message
 
 
 # --- output boundaries ----------------------------------------------------------------------------
