@@ -109,11 +109,15 @@ def test_divergences_and_boundaries_take_any_two_lengths(base, spec, tau_tie, ex
         assert d.cls in ("near_tie", "low_confidence", "high_confidence")
         if END in (d.base_token, d.spec_token):
             assert d.cls == "high_confidence" and len(base) != len(spec)
-    # teacher-forced: the baseline scores the spec output itself (one row per spec token)
-    agree = teacher_forced_agreement(np.array(spec, np.int32), s_ids)
-    assert len(agree) == len(spec) and agree.all()
-    assert teacher_forced_divergences("p", spec, s_ids, s_lp, b_ids[:len(spec)] if len(base) >= len(spec)
-                                      else s_ids, s_lp, tau_tie, tau_low, 0.01) is not None
+    # teacher-forced: the baseline scores the spec output (one row per spec token), here
+    # preferring the baseline's token where the baseline has one
+    scored = np.array(s_ids)
+    n = min(len(base), len(spec))
+    scored[:n, 0] = np.array(base[:n], np.int32)
+    agree = teacher_forced_agreement(np.array(spec, np.int32), scored)
+    assert len(agree) == len(spec)
+    tfd = teacher_forced_divergences("p", spec, s_ids, s_lp, scored, s_lp, tau_tie, tau_low, 0.01)
+    assert [d.position for d in tfd] == np.flatnonzero(~agree).tolist()
     fin = lambda t: "stop" if t and t[-1] == EOS else "length"  # noqa: E731
     stops = stop_tokens([(base, fin(base))])
     bd = boundary_divergence("p", base, fin(base), spec, fin(spec), divs[0] if divs else None, stops)
