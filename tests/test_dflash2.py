@@ -1,0 +1,179 @@
+"""DFlash2 on the reference engine: the grouped dynamic convolution and the selector walk do
+what DFLASH2.md says, drafting with them is lossless where numerics are equal (with
+rejections), the knobs change drafts only, and at initialisation DFlash2 drafts as DFlash."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from speccheck.engines.base import EngineUsageError
+from speccheck.engines.reference.dflash2 import (DFLASH2_FILE, DFlash2Drafter, DFlashGroupedConv,
+                                                 block_slots, candidates, init_from_dflash,
+                                                 load_dflash2, save_dflash2, walk)
+from speccheck.engines.reference.engine import WEIGHTS_DIR, ReferenceEngine, load_networks
+from speccheck.types import SpecConfig
+
+from test_reference_decode import EQUAL, _prompts, _total
+
+
+def test_grouped_conv_matches_its_formula():
+    """out[i, c] = Σ_t (base[side, t, c] + δ[i, t, group(c)]) x[i - t, c], never across a block."""
+    torch.manual_seed(0)
+    conv = DFlashGroupedConv(hidden=32, taps=2, group_size=16)
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_()
+    x = torch.randn(1, 6, 32)
+    slot = block_slots(6, 3, x.device)  # two blocks of 3
+    out, delta1 = conv.prepare(x, slot)
+    delta0 = conv.kernel_projection(x).view(1, 6, 2, 2, 2)[:, :, 0]
+    want = torch.zeros_like(x)
+    for i in range(6):
+        for c in range(32):
+            for t in range(2):
+                if slot[i] >= t:
+                    want[0, i, c] += (conv.base_kernel[0, t, c] + delta0[0, i, t, c // 16]) \
+                        * x[0, i - t, c]
+    assert torch.allclose(out, want, atol=1e-5)
+    y = torch.randn(1, 6, 32)
+    fin = conv.finish(y, delta1, slot)
+    assert torch.allclose(fin[0, 3], (conv.base_kernel[1, 0] + delta1[0, 3, 0].repeat_interleave(16)) * y[0, 3],
+                          atol=1e-5)  # slot 0 of block 2: no tap from block 1
+
+
+def test_conv_initialised_to_identity():
+    conv = DFlashGroupedConv(hidden=32, taps=2, group_size=16)
+    x = torch.randn(1, 5, 32)
+    y, delta = conv.prepare(x, block_slots(5, 5, x.device))
+    assert torch.equal(y, x)
+    assert torch.equal(conv.finish(x, delta, block_slots(5, 5, x.device)), x)
+
+
+def test_walk_follows_previous_choice_and_breaks_ties_low():
+    scores = torch.zeros(1, 3, 4, 4)
+    scores[0, 0, 0] = torch.tensor([1.0, 3.0, 3.0, 0.0])  # tie: index 1 wins
+    scores[0, 1, 1] = torch.tensor([0.0, 0.0, 0.0, 5.0])  # row of the previous choice (1)
+    scores[0, 1, 0] = torch.tensor([9.0, 0.0, 0.0, 0.0])  # another row: ignored
+    scores[0, 2, 3] = torch.tensor([2.0, 2.0, 2.0, 2.0])
+    assert walk(scores).tolist() == [[1, 3, 0]]
+
+
+def test_candidates_order_ties_by_token_id():
+    ids, vals = candidates(torch.tensor([[0.5, 2.0, 1.0, 2.0, 2.0]]), 3)
+    assert ids.tolist() == [[1, 3, 4]] and vals.tolist() == [[2.0, 2.0, 2.0]]
+
+
+def _weights_dir(tmp_path, mutate=None):
+    """A copy of the shipped weights whose dflash2.safetensors is DFlash2 initialised from the
+    shipped DFlash drafter, then ``mutate``d."""
+    for name in ("config.json", "model.safetensors", "drafter.safetensors", "tokenizer.json"):
+        shutil.copyfile(WEIGHTS_DIR / name, tmp_path / name)
+    cfg, _, _, drafter, _ = load_networks(WEIGHTS_DIR)
+    d2 = DFlash2Drafter(cfg)
+    init_from_dflash(d2, drafter)
+    if mutate:
+        mutate(d2)
+    save_dflash2(d2, tmp_path / DFLASH2_FILE)
+    return tmp_path
+
+
+def _active(d2):
+    """Conv and selector made to matter: random δ projections and hidden_projection."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in d2.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                w = conv.kernel_projection.weight
+                w.copy_(torch.randn(w.shape, generator=gen) * 0.02)
+        w = d2.candidate_selector.hidden_projection.weight
+        w.copy_(torch.randn(w.shape, generator=gen) * 0.5)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    eng = ReferenceEngine(engine_args=EQUAL)
+    ps = _prompts()
+    ids = [eng.tokenize(p) for p in ps]
+    return ps, ids, eng.generate(ps, ids, SpecConfig(), 5)
+
+
+def _check_lossless(out, baseline, k):
+    for spec, base in zip(out, baseline):
+        assert spec.token_ids.tolist() == base.token_ids.tolist(), spec.prompt_id
+        assert np.allclose(spec.logprobs, base.logprobs, atol=1e-4)
+    tot = _total(out)
+    assert tot.draft_tokens == tot.drafts * k
+    assert 0 < tot.accepted_tokens < tot.draft_tokens  # drafts are accepted and rejected
+    assert sum(tot.accepted_per_pos) == tot.accepted_tokens
+    return tot
+
+
+@pytest.mark.parametrize("k", [1, 3, 7, 10])
+def test_lossless_with_equal_numerics(prompts, k):
+    """The shipped DFlash2 drafter at K = 1, 3, 7, 10 (shorter and longer blocks than trained)."""
+    ps, ids, baseline = prompts
+    eng = ReferenceEngine(engine_args=EQUAL)
+    _check_lossless(eng.generate(ps, ids, SpecConfig("dflash2", k), 5), baseline, k)
+
+
+@pytest.fixture(scope="module")
+def active_dir(tmp_path_factory):
+    return _weights_dir(tmp_path_factory.mktemp("active"), _active)
+
+
+@pytest.mark.parametrize("knobs", [{}, {"dflash2_walk": "bf16"}, {"dflash2_top_k": "4"},
+                                   {"dflash2_selector": "off"}])
+def test_knobs_change_drafts_only(prompts, active_dir, knobs):
+    """With a convolution and selector that matter: every knob setting stays lossless."""
+    ps, ids, baseline = prompts
+    eng = ReferenceEngine(str(active_dir), {**EQUAL, **knobs})
+    _check_lossless(eng.generate(ps, ids, SpecConfig("dflash2", 7), 5), baseline, 7)
+    assert eng.identity()["dflash2"]["walk"] == knobs.get("dflash2_walk", "fp32")
+
+
+def test_selector_changes_drafts(prompts, active_dir):
+    ps, ids, _ = prompts
+    on = ReferenceEngine(str(active_dir), EQUAL).generate(ps, ids, SpecConfig("dflash2", 7), 5)
+    off = ReferenceEngine(str(active_dir), {**EQUAL, "dflash2_selector": "off"}).generate(
+        ps, ids, SpecConfig("dflash2", 7), 5)
+    assert [c.spec.accepted_per_pos for c in on] != [c.spec.accepted_per_pos for c in off]
+
+
+def test_initialised_dflash2_drafts_as_dflash(prompts, tmp_path):
+    """Body from DFlash, identity convs, zero edge term: same drafts, so same counters (bf16)."""
+    ps, ids, _ = prompts
+    eng = ReferenceEngine(str(_weights_dir(tmp_path)), {})
+    want = [c.spec for c in eng.generate(ps, ids, SpecConfig("dflash", 7), 5)]
+    assert [c.spec for c in eng.generate(ps, ids, SpecConfig("dflash2", 7), 5)] == want
+
+
+def test_file_roundtrip_and_identity(tmp_path):
+    d = _weights_dir(tmp_path, _active)
+    cfg, *_ = load_networks(d)
+    a = load_dflash2(d / DFLASH2_FILE, cfg)
+    save_dflash2(a, tmp_path / "again.safetensors")
+    b = load_dflash2(tmp_path / "again.safetensors", cfg)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    eng = ReferenceEngine(str(d), {"dflash2_top_k": "8"})
+    ident = eng.identity()
+    assert ident["dflash2"]["top_k"] == 8 and ident["dflash2"]["selector"] == "on"
+    assert ident["weights_sha256"][DFLASH2_FILE]
+    assert eng.default_k("dflash2") == cfg.drafter.block_size - 1
+
+
+@pytest.mark.parametrize("args", [{"dflash2_walk": "fp16"}, {"dflash2_top_k": "0"},
+                                  {"dflash2_selector": "maybe"}])
+def test_bad_knobs_refused(args):
+    with pytest.raises(EngineUsageError, match="dflash2_"):
+        ReferenceEngine(engine_args=args)
+
+
+def test_missing_dflash2_file_is_a_clear_error(tmp_path, prompts):
+    for name in ("config.json", "model.safetensors", "drafter.safetensors", "tokenizer.json"):
+        shutil.copyfile(WEIGHTS_DIR / name, tmp_path / name)
+    ps, ids, _ = prompts
+    with pytest.raises(EngineUsageError, match="dflash2.safetensors"):
+        ReferenceEngine(str(tmp_path), {}).generate(ps[:1], ids[:1], SpecConfig("dflash2", 7), 5)
