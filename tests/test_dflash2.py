@@ -177,3 +177,66 @@ def test_missing_dflash2_file_is_a_clear_error(tmp_path, prompts):
     ps, ids, _ = prompts
     with pytest.raises(EngineUsageError, match="dflash2.safetensors"):
         ReferenceEngine(str(tmp_path), {}).generate(ps[:1], ids[:1], SpecConfig("dflash2", 7), 5)
+
+
+def test_export_follows_the_dflash2_contract_and_reloads(tmp_path, prompts):
+    """export-reference writes dflash2/ as vLLM 0.28+'s qwen3_dflash2.py expects (config
+    fields, tensor names and shapes spelled out here from that file), and the exported
+    tensors, loaded back into the reference engine, draft exactly as before."""
+    import json
+
+    from speccheck.engines.reference import dflash2 as d2mod
+    from speccheck.engines.reference.export import export_reference, read_dflash2_dir
+
+    (tmp_path / "w").mkdir()
+    src = _weights_dir(tmp_path / "w", _active)
+    out = tmp_path / "export"
+    summary = export_reference(out, src)
+    assert summary["dflash2"] == str(out / "dflash2")
+    cfg = json.loads((out / "dflash2" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["is_causal"] is False and cfg["tie_word_embeddings"] is False
+    n, H, V = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
+    assert cfg["layer_types"] == ["sliding_attention"] * n and cfg["sliding_window"] >= 1
+    dc = cfg["dflash_config"]
+    assert {"block_size", "mask_token_id", "target_layer_ids", "conv_kernel_size",
+            "conv_group_size", "selector_rank", "selector_top_k"} <= set(dc)
+    taps, groups, rank = dc["conv_kernel_size"], H // dc["conv_group_size"], dc["selector_rank"]
+    assert taps == 2 and H % dc["conv_group_size"] == 0
+    tensors = read_dflash2_dir(out / "dflash2")[1]
+    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    inter = cfg["intermediate_size"]
+    want = {"fc.weight": (H, H * len(dc["target_layer_ids"])), "hidden_norm.weight": (H,),
+            "norm.weight": (H,), "candidate_selector.hidden_projection.weight": (rank, H),
+            "candidate_selector.predecessor_codebook": (V, rank),
+            "candidate_selector.successor_codebook": (V, rank)}
+    for i in range(n):
+        p = f"layers.{i}."
+        want.update({p + "self_attn.q_proj.weight": (heads * hd, H),
+                     p + "self_attn.k_proj.weight": (kv * hd, H),
+                     p + "self_attn.v_proj.weight": (kv * hd, H),
+                     p + "self_attn.o_proj.weight": (H, heads * hd),
+                     p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                     p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+                     p + "mlp.down_proj.weight": (H, inter),
+                     p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
+        for conv in ("attention_conv", "mlp_conv"):
+            want[f"{p}{conv}.base_kernel"] = (2, taps, H)
+            want[f"{p}{conv}.kernel_projection.weight"] = (2 * taps * groups, H)
+    assert {k: tuple(t.shape) for k, t in tensors.items()} == want
+
+    # reload: the exported tensors as the engine's dflash2.safetensors
+    back = tmp_path / "back"
+    back.mkdir()
+    for name in ("config.json", "model.safetensors", "drafter.safetensors", "tokenizer.json"):
+        shutil.copyfile(src / name, back / name)
+    fields, state = read_dflash2_dir(out / "dflash2")
+    cfg_ref, *_ = load_networks(src)
+    d2 = DFlash2Drafter(cfg_ref, d2mod.DFlash2Config(**fields))
+    d2.load_state_dict({k: v.float() for k, v in state.items()})
+    save_dflash2(d2, back / DFLASH2_FILE)
+    ps, ids, _ = prompts
+    a = ReferenceEngine(str(src), {}).generate(ps, ids, SpecConfig("dflash2", 7), 5)
+    b = ReferenceEngine(str(back), {}).generate(ps, ids, SpecConfig("dflash2", 7), 5)
+    assert [c.spec for c in a] == [c.spec for c in b]
+    assert all(np.array_equal(x.token_ids, y.token_ids) for x, y in zip(a, b))
