@@ -258,10 +258,11 @@ def gate(suite, store_dir, golden_dir, policy_file, settings, junit):
               help="Directory for report.md and report.json (default: the suite directory).")
 def report(suite, store_dir, golden_dir, policy_file, settings, out):
     """Write a Markdown report (the seed article's tables) and a JSON summary."""
-    from speccheck.report import write_report
+    from speccheck.report import method_table, write_report
 
     s, result, detok = _evaluate(store_dir, suite, policy_file, settings, golden_dir=golden_dir)
     md, js = write_report(result, Path(out) if out else s.root, detok)
+    click.echo(method_table(result) + "\n")
     click.echo(f"wrote {md}\nwrote {js}")
 
 

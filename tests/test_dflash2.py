@@ -240,3 +240,25 @@ def test_export_follows_the_dflash2_contract_and_reloads(tmp_path, prompts):
     b = ReferenceEngine(str(back), {}).generate(ps, ids, SpecConfig("dflash2", 7), 5)
     assert [c.spec for c in a] == [c.spec for c in b]
     assert all(np.array_equal(x.token_ids, y.token_ids) for x, y in zip(a, b))
+
+
+def test_report_method_table_compares_mtp_dflash_dflash2_at_k7():
+    """With stand-in ConfigResults (SimpleNamespace test doubles carrying the fields the table
+    reads): baseline, then MTP / DFlash / DFlash2 at K=7, in that order, whatever the suite's
+    order; a method without K=7 shows its best tokens/iteration."""
+    from types import SimpleNamespace as NS
+
+    from speccheck.report import compared_configs, method_table
+
+    def res(name, tpi=None, tok_s=10.0):
+        return NS(config=name, acceptance=tpi and NS(tokens_per_iter=tpi),
+                  speed=NS(warm_tok_s=tok_s, speedup=tok_s / 10.0), token_agreement=0.995,
+                  identical_runs=True, repeats=2, together=None)
+
+    suite = NS(configs=[res("baseline"), res("dflash2-k7", 3.9, 58.5), res("mtp-k1", 1.9),
+                        res("mtp-k7", 4.8, 59.2), res("dflash-k3", 2.5), res("dflash-k10", 3.1)])
+    assert [r.config for r in compared_configs(suite)] == ["baseline", "mtp-k7", "dflash-k10",
+                                                          "dflash2-k7"]
+    table = method_table(suite).splitlines()
+    assert table[0].startswith("| method | K | decode tok/s (warm) | speedup | tokens / iteration")
+    assert table[-1] == "| dflash2 | 7 | 58.5 | 5.85x | 3.90 | 99.50 % | identical x2 |"
