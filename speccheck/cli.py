@@ -77,7 +77,7 @@ run_options = [
     click.option("--engine", default="reference", show_default=True, help="reference | vllm | openai"),
     click.option("--model", default=None, help="Model path (engine-specific; reference: shipped weights)."),
     click.option("--draft", default=None, help="External drafter path (dflash)."),
-    click.option("--method", "methods", multiple=True, help="baseline | mtp | dflash | ... (repeatable)."),
+    click.option("--method", "methods", multiple=True, help="baseline | mtp | dflash | dflash2 | ... (repeatable)."),
     click.option("--k", "k", default=None, help="K values: 7, 1-12 or 1,3,7."),
     click.option("--config", "configs", multiple=True, help="Config by name, e.g. mtp-k3 (repeatable)."),
     click.option("--corpus", default="default", show_default=True,
@@ -132,10 +132,11 @@ def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, eng
                           "--method baseline, or e.g. --method mtp --k 7 (run the baseline first, "
                           "against a server without speculative decoding, into the same --store).")
     default_k = {}
-    if "dflash" in methods:
+    block_methods = [m for m in ("dflash", "dflash2") if m in methods]
+    if block_methods:  # K hint = the drafter's block_size - 1
         probe = cls(model=model, engine_args=args, draft=draft)
         try:
-            default_k["dflash"] = probe.default_k("dflash")
+            default_k.update({m: probe.default_k(m) for m in block_methods})
         finally:
             probe.close()
     matrix = build_matrix(methods, k, configs, offered=cls.methods, engine=engine,
@@ -282,10 +283,11 @@ def gate(suite, store_dir, golden_dir, policy_file, settings, junit):
               help="Directory for report.md and report.json (default: the suite directory).")
 def report(suite, store_dir, golden_dir, policy_file, settings, out):
     """Write a Markdown report (the seed article's tables) and a JSON summary."""
-    from speccheck.report import write_report
+    from speccheck.report import method_table, write_report
 
     s, result, detok = _evaluate(store_dir, suite, policy_file, settings, golden_dir=golden_dir)
     md, js = write_report(result, Path(out) if out else s.root, detok)
+    click.echo(method_table(result) + "\n")
     click.echo(f"wrote {md}\nwrote {js}")
 
 
@@ -493,7 +495,7 @@ def serve(host, port, method, k, model, api_key_env, engine_args):
     from speccheck.serve import serve as serve_forever
 
     if method != "baseline":
-        build_matrix([method], str(k) if k is not None else None, offered=("mtp", "dflash"))
+        build_matrix([method], str(k) if k is not None else None, offered=("mtp", "dflash", "dflash2"))
     serve_forever(host=host, port=port, method=method, k=k or 0, api_key_env=api_key_env,
                   engine_args=_engine_args(engine_args), model=model)
 
