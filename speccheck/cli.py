@@ -1,9 +1,16 @@
 """`speccheck` command line: run, diff, gate, report, golden record|check, sweep, corpus,
-export-reference, serve. Exit codes: 0 pass, 1 gate failed, 2 bad input or usage, 3 engine failure."""
+export-reference, serve. Exit codes: 0 pass, 1 gate failed, 2 bad input or usage, 3 engine
+failure, 4 internal error (a bug: the traceback is saved to a file the message names), 130
+interrupted (Ctrl-C)."""
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import click
@@ -11,15 +18,40 @@ import click
 from speccheck.config import MatrixError, build_matrix
 from speccheck.corpus import CorpusError, list_corpora, load_corpus
 from speccheck.engines import EngineError, EngineUsageError, engine_class
-from speccheck.gate import EXIT_ENGINE, EXIT_USAGE, exit_code, gate_text, write_junit
+from speccheck.gate import (EXIT_ENGINE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, exit_code, gate_text,
+                            write_junit)
 from speccheck.policy import PolicyError, load_policy
 from speccheck.store import Store, StoreError
 
 USAGE_ERRORS = (CorpusError, MatrixError, PolicyError, StoreError, EngineUsageError)
 
 
+EXIT_CODES_HELP = ("Exit codes: 0 pass, 1 gate failed, 2 bad input or usage, 3 engine failure, "
+                   "4 internal error (traceback saved to a file the message names), 130 interrupted.")
+
+#: OS errors that are the user's environment, not a bug: a read-only or full disk, a
+#: permission, a path that is not a directory. They name the path and exit 2.
+_ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
+                       errno.EISDIR, errno.ENOENT, errno.ENAMETOOLONG, errno.EEXIST, errno.ENOTEMPTY}
+
+
+def save_traceback() -> Path | None:
+    """Write the current exception's traceback where the user can attach it to a report."""
+    text = f"speccheck {' '.join(sys.argv[1:])}\n\n{traceback.format_exc()}"
+    name = f"speccheck-crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    for folder in (Path(tempfile.gettempdir()), Path.cwd()):
+        try:
+            path = folder / name
+            path.write_text(text)
+            return path
+        except OSError:
+            continue
+    return None
+
+
 class SpeccheckGroup(click.Group):
-    """Turns every known error into a one-paragraph message and the documented exit code."""
+    """Turns every known error into a one-paragraph message and the documented exit code;
+    anything else is a bug in speccheck: one line, the traceback in a file, exit 4."""
 
     def invoke(self, ctx: click.Context):
         from speccheck.golden import GoldenMismatch
@@ -32,6 +64,28 @@ class SpeccheckGroup(click.Group):
         except EngineError as e:
             click.echo(f"speccheck: engine failure: {e}", err=True)
             sys.exit(EXIT_ENGINE)
+        except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            click.echo("\nspeccheck: interrupted; runs already stored are kept (a re-run resumes).", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except OSError as e:
+            if e.errno not in _ENVIRONMENT_ERRNOS:
+                self._internal_error(e)
+            where = e.filename or "?"
+            click.echo(f"speccheck: error: cannot use {where}: {e.strerror or e} (check the path given "
+                       "with --store / --out / --golden, its permissions and free space).", err=True)
+            sys.exit(EXIT_USAGE)
+        except Exception as e:  # noqa: BLE001 - the top-level guard
+            self._internal_error(e)
+
+    @staticmethod
+    def _internal_error(e: BaseException):
+        path = save_traceback()
+        where = f"the traceback is in {path}" if path else "the traceback could not be saved"
+        click.echo(f"speccheck: internal error ({type(e).__name__}: {e}); this is a bug in speccheck, "
+                   f"not in your model or input: {where}; please report it with that file.", err=True)
+        sys.exit(EXIT_INTERNAL)
 
 
 def _engine_args(items: tuple[str, ...]) -> dict[str, str]:
@@ -152,7 +206,7 @@ def _evaluate(store_dir, suite_id, policy_file, settings, configs=None, golden_d
     return suite, evaluate_suite(suite, policy, configs, gold, detok), detok
 
 
-@click.group(cls=SpeccheckGroup)
+@click.group(cls=SpeccheckGroup, epilog=EXIT_CODES_HELP)
 @click.version_option(package_name="speccheck")
 def main() -> None:
     """Correctness and determinism gate for speculative decoding."""

@@ -1,0 +1,324 @@
+"""Nothing lost, nothing silently wrong (issue 12): honest exit codes, a store that notices
+damage and says which command redoes just that part, a store lock, and bad input caught early.
+
+One small real store (reference engine, smoke corpus, baseline + mtp-k2, one repeat) is made
+once per module; every test damages its own copy of it."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from speccheck import cli
+from speccheck.cli import main
+
+RUN = ["--corpus", "smoke", "--config", "mtp-k2", "--repeats", "1", "--concurrent", "0", "--no-attribution"]
+LOOSE = ["--set", "min_token_agreement=0"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+def assert_clean(r, code):
+    """The contract: the exit code it names, one paragraph, no traceback."""
+    out = r.output
+    assert r.exit_code == code, out
+    assert "Traceback" not in out, out
+    if code == 2:
+        assert "error:" in out and len([ln for ln in out.splitlines() if "error:" in ln]) == 1, out
+
+
+@pytest.fixture(scope="module")
+def made_store(tmp_path_factory):
+    st = tmp_path_factory.mktemp("made") / "st"
+    r = invoke("run", "--store", str(st), *RUN)
+    assert r.exit_code == 0, r.output
+    g = invoke("gate", "--store", str(st), *LOOSE)
+    return st, g.exit_code
+
+
+@pytest.fixture
+def store(made_store, tmp_path):
+    st = tmp_path / "st"
+    shutil.copytree(made_store[0], st)
+    return st
+
+
+def suite_dir(st: Path) -> Path:
+    return st / "suites" / (st / "LATEST").read_text().strip()
+
+
+def snapshot(st: Path) -> dict:
+    return {str(p.relative_to(st)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(st.rglob("*")) if p.is_file() and p.name != "lock"}
+
+
+# --- 1. exit codes ---------------------------------------------------------------------------
+
+def test_help_and_readme_list_the_exit_codes():
+    r = invoke("--help")
+    text = " ".join(r.output.split())
+    for code in ("0 pass", "1 gate failed", "2 bad input", "3 engine failure", "4 internal error", "130"):
+        assert code in text, text
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert "## Exit codes" in readme and "| 4 |" in readme and "| 130 |" in readme
+
+
+@pytest.mark.parametrize("command", [["gate"], ["diff"], ["report"]])
+def test_a_crash_inside_a_command_exits_4_and_saves_the_traceback(store, monkeypatch, command):
+    """Test double: `evaluate_suite` is replaced by one that raises, standing in for a bug."""
+    import speccheck.evaluate
+
+    def broken(*a, **k):
+        raise ZeroDivisionError("planted bug")
+
+    monkeypatch.setattr(speccheck.evaluate, "evaluate_suite", broken)
+    r = invoke(*command, "--store", str(store))
+    assert r.exit_code == 4, r.output
+    line = [ln for ln in r.output.splitlines() if "internal error" in ln]
+    assert len(line) == 1 and "ZeroDivisionError: planted bug" in line[0]
+    path = Path(line[0].split("the traceback is in ")[1].split(";")[0])
+    assert path.exists() and "Traceback" in path.read_text() and "planted bug" in path.read_text()
+    assert "Traceback" not in r.output
+    path.unlink()
+
+
+@pytest.mark.parametrize("command", [["gate"], ["report"]])
+def test_ctrl_c_exits_130_and_keeps_the_store(store, monkeypatch, command):
+    """Test double: `evaluate_suite` raises KeyboardInterrupt, as Ctrl-C would mid-command."""
+    import speccheck.evaluate
+
+    before = snapshot(store)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(speccheck.evaluate, "evaluate_suite", interrupted)
+    r = invoke(*command, "--store", str(store))
+    assert r.exit_code == 130 and "interrupted" in r.output and "Traceback" not in r.output
+    assert snapshot(store) == before
+
+
+def test_ctrl_c_in_a_real_process_exits_130(store):
+    """A real SIGINT to a real `speccheck gate` process (the reference engine's detokenizer
+    loads torch, so there is time to interrupt it)."""
+    import signal
+    import time
+
+    code = ("import sys, speccheck.cli; print('ready', flush=True); "
+            f"sys.argv = ['speccheck', 'gate', '--store', {str(store)!r}]; speccheck.cli.main()")
+    proc = subprocess.Popen([sys.executable, "-c", code],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    if proc.returncode in (0, 1):
+        pytest.skip("gate finished before the signal arrived")
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+
+
+# --- 2. store integrity ----------------------------------------------------------------------
+
+def _truncate(p: Path):
+    p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2])
+
+
+def _flip(p: Path):
+    b = bytearray(p.read_bytes())
+    b[len(b) // 2] ^= 0x40
+    p.write_bytes(bytes(b))
+
+
+def _manifest_drop(key, in_completion=False):
+    def mutate(p: Path):
+        m = json.loads(p.read_text())
+        del (m["completions"][0] if in_completion else m)[key]
+        p.write_text(json.dumps(m))
+    return mutate
+
+
+def _attribution_broken(p: Path):
+    p.write_text(json.dumps({"not": "a list"}))
+
+
+DAMAGE = [
+    ("runs/mtp-k2/r0/arrays.npz", _truncate, "mtp-k2"),
+    ("runs/mtp-k2/r0/arrays.npz", _flip, "mtp-k2"),
+    ("runs/baseline/r0/arrays.npz", _flip, "baseline"),
+    ("runs/mtp-k2/r0/manifest.json", _manifest_drop("text", in_completion=True), "mtp-k2"),
+    ("runs/mtp-k2/r0/manifest.json", _manifest_drop("status"), "mtp-k2"),
+    ("runs/mtp-k2/r0/manifest.json", _truncate, "mtp-k2"),
+    ("rescore/mtp-k2-r0.npz", _truncate, "mtp-k2"),
+    ("rescore/mtp-k2-r0.npz", _flip, "mtp-k2"),
+    ("rescore/baseline-r0.npz", _flip, "baseline"),
+    ("attribution/mtp-k2.json", _attribution_broken, "mtp-k2"),
+]
+
+
+@pytest.mark.parametrize("rel,mutate,config", DAMAGE, ids=[f"{d[0]}-{d[1].__name__}" for d in DAMAGE])
+def test_damage_is_exit_2_naming_the_file_and_the_redo_command(store, rel, mutate, config):
+    path = suite_dir(store) / rel
+    if not path.exists():  # attribution is not made by --no-attribution: plant a valid one first
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("[]")
+    mutate(path)
+    for command in (["gate", *LOOSE], ["diff", "--json"], ["report"]):
+        r = invoke(*command, "--store", str(store))
+        assert_clean(r, 2)
+        assert path.name in r.output, r.output
+        assert "speccheck run" in r.output and f"--config {config}" in r.output, r.output
+
+
+@pytest.mark.parametrize("rel,mutate,config", DAMAGE[:4] + DAMAGE[6:8],
+                         ids=[f"{d[0]}-{d[1].__name__}" for d in DAMAGE[:4] + DAMAGE[6:8]])
+def test_run_redoes_just_the_damaged_part(store, made_store, rel, mutate, config):
+    """`run` no longer reports a damaged run as "already stored": it redoes it (and only it),
+    after which the store gates as it did before the damage."""
+    mutate(suite_dir(store) / rel)
+    r = invoke("run", "--store", str(store), *RUN)
+    assert r.exit_code == 0, r.output
+    redone_runs = 1 if rel.startswith("runs/") else 0
+    assert f"{2 - redone_runs} already stored, {redone_runs} to run" in r.output, r.output
+    assert invoke("gate", "--store", str(store), *LOOSE).exit_code == made_store[1]
+
+
+def test_truncated_inputs_are_noticed_and_tokenised_again(store):
+    inputs = suite_dir(store) / "inputs.npz"
+    good = inputs.read_bytes()
+    _truncate(inputs)
+    r = invoke("run", "--store", str(store), *RUN)
+    assert r.exit_code == 0 and "2 already stored, 0 to run" in r.output, r.output
+    assert inputs.read_bytes() == good
+
+
+def test_stores_written_before_sums_still_load(store, made_store):
+    """A store without the manifest file lists and sidecars (written by an older speccheck)."""
+    for m in suite_dir(store).rglob("manifest.json"):
+        data = json.loads(m.read_text())
+        data.pop("files")
+        m.write_text(json.dumps(data))
+    for side in store.rglob("*.sha256"):
+        side.unlink()
+    assert invoke("gate", "--store", str(store), *LOOSE).exit_code == made_store[1]
+    r = invoke("run", "--store", str(store), *RUN)
+    assert "2 already stored, 0 to run" in r.output, r.output
+
+
+def test_every_stored_file_is_listed_or_has_a_sum(store):
+    from speccheck.store import file_sum
+
+    sd = suite_dir(store)
+    for run in sd.glob("runs/*/r*"):
+        files = json.loads((run / "manifest.json").read_text())["files"]
+        assert files == {"arrays.npz": file_sum(run / "arrays.npz")}
+    for p in [sd / "inputs.npz", sd / "suite.json", *sd.glob("rescore/*.npz")]:
+        assert json.loads(p.with_name(p.name + ".sha256").read_text()) == file_sum(p)
+
+
+def test_resume_with_nothing_to_do_writes_nothing(store):
+    before = snapshot(store)
+    r = invoke("run", "--store", str(store), *RUN)
+    assert "0 to run" in r.output
+    assert snapshot(store) == before
+
+
+def test_files_are_shared_as_the_umask_says(store, tmp_path):
+    old = os.umask(0o022)
+    try:
+        st = tmp_path / "fresh"
+        from speccheck.store import Store
+
+        s = Store(st).suite("s1", {"engine": "reference", "corpus": "smoke", "corpus_hash": "x"})
+        s.write_inputs({"a": [1, 2]})
+    finally:
+        os.umask(old)
+    for p in [s.root / "inputs.npz", s.root / "suite.json"]:
+        assert p.stat().st_mode & 0o777 == 0o644, oct(p.stat().st_mode)
+    for p in suite_dir(store).rglob("*"):
+        assert p.stat().st_mode & 0o044, p  # group/others can read what `run` stored
+
+
+@pytest.mark.parametrize("store_arg,needle", [
+    ("/proc/speccheck-store", "/proc/speccheck-store"),
+    ("/dev/full/store", "/dev/full"),
+])
+def test_unusable_store_path_is_exit_2(store_arg, needle):
+    r = invoke("run", "--store", store_arg, *RUN)
+    assert_clean(r, 2)
+    assert needle in r.output
+
+
+def test_store_that_is_a_file_is_exit_2(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    for cmd in (["run", *RUN], ["gate"]):
+        r = invoke(*cmd, "--store", str(f))
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+
+
+def test_lock_is_exclusive_and_released_when_the_holder_dies(tmp_path):
+    """The holder's pid is in the lock; a second writer refuses (wait=False) naming it; a
+    holder killed with -9 leaves no stale lock."""
+    from speccheck.store import Store, StoreError
+
+    st = Store(tmp_path / "st")
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import sys,time; from speccheck.store import Store\n"
+                               f"with Store({str(st.root)!r}).lock():\n print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(StoreError, match=f"pid {holder.pid}"):
+        with st.lock(wait=False):
+            pass
+    holder.kill()
+    holder.wait()
+    with st.lock(wait=False):
+        assert (st.root / "lock").read_text().strip() == str(os.getpid())
+
+
+def test_two_concurrent_runs_on_one_store(tmp_path):
+    """Two real `speccheck run` processes on one store at once: both exit 0, the second waits
+    and finds the work done, the store gates, and no temp file or directory is left."""
+    st = str(tmp_path / "st")
+    cmd = [sys.executable, "-m", "speccheck.cli", "run", "--store", st, *RUN]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sum("0 to run" in o + e for o, e in outs) == 1, outs
+    assert invoke("gate", "--store", st, *LOOSE).exit_code in (0, 1)
+    litter = [p for p in Path(st).rglob("*") if p.name.startswith(".") or ".tmp" in p.name or ".old" in p.name]
+    assert litter == []
+
+
+def test_write_run_race_in_one_process_leaves_no_litter(tmp_path):
+    """Many threads writing the same run (what the lock prevents between processes) never
+    fail with 'Directory not empty' and leave one intact run and no temp directories."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from speccheck.store import Store
+    from speccheck.types import Completion, RunRecord, SpecConfig
+
+    s = Store(tmp_path / "st").suite("s1", {"engine": "reference", "corpus": "smoke", "corpus_hash": "x"})
+    rec = RunRecord(SpecConfig("mtp", 3), {}, "smoke", "x", 0, False, completions=[
+        Completion("p", [1, 2], [3, 4], [-0.1, -0.2], np.zeros((2, 2)), np.zeros((2, 2)), text="ab")])
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: s.write_run(rec), range(60)))
+    assert s.is_complete("mtp-k3", 0) and s.load_run("mtp-k3", 0).completions[0].text == "ab"
+    assert [p.name for p in s.run_dir("mtp-k3", 0).parent.iterdir()] == ["r0"]
+
+
+def test_fresh_process_worker_stops_when_its_parent_dies(tmp_path):
+    """The worker's parent watch: a child started with a parent pid that is already gone
+    exits (code 3) within a second instead of running on."""
+    code = ("import time; from speccheck.runner import _exit_with_parent\n"
+            "import os; _exit_with_parent(os.getppid() + 10**6)\ntime.sleep(30)")
+    proc = subprocess.run([sys.executable, "-c", code], timeout=20)
+    assert proc.returncode == 3
