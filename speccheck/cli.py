@@ -153,9 +153,17 @@ def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, eng
           no_attribution=False, base_url=None, served_model=None, api_key_env=None, concurrent=0):
     from speccheck.runner import RunPlan
 
+    from speccheck.engines import ENGINES
+
     args = _engine_args(engine_args)
     server = {"base_url": base_url, "served_model": served_model, "api_key_env": api_key_env}
     args.update({key: v for key, v in server.items() if v is not None})
+    # cheap errors first, before an engine (and torch) loads: the corpus, the engine's name,
+    # the matrix's syntax
+    load_corpus(corpus)
+    if engine not in ENGINES:
+        raise EngineUsageError(f"unknown engine {engine!r} (option --engine): choose one of {', '.join(ENGINES)}")
+    build_matrix(methods, k, configs, offered=None, engine=engine)
     cls = engine_class(engine)
     if cls.serves_one_config and not (methods or configs):
         raise MatrixError(f"the {engine} engine runs the one config its server runs: say which with "

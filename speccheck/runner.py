@@ -82,6 +82,21 @@ def tokenized_inputs(suite: Suite, engine: Engine, corpus: Corpus) -> dict[str, 
     return inputs
 
 
+def check_context(engine: Engine, corpus: Corpus) -> None:
+    """Every prompt plus its max_tokens must fit the model's positions, checked before any run
+    (an 8192-position model given a 20k-token prompt would otherwise run for many minutes)."""
+    limit = engine.max_positions()
+    if not limit:
+        return
+    for p in corpus.prompts:
+        n = len(engine.tokenize(p))
+        if n + p.max_tokens > limit:
+            raise EngineUsageError(
+                f"{corpus.path}: prompt {p.id!r} is {n} tokens + max_tokens {p.max_tokens} = "
+                f"{n + p.max_tokens} positions, more than the {limit} the model holds; shorten the "
+                f"prompt or lower its max_tokens to at most {max(limit - n, 0)}.")
+
+
 def run_one(engine: Engine, suite: Suite, corpus: Corpus, inputs: dict[str, np.ndarray],
             config: SpecConfig, repeat: int, top_k: int, fresh_process: bool,
             copies: int = 0) -> RunRecord:
@@ -144,6 +159,11 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
     ``progress(done, total, what)`` is called before each run and once at the end."""
     corpus = load_corpus(plan.corpus)
     engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)  # bad args: nothing written
+    try:
+        check_context(engine, corpus)
+    except BaseException:
+        engine.close()
+        raise
     suite = open_suite(plan, store, corpus)
     store.set_latest(suite.id)
     try:

@@ -322,3 +322,94 @@ def test_fresh_process_worker_stops_when_its_parent_dies(tmp_path):
             "import os; _exit_with_parent(os.getppid() + 10**6)\ntime.sleep(30)")
     proc = subprocess.run([sys.executable, "-c", code], timeout=20)
     assert proc.returncode == 3
+
+
+# --- 3. validated inputs, early ----------------------------------------------------------------
+
+@pytest.mark.parametrize("setting,needle", [
+    ("min_token_agreement=5.0", "[0, 1]"),
+    ("min_token_agreement=-0.1", "[0, 1]"),
+    ("min_text_similarity=nan", "finite"),
+    ("max_high_confidence=-1", ">= 0"),
+    ("max_high_confidence=2.5", "whole number"),
+    ("tie_floor=nan", "finite"),
+    ("tie_floor=-0.02", ">= 0"),
+    ("tie_noise_multiple=-4", ">= 0"),
+    ("low_noise_multiple=inf", "finite"),
+    ("tie_floor=0.5", "must not exceed low_floor"),
+    ("min_speedup=fast", ">= 0"),
+    ("require_deterministic=maybe", "true or false"),
+    ("max_acceptance_drop=5", "[0, 1]"),
+])
+def test_policy_values_are_range_checked(store, setting, needle):
+    r = invoke("gate", "--store", str(store), "--set", setting)
+    assert_clean(r, 2)
+    assert setting.split("=")[0] in r.output and needle in r.output, r.output
+
+
+@pytest.mark.parametrize("toml,needle", [
+    ("require_deterministic = 1", "true or false"),
+    ("max_high_confidence = true", "boolean"),
+    ("min_token_agreement = 99.5", "a fraction"),
+    ("tie_floor = nan", "finite"),
+])
+def test_policy_file_values_are_range_checked(store, tmp_path, toml, needle):
+    f = tmp_path / "policy.toml"
+    f.write_text(toml + "\n")
+    r = invoke("gate", "--store", str(store), "--policy", str(f))
+    assert_clean(r, 2)
+    assert str(f) in r.output and needle in r.output
+
+
+def test_prompt_longer_than_the_model_is_refused_before_any_run(tmp_path):
+    corpus = tmp_path / "long.jsonl"
+    corpus.write_text(json.dumps({"id": "long", "category": "x", "max_tokens": 8000,
+                                  "text": "the cat sat on the mat " * 100}) + "\n")
+    r = invoke("run", "--store", str(tmp_path / "st"), "--corpus", str(corpus), "--config", "mtp-k2")
+    assert_clean(r, 2)
+    assert "long.jsonl" in r.output and "'long'" in r.output and "8192" in r.output
+    assert not (tmp_path / "st" / "suites").exists()
+
+
+def test_bad_engine_args_leave_no_suite_directory(tmp_path):
+    r = invoke("run", "--store", str(tmp_path / "st"), "--engine-arg", "nonsense=1", *RUN)
+    assert_clean(r, 2)
+    assert "nonsense" in r.output
+    assert not (tmp_path / "st" / "suites").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--corpus", "DIR"], "is a directory"),
+    (["--corpus", "DIR/typo.jsonl"], "does not exist"),
+    (["--corpus", "nonesuch"], "unknown corpus"),
+    (["--engine", "tgi"], "unknown engine 'tgi'"),
+    (["--method", "mtp", "--k", "1-x"], "--k '1-x'"),
+    (["--config", "mtp-kk"], "--config 'mtp-kk'"),
+    (["--engine-arg", "novalue"], "--engine-arg"),
+])
+def test_cheap_errors_come_before_torch_loads(tmp_path, args, needle):
+    args = [a.replace("DIR", str(tmp_path)) for a in args]
+    code = ("import sys, speccheck.cli\n"
+            f"sys.argv = ['speccheck', 'run', '--store', {str(tmp_path / 'st')!r}, *{args!r}]\n"
+            "try:\n    speccheck.cli.main()\nexcept SystemExit as e:\n"
+            "    print('EXIT', e.code, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "EXIT 2 False" in r.stdout, (r.stdout, r.stderr)
+    assert needle in r.stderr + r.stdout and "Traceback" not in r.stderr
+    assert not (tmp_path / "st").exists()
+
+
+def test_unknown_method_in_config_blames_the_config(tmp_path):
+    r = invoke("run", "--store", str(tmp_path / "st"), "--config", "turbo-k3")
+    assert_clean(r, 2)
+    assert "--config 'turbo-k3'" in r.output and "--method" not in r.output
+
+
+def test_corpus_with_a_byte_order_mark_loads(tmp_path):
+    from speccheck.corpus import load_corpus
+
+    line = json.dumps({"id": "a", "category": "x", "max_tokens": 4, "text": "hello"})
+    plain, bom = tmp_path / "plain.jsonl", tmp_path / "bom.jsonl"
+    plain.write_text(line + "\n")
+    bom.write_bytes(b"\xef\xbb\xbf" + (line + "\n").encode())
+    assert load_corpus(bom).hash == load_corpus(plain).hash

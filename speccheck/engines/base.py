@@ -80,6 +80,10 @@ class Engine(ABC):
         engine's) to re-score a divergent prefix with; empty when the engine has none."""
         return {}
 
+    def max_positions(self) -> int | None:
+        """Positions the model can hold (prompt + generated); None when the engine cannot tell."""
+        return None
+
     def default_k(self, method: str) -> int | None:
         """K to use for ``method`` when the user names none (e.g. block_size - 1 for dflash)."""
         return None

@@ -418,6 +418,13 @@ class OpenAIEngine(Engine):
                                    "tokenizer=PATH/tokenizer.json.") from None
         return [int(t) for t in out["tokens"]]
 
+    def max_positions(self) -> int | None:
+        try:
+            n = self._server()["model"].get("max_model_len")
+        except Exception:  # noqa: BLE001 - unknown is allowed; the server will say
+            return None
+        return int(n) if isinstance(n, int) and n > 0 else None
+
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Prompt.as_text() through the server's tokenizer (vLLM /tokenize), or the local
         tokenizer.json: the same text every other engine tokenizes, chat prompts included."""

@@ -211,6 +211,9 @@ class ReferenceEngine(Engine):
     def tokenize(self, prompt: Prompt) -> list[int]:
         return self.tokenizer.encode(prompt.as_text()).ids
 
+    def max_positions(self) -> int | None:
+        return int(self.cfg.max_position_embeddings)
+
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
