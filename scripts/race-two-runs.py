@@ -15,11 +15,12 @@ def main(rounds: int) -> int:
         cmd = [sys.executable, "-m", "speccheck.cli", "run", "--store", str(st), *RUN]
         procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
         outs = [p.communicate() for p in procs]
-        gate = subprocess.run([sys.executable, "-m", "speccheck.cli", "gate", "--store", str(st)],
-                              capture_output=True, text=True)
+        # one repeat: determinism has nothing to compare, so it is not asked here
+        gate = subprocess.run([sys.executable, "-m", "speccheck.cli", "gate", "--store", str(st),
+                               "--set", "require_deterministic=false"], capture_output=True, text=True)
         litter = [str(p) for p in st.rglob("*") if p.name.startswith(".") or ".tmp" in p.name or ".old" in p.name]
         codes = [p.returncode for p in procs]
-        ok = codes == [0, 0] and gate.returncode in (0, 1) and "Traceback" not in gate.stderr and not litter
+        ok = codes == [0, 0] and gate.returncode == 0 and "Traceback" not in gate.stderr and not litter
         bad += not ok
         print(f"round {i + 1}: run exits {codes}, gate exit {gate.returncode}, "
               f"{sum('0 to run' in o for o, _ in outs)} run found the work done, litter {litter}  "

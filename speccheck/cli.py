@@ -362,12 +362,13 @@ def golden() -> None:
 @store_option
 @golden_option
 @_apply(policy_options)
-def golden_record(suite, store_dir, golden_dir, policy_file, settings):
-    """Record the store's baseline and per-config acceptance as the golden."""
+@click.option("--force", is_flag=True, help="Overwrite an existing golden (the refusal shows what would change).")
+def golden_record(suite, store_dir, golden_dir, policy_file, settings, force):
+    """Record the store's baseline and per-config acceptance as the golden (the suite must pass the gate)."""
     from speccheck import golden as g
 
     s, result, _ = _evaluate(store_dir, suite, policy_file, settings, golden_dir=golden_dir)
-    path = g.record(s, result, Path(golden_dir))
+    path = g.record(s, result, Path(golden_dir), force=force)
     click.echo(f"recorded golden {path} ({len(result.configs)} configs' acceptance)")
 
 
@@ -390,6 +391,8 @@ def _golden_check_print(s, result, golden_dir, policy_file, settings) -> bool:
     click.echo(f"golden {chk.path}: {lines[0]}")
     for line in lines[1:]:
         click.echo(line)
+    if chk.why():
+        click.echo(f"    {chk.why()}")
     for r in result.configs:
         if r.acceptance is not None and r.config in chk.acceptance:
             click.echo(f"    {r.config}: {r.acceptance.tokens_per_iter:.2f} tokens/iter "

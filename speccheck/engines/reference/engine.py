@@ -201,6 +201,7 @@ class ReferenceEngine(Engine):
             "device": str(self.device),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # SIMD kernels torch picked
             "knobs": {k: self.args[k] for k in ("gdn_prefill", "gdn_decode", "gdn_verify",
                                                 "attn_prefill", "attn_decode", "attn_verify")},
             "fault": self.args["fault"],
