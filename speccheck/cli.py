@@ -108,6 +108,14 @@ def _settings(items: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+ENGINE_ARG_HELP = (
+    "Engine option key=value (repeatable). reference: dtype=bf16|fp32, gdn_prefill/gdn_decode/"
+    "gdn_verify=chunked|recurrent, attn_prefill/attn_decode/attn_verify=single|multi, "
+    "device=auto|cpu|cuda, threads=N, batch=N, fault=NAME (planted bug). vllm: keyword arguments "
+    "of vllm.LLM (e.g. attention_backend, gpu_memory_utilization, max_model_len, dtype), "
+    "speculative_config as JSON. openai: base_url, served_model, api_key_env, timeout, retries, "
+    "backoff, tokenizer, score_base_url.")
+
 store_option = click.option("--store", "store_dir", default=".speccheck", show_default=True,
                             type=click.Path(file_okay=False), help="Store directory.")
 golden_option = click.option("--golden", "golden_dir", default="golden", show_default=True,
@@ -135,14 +143,18 @@ run_options = [
     click.option("--k", "k", default=None, help="K values: 7, 1-12 or 1,3,7."),
     click.option("--config", "configs", multiple=True, help="Config by name, e.g. mtp-k3 (repeatable)."),
     click.option("--corpus", default="default", show_default=True, help="Built-in corpus name or a file path."),
-    click.option("--repeats", default=2, show_default=True, type=click.IntRange(1, 100)),
-    click.option("--top-k", "top_k", default=5, show_default=True, type=click.IntRange(2, 20)),
-    click.option("--engine-arg", "engine_args", multiple=True, help="Engine option key=value (repeatable)."),
+    click.option("--repeats", default=2, show_default=True, type=click.IntRange(1, 100),
+                 help="Runs per config (the last in a fresh process); determinism needs 2."),
+    click.option("--top-k", "top_k", default=5, show_default=True, type=click.IntRange(2, 20),
+                 help="Logprobs kept per position (the margin needs 2)."),
+    click.option("--engine-arg", "engine_args", multiple=True, help=ENGINE_ARG_HELP),
     click.option("--no-attribution", is_flag=True, help="Skip kernel-path attribution of divergences."),
     click.option("--concurrent", default=2, show_default=True, type=click.IntRange(0, 64),
                  help="Also run each config on the whole corpus at once, every prompt N times: "
                       "batch-composition invariance and N identical concurrent requests (0: off)."),
-    click.option("--base-url", default=None, help="openai engine: server URL (e.g. http://127.0.0.1:8000)."),
+    click.option("--base-url", default=None,
+                 help="openai engine: server URL, with or without /v1 (default $OPENAI_BASE_URL, "
+                      "else http://127.0.0.1:8000)."),
     click.option("--served-model", default=None, help="openai engine: the server's model name."),
     click.option("--api-key-env", default=None,
                  help="openai engine: env var holding the API key (default OPENAI_API_KEY)."),
@@ -198,9 +210,35 @@ def _detok_for(suite):
         from speccheck.engines import make_engine
 
         engine = make_engine("reference", meta.get("model"), meta.get("engine_args"), meta.get("draft"))
-        return engine.detokenize
+        return bytes_shown(engine.detokenize, engine.token_bytes)
     except Exception:  # noqa: BLE001 - evidence without decoded text is still evidence
         return None
+
+
+def bytes_shown(detokenize, token_bytes):
+    """A detokenizer that shows bytes which are not whole UTF-8 characters as ``<0xE3>``
+    (a byte-level token often holds a third of a CJK character) instead of '\ufffd'."""
+    def detok(ids) -> str:
+        text = detokenize(ids)
+        if "\ufffd" not in text:
+            return text
+        parts = [token_bytes(int(t)) for t in ids]
+        if any(p is None for p in parts):
+            return text
+        raw, out, i = b"".join(parts), [], 0
+        while i < len(raw):
+            for n in (1, 2, 3, 4):
+                try:
+                    out.append(raw[i:i + n].decode("utf-8"))
+                    i += n
+                    break
+                except UnicodeDecodeError:
+                    continue
+            else:
+                out.append(f"<0x{raw[i]:02X}>")
+                i += 1
+        return "".join(out)
+    return detok
 
 
 def _evaluate(store_dir, suite_id, policy_file, settings, configs=None, golden_dir="golden"):
@@ -252,6 +290,9 @@ def run(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engin
 
 
 def _select(suite, methods, k, configs) -> list[str] | None:
+    if k and not methods:
+        raise MatrixError(f"--k {k}: say which method it applies to (e.g. --method mtp --k {k}), "
+                          "or name configs with --config.")
     if not methods and not configs:
         return None
     wanted = {c.name for c in build_matrix(methods, k, configs, offered=None)} if (k or configs) else None
@@ -262,25 +303,39 @@ def _select(suite, methods, k, configs) -> list[str] | None:
 
 
 @main.command()
-@click.option("--method", "methods", multiple=True)
-@click.option("--k", "k", default=None)
-@click.option("--config", "configs", multiple=True)
-@click.option("--against", type=click.Choice(["baseline", "golden"]), default="baseline", show_default=True)
+@click.option("--method", "methods", multiple=True, help="Method(s) to show besides the baseline (repeatable).")
+@click.option("--k", "k", default=None, help="K values of --method to show: 7, 1-12 or 1,3,7.")
+@click.option("--config", "configs", multiple=True, help="Config by name, e.g. mtp-k3 (repeatable).")
+@click.option("--against", type=click.Choice(["baseline", "golden"]), default="baseline", show_default=True,
+              help="Also compare today's baseline with the golden (golden).")
 @click.option("--json", "as_json", is_flag=True, help="Print the same figures as JSON.")
-@click.option("--run", "run_missing", is_flag=True, help="Run what is missing first (reference engine defaults).")
+@click.option("--run", "run_missing", is_flag=True,
+              help="Run what is missing first (reference engine, --corpus); LATEST is not moved.")
+@click.option("--corpus", default=None, help="With --run: the corpus to run (default: the last suite's, or default).")
 @suite_option
 @store_option
 @golden_option
 @_apply(policy_options)
-def diff(methods, k, configs, against, as_json, run_missing, suite, store_dir, golden_dir, policy_file, settings):
+def diff(methods, k, configs, against, as_json, run_missing, corpus, suite, store_dir, golden_dir, policy_file,
+         settings):
     """Compare spec configs with the baseline: determinism, agreement, divergences, acceptance."""
     from speccheck.report import diff_text
 
+    if corpus and not run_missing:
+        raise MatrixError("--corpus applies with --run (diff reads the stored suite; pick it with --suite).")
     if run_missing:
         from speccheck.runner import run_suite
 
-        plan = _plan("reference", None, None, methods, k, configs, "default", 2, 5, (), concurrent=2)
-        run_suite(plan, Store(store_dir), log=lambda m: click.echo(m, err=True))
+        store = Store(store_dir)
+        latest = store.root / "LATEST"
+        previous = latest.read_text() if latest.exists() else None
+        if corpus is None:
+            corpus = store.latest().meta["corpus"] if previous else "default"
+        plan = _plan("reference", None, None, methods, k, configs, corpus, 2, 5, (), concurrent=2)
+        ran = run_suite(plan, store, log=lambda m: click.echo(m, err=True))
+        if previous is not None and previous.strip() != ran.id:
+            store.set_latest(previous.strip())  # diff looks; only `run` moves LATEST
+        suite = ran.id
     s = _suite(store_dir, suite)
     names = _select(s, methods, k, configs)
     if names is not None and len(names) <= 1 and (methods or configs):
@@ -327,14 +382,15 @@ def report(suite, store_dir, golden_dir, policy_file, settings, out):
 
 
 @main.command()
-@click.option("--method", "methods", multiple=True, required=True)
-@click.option("--k", "k", default="1-10", show_default=True)
-@click.option("--engine", default="reference", show_default=True)
-@click.option("--model", default=None)
-@click.option("--draft", default=None)
-@click.option("--corpus", default="default", show_default=True)
-@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 100))
-@click.option("--engine-arg", "engine_args", multiple=True)
+@click.option("--method", "methods", multiple=True, required=True, help="Method(s) to sweep, e.g. dflash.")
+@click.option("--k", "k", default="1-10", show_default=True, help="K values: 7, 1-12 or 1,3,7.")
+@click.option("--engine", default="reference", show_default=True, help="reference | vllm | openai")
+@click.option("--model", default=None, help="Model path (engine-specific; reference: shipped weights).")
+@click.option("--draft", default=None, help="External drafter path (dflash).")
+@click.option("--corpus", default="default", show_default=True, help="Built-in corpus name or a file path.")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 100),
+              help="Runs per config (2 or more also gates determinism).")
+@click.option("--engine-arg", "engine_args", multiple=True, help=ENGINE_ARG_HELP)
 @store_option
 @_apply(policy_options)
 def sweep(methods, k, engine, model, draft, corpus, repeats, engine_args, store_dir, policy_file, settings):
@@ -348,8 +404,10 @@ def sweep(methods, k, engine, model, draft, corpus, repeats, engine_args, store_
         settings = ("require_deterministic=false", *settings)
     _, result, _ = _evaluate(store_dir, suite.id, policy_file, settings, [c.name for c in plan.configs])
     click.echo(sweep_table(result))
-    for method, name in best_configs(result).items():
-        click.echo(f"best {method}: {name}")
+    best = best_configs(result)
+    for method in dict.fromkeys(c.method for c in plan.configs if not c.is_baseline):
+        click.echo(f"best {method}: {best[method]}" if method in best else
+                   f"best {method}: none (no passing {method} config is faster than the baseline)")
 
 
 @main.group()
@@ -414,7 +472,7 @@ def golden_check(suite, store_dir, golden_dir, policy_file, settings):
 
 
 @main.command()
-@click.option("--config", "config_name", default="baseline", show_default=True)
+@click.option("--config", "config_name", default="baseline", show_default=True, help="Config to compare.")
 @suite_option
 @store_option
 @click.option("--with-store", "other_store", required=True, type=click.Path(file_okay=False),
@@ -474,10 +532,11 @@ def kernels() -> None:
 
 @kernels.command("gdn")
 @click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda")
-@click.option("--positions", default=8192, show_default=True, type=click.IntRange(1, 1 << 20))
-@click.option("--heads", default=4, show_default=True, type=click.IntRange(1, 256))
-@click.option("--head-dim", default=64, show_default=True, type=click.IntRange(1, 512))
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--positions", default=8192, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Sequence length of the synthetic inputs.")
+@click.option("--heads", default=4, show_default=True, type=click.IntRange(1, 256), help="GDN heads.")
+@click.option("--head-dim", default=64, show_default=True, type=click.IntRange(1, 512), help="Key/value head dim.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic inputs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def kernels_gdn(device, positions, heads, head_dim, seed, as_json):
     """Every gated-delta-rule kernel here (reference recurrent/chunked; on CUDA the FLA kernels
@@ -488,6 +547,8 @@ def kernels_gdn(device, positions, heads, head_dim, seed, as_json):
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.split(":")[0] not in ("cpu", "cuda"):
+        raise click.BadParameter(f"{device!r}: use auto, cpu or cuda (cuda:N)", param_hint="--device")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise click.UsageError("--device cuda: CUDA is not available here; use --device cpu")
     inputs = make_inputs(positions, heads, head_dim, head_dim, seed, device)
@@ -521,13 +582,13 @@ def export_reference_cmd(out_dir, model):
 
 
 @main.command()
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=int)
-@click.option("--method", default="baseline", show_default=True)
-@click.option("--k", "k", default=None, type=int)
-@click.option("--model", default=None)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
+@click.option("--method", default="baseline", show_default=True, help="What the server runs: baseline | mtp | dflash.")
+@click.option("--k", "k", default=None, type=int, help="K for --method mtp/dflash.")
+@click.option("--model", default=None, help="Reference weights dir (default: the shipped ones).")
 @click.option("--api-key-env", default=None, help="Require this env var's value as Bearer key.")
-@click.option("--engine-arg", "engine_args", multiple=True)
+@click.option("--engine-arg", "engine_args", multiple=True, help=ENGINE_ARG_HELP)
 def serve(host, port, method, k, model, api_key_env, engine_args):
     """OpenAI-compatible server (vLLM's endpoints and metric names) in front of the reference engine."""
     from speccheck.serve import serve as serve_forever

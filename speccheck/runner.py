@@ -136,7 +136,9 @@ def _summary_line(record: RunRecord) -> str:
     dec = sum(c.decode_s for c in record.completions)
     spec = record.spec_total()
     tpi = f"  {1 + spec.accepted_tokens / spec.drafts:.2f} tok/iter" if spec and spec.drafts else ""
-    fresh = "  [fresh process]" if record.fresh_process else ""
+    # against a server only the client is new: the server keeps its state across repeats
+    fresh = ("  [new client, same server]" if record.identity.get("base_url") else "  [fresh process]") \
+        if record.fresh_process else ""
     rate = f"{n / dec:7.1f} tok/s" if dec > 0 else "      - tok/s"
     if record.copies:
         return (f"{record.config.name:>12} all at once: {len(record.completions)} requests "

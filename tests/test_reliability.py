@@ -5,6 +5,7 @@ One small real store (reference engine, smoke corpus, baseline + mtp-k2, one rep
 once per module; every test damages its own copy of it."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -481,3 +482,108 @@ def test_golden_check_explains_near_tie_differences_from_the_platform():
     assert "cpu_capability: AVX512 -> AVX2" in chk.why() and "near-ties" in chk.why()
     assert GoldenCheck(Path("g"), SimpleNamespace(divergences=[], high=[], passed=True), {}).why() is None
     assert GoldenCheck(Path("g"), SimpleNamespace(divergences=[1], high=[1], passed=False), {}, ("x",)).why() is None
+
+
+# --- 5. conventions -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("given,root", [
+    ("http://h:8000/v1", "http://h:8000"), ("http://h:8000/v1/", "http://h:8000"),
+    ("http://h:8000", "http://h:8000"), ("https://h/api/v1", "https://h/api"),
+])
+def test_base_url_with_or_without_v1(given, root):
+    from speccheck.engines.openai import OpenAIEngine, server_root
+
+    assert server_root(given) == root
+    assert OpenAIEngine(engine_args={"base_url": given}).base_url == root
+
+
+def test_openai_base_url_environment_is_honoured(monkeypatch):
+    from speccheck.engines.openai import OpenAIEngine
+
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://envhost:9000/v1")
+    assert OpenAIEngine().base_url == "http://envhost:9000"
+    assert OpenAIEngine(engine_args={"base_url": "http://given:1"}).base_url == "http://given:1"
+
+
+def test_byte_tokens_are_shown_as_hex_bytes():
+    from speccheck.cli import bytes_shown
+    from speccheck.engines import make_engine
+
+    e = make_engine("reference")
+    detok = bytes_shown(e.detokenize, e.token_bytes)
+    partial = [t for t in range(e.tokenizer.get_vocab_size()) if "\ufffd" in e.detokenize([t])]
+    assert partial  # a byte-level vocabulary has tokens that hold part of a character
+    for t in partial:
+        shown = detok([t])
+        assert "\ufffd" not in shown and "<0x" in shown, (t, shown)
+        hexes = re.findall(r"<0x([0-9A-F]{2})>", shown)
+        assert bytes.fromhex("".join(hexes)) in e.token_bytes(t)
+    ids = e.tokenizer.encode("日本語の文章 text").ids
+    assert detok(ids) == e.detokenize(ids)  # whole characters stay text
+
+
+def test_every_option_has_help_and_engine_args_are_listed():
+    import click
+
+    missing = []
+
+    def walk(cmd, path):
+        if isinstance(cmd, click.Group):
+            for name, sub in cmd.commands.items():
+                walk(sub, path + [name])
+            return
+        missing.extend(f"{' '.join(path)} --{p.name}" for p in cmd.params
+                       if isinstance(p, click.Option) and not p.help)
+
+    walk(main, [])
+    assert missing == []
+    text = " ".join(invoke("run", "--help").output.split())
+    for key in ("gdn_verify", "attn_decode", "dtype", "fault", "base_url", "speculative_config"):
+        assert key in text
+
+
+def test_diff_k_without_method_is_an_error(store):
+    r = invoke("diff", "--store", str(store), "--k", "3")
+    assert_clean(r, 2)
+    assert "--method" in r.output
+
+
+def test_diff_run_honours_corpus_and_keeps_latest(store):
+    latest = (store / "LATEST").read_text()
+    r = invoke("diff", "--store", str(store), "--run", "--corpus", "smoke", "--config", "mtp-k2", "--json")
+    assert r.exit_code == 0, r.output
+    assert (store / "LATEST").read_text() == latest
+    r = invoke("diff", "--store", str(store), "--corpus", "smoke")
+    assert_clean(r, 2)
+
+
+def test_best_config_is_never_slower_than_the_baseline():
+    """best_configs over hand-made results (test doubles of ConfigResult): a passing config
+    at 0.85x the baseline is not crowned; one at 1.4x is."""
+    from types import SimpleNamespace
+
+    from speccheck.report import best_configs
+
+    def cfg(name, tok_s, speedup):
+        return SimpleNamespace(config=name, verdict="pass", speed=SimpleNamespace(warm_tok_s=tok_s, speedup=speedup))
+
+    slow = SimpleNamespace(configs=[cfg("baseline", 100, None), cfg("dflash-k1", 85, 0.85)])
+    assert best_configs(slow) == {}
+    fast = SimpleNamespace(configs=[cfg("baseline", 100, None), cfg("dflash-k1", 85, 0.85), cfg("dflash-k7", 140, 1.4)])
+    assert best_configs(fast) == {"dflash": "dflash-k7"}
+
+
+def test_server_repeats_are_not_called_fresh_processes():
+    from speccheck.runner import _summary_line
+    from speccheck.types import RunRecord, SpecConfig
+
+    rec = RunRecord(SpecConfig(), {"engine": "openai", "base_url": "http://h"}, "smoke", "x", 1, True)
+    assert "same server" in _summary_line(rec) and "[fresh process]" not in _summary_line(rec)
+    rec.identity = {"engine": "reference"}
+    assert "[fresh process]" in _summary_line(rec)
+
+
+def test_kernels_gdn_unknown_device_is_exit_2():
+    r = invoke("kernels", "gdn", "--device", "tpu", "--positions", "8")
+    assert_clean(r, 2) if "error:" in r.output else None
+    assert r.exit_code == 2 and "--device" in r.output and "Traceback" not in r.output

@@ -80,6 +80,11 @@ class Engine(ABC):
         engine's) to re-score a divergent prefix with; empty when the engine has none."""
         return {}
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The raw bytes a token stands for (byte-level tokenizers), so that a token holding
+        part of a UTF-8 character can be shown as ``<0xE3>`` instead of '\ufffd'; None: unknown."""
+        return None
+
     def max_positions(self) -> int | None:
         """Positions the model can hold (prompt + generated); None when the engine cannot tell."""
         return None
