@@ -570,6 +570,23 @@ def kernels_gdn(device, positions, heads, head_dim, seed, as_json):
             click.echo(f"not here: {why}")
 
 
+@main.command()
+@click.option("--engine", default="reference", show_default=True, help="reference | vllm | openai")
+@click.option("--model", default=None, help="Checkpoint directory to size the KV cache and weights for.")
+@click.option("--k", "k", default=7, show_default=True, type=click.IntRange(0, 32), help="K to size for.")
+@click.option("--base-url", default=None, help="A server to check (with or without /v1).")
+@click.option("--api-key-env", default=None, help="Env var holding the server's API key (default OPENAI_API_KEY).")
+def doctor(engine, model, k, base_url, api_key_env):
+    """What this machine can run: GPU, driver, torch/vLLM, the GDN and attention backends, WSL2,
+    GPU memory vs the model's KV cache, a server; each finding with its fix (exit 1 if any FAIL)."""
+    from speccheck.doctor import FAIL, diagnose
+
+    findings = diagnose(engine, model, base_url, api_key_env, k)
+    for f in findings:
+        click.echo(f.line())
+    sys.exit(1 if any(f.status == FAIL for f in findings) else 0)
+
+
 @main.command("export-reference")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--model", default=None, help="Reference weights dir (default: the shipped ones).")

@@ -587,3 +587,41 @@ def test_kernels_gdn_unknown_device_is_exit_2():
     r = invoke("kernels", "gdn", "--device", "tpu", "--positions", "8")
     assert_clean(r, 2) if "error:" in r.output else None
     assert r.exit_code == 2 and "--device" in r.output and "Traceback" not in r.output
+
+
+# --- 6. doctor ---------------------------------------------------------------------------------
+
+def test_doctor_on_this_machine_says_what_it_cannot_check(tmp_path):
+    """Here (CPU only, no vLLM): every finding has a status; the GPU and vLLM's backend choice
+    are reported as not checkable rather than guessed; a checkpoint is sized."""
+    out = tmp_path / "ckpt"
+    assert invoke("export-reference", str(out)).exit_code == 0
+    r = invoke("doctor", "--engine", "vllm", "--model", str(out), "--k", "7")
+    assert r.exit_code in (0, 1) and "Traceback" not in r.output
+    text = r.output
+    for topic in ("python", "torch", "WSL2", "vLLM", "GDN kernels", "attention backend", "model:"):
+        assert topic in text, text
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "can't check" in text and "no CUDA device" in text
+    assert "2 attention + 6 GDN layers" in text and "8192 positions" in text
+
+
+def test_doctor_and_run_against_speccheck_serve_with_v1_url(tmp_path):
+    """A real `speccheck serve` (reference engine behind vLLM's endpoints): doctor finds it
+    through a /v1 URL, and `speccheck run --engine openai --base-url .../v1` works."""
+    from speccheck.serve import running_server
+
+    with running_server("baseline", 0, served_model="ref") as url:
+        r = invoke("doctor", "--base-url", url + "/v1")
+        assert "Traceback" not in r.output
+        assert "serves ref" in r.output and "server version" in r.output, r.output
+        st = tmp_path / "st"
+        r = invoke("run", "--engine", "openai", "--base-url", url + "/v1", "--method", "baseline",
+                   "--store", str(st), "--corpus", "smoke", "--repeats", "1", "--concurrent", "0",
+                   "--no-attribution")
+        assert r.exit_code == 0, r.output
+        assert "4 prompts" in r.output
+    r = invoke("doctor", "--base-url", url + "/v1")  # the server is gone now
+    assert r.exit_code == 1 and "start the server" in r.output and "Traceback" not in r.output
