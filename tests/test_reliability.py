@@ -625,3 +625,70 @@ def test_doctor_and_run_against_speccheck_serve_with_v1_url(tmp_path):
         assert "4 prompts" in r.output
     r = invoke("doctor", "--base-url", url + "/v1")  # the server is gone now
     assert r.exit_code == 1 and "start the server" in r.output and "Traceback" not in r.output
+
+
+# --- 8. fuzz: damaged stores and hostile arguments never crash -----------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+MUTATIONS = ("truncate", "flip", "delete", "duplicate", "empty")
+
+
+def _mutate(root: Path, data) -> str:
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != "lock")
+    target = data.draw(st.sampled_from(files), label="file")
+    how = data.draw(st.sampled_from(MUTATIONS), label="mutation")
+    raw = target.read_bytes()
+    if how == "truncate":
+        target.write_bytes(raw[: data.draw(st.integers(0, max(len(raw) - 1, 0)), label="keep")])
+    elif how == "flip" and raw:
+        i = data.draw(st.integers(0, len(raw) - 1), label="byte")
+        b = bytearray(raw)
+        b[i] ^= data.draw(st.integers(1, 255), label="mask")
+        target.write_bytes(bytes(b))
+    elif how == "delete":
+        target.unlink()
+    elif how == "duplicate":  # another stored file of the same name written over this one
+        same = [p for p in files if p.name == target.name and p != target]
+        if same:
+            shutil.copyfile(data.draw(st.sampled_from(same), label="source"), target)
+    elif how == "empty":
+        target.write_bytes(b"")
+    return f"{how} {target.relative_to(root)}"
+
+
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 30)), deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzz_damaged_stores_never_crash(made_store, tmp_path_factory, data):
+    root = tmp_path_factory.mktemp("fuzz") / "st"
+    shutil.copytree(made_store[0], root)
+    what = _mutate(root, data)
+    command = data.draw(st.sampled_from([["gate"], ["diff", "--json"], ["report"], ["golden", "check"]]),
+                        label="command")
+    r = invoke(*command, "--store", str(root))
+    assert r.exit_code in (0, 1, 2, 3), (what, command, r.output)
+    assert "Traceback" not in r.output, (what, r.output)
+
+
+TOKENS = ["--store", "STORE", "--suite", "nope", "--suite", "", "--set", "min_token_agreement=2",
+          "--set", "=", "--set", "tie_floor=1e309", "--policy", "/dev/null", "--policy", "/nonexistent",
+          "--method", "mtp", "--method", "", "--k", "3", "--k", "0-99", "--k", "-1", "--config", "baseline",
+          "--config", "mtp-k99", "--config", "x", "--json", "--against", "golden", "--golden", "/proc/x",
+          "--junit", "/proc/nope/j.xml", "--out", "/dev/full", "--with-store", "STORE", "--force", "\x00",
+          "é", "--k", "1,,3", "--unknown"]
+
+
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 40)), deadline=None, suppress_health_check=list(HealthCheck))
+@given(command=st.sampled_from([["gate"], ["diff"], ["report"], ["golden", "check"], ["golden", "record"],
+                                ["compare"], ["corpus", "show"], ["sweep"]]),
+       args=st.lists(st.sampled_from(TOKENS), max_size=6))
+def test_fuzz_cli_arguments_never_crash(made_store, tmp_path_factory, command, args):
+    root = tmp_path_factory.mktemp("fuzzargs") / "st"
+    shutil.copytree(made_store[0], root)
+    args = [str(root) if a == "STORE" else a for a in args]
+    if command == ["sweep"]:
+        args += ["--method", "bogus"]  # a sweep that would run is not what this fuzz is for
+    r = invoke(*command, *args)
+    assert r.exit_code in (0, 1, 2, 3), (command, args, r.output)
+    assert "Traceback" not in r.output and "internal error" not in r.output, (command, args, r.output)
