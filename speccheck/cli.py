@@ -267,13 +267,15 @@ def run(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engin
     from speccheck.runner import run_suite
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     plan = _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args, no_attribution,
                  base_url, served_model, api_key_env, concurrent)
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
+                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
+                  transient=True) as bar:
         task = bar.add_task("starting", total=None)
 
         def progress(done: int, total: int, what: str) -> None:
@@ -553,7 +555,11 @@ def kernels_gdn(device, positions, heads, head_dim, seed, as_json):
         raise click.UsageError("--device cuda: CUDA is not available here; use --device cpu")
     inputs = make_inputs(positions, heads, head_dim, head_dim, seed, device)
     missing: list[str] = []
-    results = compare(inputs, gdn_kernels(device, missing))
+    impls = gdn_kernels(device, missing)
+    cpu_eta = f"; about {186 * positions * heads / (8192 * 4):.0f} s on 2 CPU cores" if device == "cpu" else ""
+    click.echo(f"kernels gdn: fp64 reference, then {len(impls)} kernel(s) x 3 timed repeats on {positions} "
+               f"positions x {heads} heads ({device}{cpu_eta}) ...", err=True)
+    results = compare(inputs, impls)
     if as_json:
         click.echo(json.dumps({"device": device, "positions": positions, "heads": heads,
                                "head_dim": head_dim, "seed": seed,

@@ -199,10 +199,12 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
                                  fresh_process=engine.fresh_process_per_config)
             log(_summary_line(record))
         if progress:
-            progress(len(todo), len(todo), "rescoring")
+            progress(len(todo), len(todo), "rescoring teacher-forced")
         if plan.rescore:
             rescore_suite(engine, suite, [c.name for c in plan.configs], log)
         if plan.attribute:
+            if progress:
+                progress(len(todo), len(todo), "attributing divergences to kernel paths")
             attribute_suite(plan, engine.attribution_variants(), suite,
                             [c.name for c in plan.configs if not c.is_baseline], log)
     finally:
@@ -333,9 +335,13 @@ def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: S
     if not todo:
         return
     all_items = [it for items in todo.values() for it in items]
-    for label, args in variants.items():
+    started = time.perf_counter()
+    for i, (label, args) in enumerate(variants.items()):
         if not all_items:
             break
+        eta = (f", about {(time.perf_counter() - started) / i * (len(variants) - i):.0f} s left" if i else "")
+        log(f"attribution: kernel path {i + 1}/{len(variants)} ({label}) on {len(all_items)} divergent "
+            f"prefix(es){eta}")
         try:
             engine = make_engine(plan.engine, plan.model, {**plan.engine_args, **args}, plan.draft)
             try:

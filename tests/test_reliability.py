@@ -692,3 +692,24 @@ def test_fuzz_cli_arguments_never_crash(made_store, tmp_path_factory, command, a
     r = invoke(*command, *args)
     assert r.exit_code in (0, 1, 2, 3), (command, args, r.output)
     assert "Traceback" not in r.output and "internal error" not in r.output, (command, args, r.output)
+
+
+# --- 7. progress ---------------------------------------------------------------------------------
+
+def test_kernels_gdn_says_what_it_does_and_how_long_before_it_starts():
+    r = invoke("kernels", "gdn", "--device", "cpu", "--positions", "32", "--heads", "1", "--head-dim", "8")
+    assert r.exit_code == 0, r.output
+    first = r.output.splitlines()[0]
+    assert first.startswith("kernels gdn:") and "32 positions" in first and "s on 2 CPU cores" in first
+
+
+def test_pytest_plugin_progress_is_visible_without_s(tmp_path):
+    """A real pytest session using the plugin's spec_result fixture (smoke corpus, mtp-k2, one
+    repeat), run without -s: the runs, with [done/total], reach the terminal."""
+    (tmp_path / "test_one.py").write_text("def test_it(spec_result):\n    assert spec_result\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                        "-n", "0", "test_one.py", "--spec-corpus", "smoke", "--spec-method", "mtp", "--spec-k", "2",
+                        "--spec-repeats", "1", "--spec-concurrent", "0", "--spec-store", str(tmp_path / "st")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "speccheck: [0/2] baseline r0" in r.stdout and "speccheck: [2/2] rescoring" in r.stdout, r.stdout
