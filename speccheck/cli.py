@@ -488,6 +488,11 @@ def compare(config_name, suite, store_dir, other_store, other_suite, policy_file
     from speccheck.verify import calibrate_thresholds
 
     a, b = _suite(store_dir, suite), _suite(other_store, other_suite)
+    for side, opt in ((a, "--store"), (b, "--with-store")):
+        if not side.is_complete(config_name, 0):
+            raise MatrixError(f"--config {config_name}: suite {side.id} ({opt}) holds no complete run of it "
+                              f"(stored: {', '.join(side.configs()) or 'none'}); run it there first with "
+                              f"`speccheck run --config {config_name}`.")
     if a.meta.get("corpus_hash") != b.meta.get("corpus_hash"):
         raise StoreError(f"suites {a.id} and {b.id} ran different corpora (hash {a.meta.get('corpus_hash')} "
                          f"vs {b.meta.get('corpus_hash')}); compare runs of the same corpus.")

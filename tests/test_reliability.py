@@ -713,3 +713,9 @@ def test_pytest_plugin_progress_is_visible_without_s(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "speccheck: [0/2] baseline r0" in r.stdout and "speccheck: [2/2] rescoring" in r.stdout, r.stdout
+
+
+def test_compare_a_config_never_run_says_so(store):
+    r = invoke("compare", "--store", str(store), "--with-store", str(store), "--config", "dflash-k7")
+    assert_clean(r, 2)
+    assert "holds no complete run" in r.output and "delete" not in r.output
