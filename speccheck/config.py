@@ -36,11 +36,16 @@ def parse_k(spec: str) -> list[int]:
     return sorted(set(ks))
 
 
-def check_method(method: str, offered: Sequence[str] | None, engine: str) -> None:
+def check_method(method: str, offered: Sequence[str] | None, engine: str, option: str | None = None) -> None:
+    """``option`` names what the user wrote (e.g. ``--config 'turbo-k3'``), so the error
+    blames that, not an option they never used."""
     if method == "baseline" or offered is None or method in offered:
         return
-    raise MatrixError(f"--method {method!r}: the {engine} engine offers "
-                      f"{', '.join(('baseline',) + tuple(offered))}; pick one of those.")
+    configs = ", ".join(f"{m}-kN" for m in offered)
+    what = option or f"--method {method!r}"
+    raise MatrixError(f"{what}: the {engine} engine has no method {method!r}; it offers "
+                      f"{', '.join(('baseline',) + tuple(offered))}"
+                      + (f" (configs baseline, {configs})" if option else "") + "; pick one of those.")
 
 
 def build_matrix(methods: Sequence[str] = (), k: str | None = None, configs: Sequence[str] = (),
@@ -68,7 +73,8 @@ def build_matrix(methods: Sequence[str] = (), k: str | None = None, configs: Seq
             cfg = SpecConfig.from_name(name, draft)
         except ValueError as e:
             raise MatrixError(f"--config {name!r}: {e}") from None
-        check_method(cfg.method, offered, engine)
+        check_method(cfg.method, offered, engine, None if name in names[len(configs):] or name == "baseline"
+                     else f"--config {name!r}")
         if cfg.is_baseline:
             cfg = SpecConfig()
         if cfg not in out:

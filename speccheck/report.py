@@ -185,11 +185,14 @@ def method_table(result: SuiteResult) -> str:
 
 
 def best_configs(result: SuiteResult) -> dict[str, str]:
-    """Per method, the passing config with the highest warm tok/s."""
+    """Per method, the passing config with the highest warm tok/s, if it beats the baseline
+    measured in the same suite (a config slower than no speculation is nobody's best)."""
     best: dict[str, ConfigResult] = {}
     for r in result.configs:
         cfg = SpecConfig.from_name(r.config)
         if cfg.is_baseline or r.verdict != "pass" or r.speed.warm_tok_s is None:
+            continue
+        if r.speed.speedup is None or r.speed.speedup <= 1.0:
             continue
         if cfg.method not in best or r.speed.warm_tok_s > best[cfg.method].speed.warm_tok_s:
             best[cfg.method] = r

@@ -131,6 +131,18 @@ def _load(module: torch.nn.Module, sd: dict, path: Path) -> None:
                                f"point model= at a complete weights directory")
 
 
+def _unicode_to_byte() -> dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode (the printable stand-ins of the 256 bytes)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
 class ReferenceEngine(Engine):
     name = "reference"
     methods = ("mtp", "dflash", "dflash2")
@@ -222,6 +234,7 @@ class ReferenceEngine(Engine):
             "device": str(self.device),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # SIMD kernels torch picked
             "knobs": {k: self.args[k] for k in ("gdn_prefill", "gdn_decode", "gdn_verify",
                                                 "attn_prefill", "attn_decode", "attn_verify")},
             "fault": self.args["fault"],
@@ -235,6 +248,17 @@ class ReferenceEngine(Engine):
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         return self.tokenizer.encode(prompt.as_text()).ids
+
+    def max_positions(self) -> int | None:
+        return int(self.cfg.max_position_embeddings)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """GPT-2 byte-level BPE: each character of the token string stands for one byte."""
+        piece = self.tokenizer.id_to_token(int(token_id))
+        if piece is None:
+            return None
+        table = _unicode_to_byte()
+        return bytes(table[ch] for ch in piece) if all(ch in table for ch in piece) else None
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
