@@ -88,6 +88,7 @@ class ConfigResult:
     speed: Speed
     together: Together | None = None
     checks: list[Check] = field(default_factory=list)
+    prompt_ids: list[str] = field(default_factory=list)  # the prompts compared with the baseline
 
     @property
     def verdict(self) -> str:
@@ -289,6 +290,7 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
         scored = suite.load_rescore(name, run0.repeat)
         free = compare_runs(base_ok[0], run0, tau_tie, tau_low, noise, detok)
         result.prompts, result.prompts_exact = free.prompts, free.exact
+        result.prompt_ids = [c.prompt_id for c in run0.completions if c.prompt_id in base]
         result.divergences = free.divergences
         result.prefix_agreement = free.prefix_agreement
         tf_agree = tf_total = 0
