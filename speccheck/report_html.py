@@ -31,7 +31,8 @@ h3{font-size:15px;margin:16px 0 6px}
 .banner ul{margin:8px 0 0;padding-left:22px} .banner li{margin:2px 0}
 table{border-collapse:collapse;font-size:13px;margin:6px 0}
 th,td{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top}
-th{background:#f3f3f3} td.num{text-align:right;font-variant-numeric:tabular-nums}
+th{background:#f3f3f3} td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+table.summary td:first-child,table.checks td:first-child{white-space:nowrap}
 .chip{display:inline-block;padding:1px 7px;border-radius:9px;font-size:12px;font-weight:bold;color:#fff}
 .chip.pass{background:#2b8a3e} .chip.fail{background:#c92a2a} .chip.error{background:#5f3dc4}
 .chip.skipped{background:#868e96}
@@ -68,13 +69,14 @@ def method_and_k(name: str) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m else None
 
 
+METHOD_ORDER = ("mtp", "dflash", "dflash2")  # fixed colours for the methods people compare
+
+
 def _methods(result: SuiteResult) -> list[str]:
-    seen: list[str] = []
-    for r in result.configs:
-        mk = method_and_k(r.config)
-        if mk and mk[0] not in seen:
-            seen.append(mk[0])
-    return seen
+    """The methods in the suite's config names: the known ones first, in a fixed order (so a
+    method keeps its colour from report to report), then any other, alphabetically."""
+    found = {mk[0] for r in result.configs if (mk := method_and_k(r.config))}
+    return [m for m in METHOD_ORDER if m in found] + sorted(found - set(METHOD_ORDER))
 
 
 def _method_colors(result: SuiteResult) -> dict[str, str]:
@@ -132,16 +134,18 @@ def banner(result: SuiteResult) -> str:
              f"{counts['high_confidence']} high-confidence"]
     if best:
         by = {r.config: r for r in result.configs}
-        facts.append("fastest passing: " + ", ".join(
-            f"{_e(m)} {_e(c)} ({_num(by[c].speed.speedup, '{:.2f}x')})" for m, c in best.items()))
+        facts.append("fastest passing per method: " + ", ".join(
+            f"{_e(c)} {_num(by[c].speed.speedup, '{:.2f}x')}" for c in best.values()))
     return (f'<div class="banner {state}" id="verdict"><span class="big">{head}</span>{_e(text)}'
             f'<div>{" · ".join(facts)}</div>'
             + (f"<ul>{''.join(items)}</ul>" if items else "") + "</div>")
 
 
 def summary_table(result: SuiteResult) -> str:
+    golden = any(r.golden_tokens_per_iter is not None for r in result.configs)
     rows = ["<table class='summary'><tr><th>config</th><th>verdict</th><th>failed checks</th>"
-            "<th>warm tok/s</th><th>speedup</th><th>tokens / iter</th><th>golden</th><th>acceptance p0..</th>"
+            "<th>warm tok/s</th><th>speedup</th><th>tokens / iter</th>"
+            + ("<th>golden tokens / iter</th>" if golden else "") + "<th>acceptance p0..</th>"
             "<th>prompts exact</th><th>teacher-forced agreement</th><th>text</th>"
             "<th>divergences near / low / high</th><th>determinism</th></tr>"]
     for r in result.configs:
@@ -153,7 +157,8 @@ def summary_table(result: SuiteResult) -> str:
             f"<tr data-config='{_e(r.config)}'><td><b>{_e(r.config)}</b></td><td>{_chip(r.verdict)}</td>"
             f"<td>{_e(', '.join(failed) or '-')}</td><td class='num'>{_num(r.speed.warm_tok_s)}</td>"
             f"<td class='num'>{'1.00x' if base else _num(r.speed.speedup, '{:.2f}x')}</td>"
-            f"<td class='num'>{tpi}</td><td class='num'>{_num(r.golden_tokens_per_iter, '{:.2f}')}</td>"
+            f"<td class='num'>{tpi}</td>"
+            + (f"<td class='num'>{_num(r.golden_tokens_per_iter, '{:.2f}')}</td>" if golden else "") +
             f"<td>{_e(acceptance_str(r))}</td>"
             f"<td class='num'>{'-' if base else f'{r.prompts_exact}/{r.prompts}'}</td>"
             f"<td class='num'>{'-' if base else _pct(r.token_agreement)}</td>"
@@ -346,7 +351,17 @@ def checks_section(result: SuiteResult) -> str:
     return "\n".join(out)
 
 
+def _flat(items, prefix: str = ""):
+    """Nested dicts (kernel knobs, weight hashes) as dotted keys, one row each."""
+    for k, v in items:
+        if isinstance(v, dict) and v:
+            yield from _flat(v.items(), f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
 def _kv_table(items) -> str:
+    items = _flat(items)
     return ("<table class='kv'>" + "".join(f"<tr><th>{_e(k)}</th><td><code>{_e(v)}</code></td></tr>"
                                            for k, v in items) + "</table>")
 

@@ -64,8 +64,8 @@ def line_plot(series: dict[str, Sequence[tuple[float, float | None]]], *, title:
         return "\n".join(out)
     left, right, top, bottom = 56, 130, 28, 44
     x0, x1 = min(xs), max(xs)
-    if x0 == x1:
-        x0, x1 = x0 - 1, x1 + 1
+    pad = max((x1 - x0) * 0.06, 0.5)  # no point on the frame
+    x0, x1 = x0 - pad, x1 + pad
     y0, y1 = min(0.0, min(ys)), max(ys) * 1.08 or 1.0
     pw, ph = width - left - right, height - top - bottom
 
@@ -102,6 +102,9 @@ def line_plot(series: dict[str, Sequence[tuple[float, float | None]]], *, title:
             out.append(f'<circle class="pt" cx="{_f(sx(x))}" cy="{_f(sy(y))}" r="4" fill="{color}" '
                        f'data-series="{_e(name)}" data-x="{x:g}" data-y="{y:.6g}">'
                        f'<title>{_e(name)} {_e(xlabel)}={x:g}: {y:.3g}</title></circle>')
+            if len(s) <= 12:  # few points: print each value, as the seed's table does
+                out.append(f'<text x="{_f(sx(x))}" y="{_f(sy(y) - 8)}" text-anchor="middle" font-size="10" '
+                           f'fill="{color}">{y:.3g}</text>')
         out.append("</g>")
         ly = top + 14 + 18 * i
         out.append(f'<g class="legend"><rect x="{left + pw + 10}" y="{ly - 9}" width="12" height="12" '
@@ -170,7 +173,7 @@ def log_strip(rows: Sequence[str], points: Sequence[StripPoint], *, title: str, 
     if hi - lo < 2:
         lo, hi = lo - 1, hi + 1
     lo -= 1  # one decade below the smallest value: room for the floor (exact ties)
-    top, bottom, right = 40, 56, 20
+    top, bottom, right = 58, 56, 20
     pw = width - label_width - right
     ph = row_height * max(len(rows), 1)
     height = top + ph + bottom + (18 if legend else 0)
@@ -196,7 +199,7 @@ def log_strip(rows: Sequence[str], points: Sequence[StripPoint], *, title: str, 
             continue
         out.append(f'<g class="ref"><line x1="{_f(sx(x))}" x2="{_f(sx(x))}" y1="{top - 4}" y2="{top + ph}" '
                    f'stroke="{color}" stroke-width="1.5" stroke-dasharray="6,3"/>'
-                   f'<text x="{_f(sx(x) + 3)}" y="{top - 6 - 11 * (k % 2)}" fill="{color}">{_e(label)}</text></g>')
+                   f'<text x="{_f(sx(x) + 3)}" y="{top - 6 - 12 * (k % 2)}" fill="{color}">{_e(label)}</text></g>')
     index = {r: i for i, r in enumerate(rows)}
     seen: dict[str, int] = {}
     for p in points:
