@@ -69,6 +69,8 @@ def method_and_k(name: str) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m else None
 
 
+#: whose tokens a divergence's decoded context shows, by how the divergence was found
+CONTEXT_OF = {"first": "baseline output", "teacher-forced": "spec output", "in a batch": "prompt alone"}
 METHOD_ORDER = ("mtp", "dflash", "dflash2")  # fixed colours for the methods people compare
 
 
@@ -298,7 +300,7 @@ def _divergence_table(r: ConfigResult, divs: list[Divergence], kind: str, detok)
     attr = {(a.get("prompt_id"), a.get("position")): a for a in r.attribution} if kind == "first" else {}
     rows = ["<table class='divs'><tr><th>prompt</th><th>pos</th><th>class</th><th>baseline → spec token</th>"
             "<th>margin base / spec (nats)</th><th>× noise</th><th>spec token in baseline top-k</th>"
-            "<th>context (baseline)</th>" + ("<th>kernel path</th>" if attr else "") + "</tr>"]
+            f"<th>context ({CONTEXT_OF.get(kind, kind)})</th>" + ("<th>kernel path</th>" if attr else "") + "</tr>"]
     for d in divs:
         c = d.classification
         rank = "absent" if c.spec_rank_in_base is None else f"rank {c.spec_rank_in_base + 1}"
