@@ -155,6 +155,7 @@ def summary_table(result: SuiteResult) -> str:
         failed = [c.name for c in r.checks if not c.passed and not c.skipped]
         cc = r.class_counts or {}
         tpi = "1.00" if base else _num(r.acceptance and r.acceptance.tokens_per_iter, "{:.2f}")
+        classes = "-" if base else " / ".join(str(cc.get(k, 0)) for k in CLASS_COLORS)
         rows.append(
             f"<tr data-config='{_e(r.config)}'><td><b>{_e(r.config)}</b></td><td>{_chip(r.verdict)}</td>"
             f"<td>{_e(', '.join(failed) or '-')}</td><td class='num'>{_num(r.speed.warm_tok_s)}</td>"
@@ -165,7 +166,7 @@ def summary_table(result: SuiteResult) -> str:
             f"<td class='num'>{'-' if base else f'{r.prompts_exact}/{r.prompts}'}</td>"
             f"<td class='num'>{'-' if base else _pct(r.token_agreement)}</td>"
             f"<td class='num'>{'-' if base else _pct(r.text_similarity)}</td>"
-            f"<td class='num'>{'-' if base else '{} / {} / {}'.format(cc.get('near_tie', 0), cc.get('low_confidence', 0), cc.get('high_confidence', 0))}</td>"
+            f"<td class='num'>{classes}</td>"
             f"<td>{_e(determinism_str(r))}</td></tr>")
     rows.append("</table>")
     return "\n".join(rows)

@@ -243,8 +243,8 @@ def test_cli_report_html_from_a_store(tmp_path):
     dom = Dom(out.read_text())
     assert {a["data-config"] for a in dom.all("tr") if "data-config" in a} == {"baseline", "mtp-k3", "dflash-k7"}
     divs = [a for a in dom.all("tr") if a.get("class") == "div"]
-    assert [(a["data-config"], a["data-prompt"], a["data-position"]) for a in divs if a["data-kind"] == "first"] \
-        == [("dflash-k7", "a", "2")]
+    first = [(a["data-config"], a["data-prompt"], a["data-position"]) for a in divs if a["data-kind"] == "first"]
+    assert first == [("dflash-k7", "a", "2")]
     grid = {(a["data-config"], a["data-prompt"]): a["class"] for a in dom.all("td") if "data-prompt" in a}
     assert grid == {("mtp-k3", "a"): "exact", ("mtp-k3", "b"): "exact",
                     ("dflash-k7", "a"): "near_tie", ("dflash-k7", "b"): "exact"}
