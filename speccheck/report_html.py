@@ -81,6 +81,19 @@ def _methods(result: SuiteResult) -> list[str]:
     return [m for m in METHOD_ORDER if m in found] + sorted(found - set(METHOD_ORDER))
 
 
+def ordered(result: SuiteResult) -> list[ConfigResult]:
+    """Configs as a reader scans them: the baseline, then per method (fixed order) by K, so
+    mtp-k10 follows mtp-k9; anything else last, by name."""
+    methods = _methods(result)
+
+    def key(r: ConfigResult):
+        mk = method_and_k(r.config)
+        if r.config == "baseline":
+            return (0, 0, 0, "")
+        return (1, methods.index(mk[0]), mk[1], "") if mk else (2, 0, 0, r.config)
+    return sorted(result.configs, key=key)
+
+
 def _method_colors(result: SuiteResult) -> dict[str, str]:
     return {m: PALETTE[i % len(PALETTE)] for i, m in enumerate(_methods(result))}
 
@@ -109,7 +122,7 @@ def _check_state(c) -> str:
 
 def banner(result: SuiteResult) -> str:
     n = len(result.configs)
-    bad = [r for r in result.configs if r.verdict != "pass"]
+    bad = [r for r in ordered(result) if r.verdict != "pass"]
     state = "error" if result.engine_failed else ("pass" if result.passed and n else "fail")
     head = VERDICT_TEXT[state] if n else "FAIL"
     if not n:
@@ -127,7 +140,7 @@ def banner(result: SuiteResult) -> str:
         if r.failed_runs and not any(not c.passed for c in r.checks):
             items.append(f"<li><b>{_e(r.config)}</b> engine failure: {_e('; '.join(r.failed_runs))}</li>")
     counts = {k: 0 for k in CLASS_COLORS}
-    for r in result.configs:
+    for r in ordered(result):
         for _, divs in divergence_sets(r):
             for d in divs:
                 counts[d.classification.cls] = counts.get(d.classification.cls, 0) + 1
@@ -150,7 +163,7 @@ def summary_table(result: SuiteResult) -> str:
             + ("<th>golden tokens / iter</th>" if golden else "") + "<th>acceptance p0..</th>"
             "<th>prompts exact</th><th>teacher-forced agreement</th><th>text</th>"
             "<th>divergences near / low / high</th><th>determinism</th></tr>"]
-    for r in result.configs:
+    for r in ordered(result):
         base = r.config == "baseline"
         failed = [c.name for c in r.checks if not c.passed and not c.skipped]
         cc = r.class_counts or {}
@@ -177,7 +190,7 @@ def sweep_plots(result: SuiteResult) -> str:
     colors = _method_colors(result)
     tpi: dict[str, list] = {m: [] for m in colors}
     tps: dict[str, list] = {m: [] for m in colors}
-    for r in result.configs:
+    for r in ordered(result):
         mk = method_and_k(r.config)
         if not mk:
             continue
@@ -196,7 +209,7 @@ def sweep_plots(result: SuiteResult) -> str:
 
 
 def acceptance_plot(result: SuiteResult) -> str:
-    rows = [r for r in result.configs if r.acceptance is not None and r.acceptance.per_pos]
+    rows = [r for r in ordered(result) if r.acceptance is not None and r.acceptance.per_pos]
     if not rows:
         return "<p class='note'>No config reported per-position acceptance counters.</p>"
     width = max(len(r.acceptance.per_pos) for r in rows)
@@ -219,7 +232,7 @@ def _tok(detok, t: int) -> str:
 def margin_plot(result: SuiteResult) -> str:
     """Every divergence's baseline margin on a log axis against tau_tie, tau_low and path noise."""
     points, rows = [], []
-    for r in result.configs:
+    for r in ordered(result):
         for kind, divs in divergence_sets(r):
             for d in divs:
                 c = d.classification
@@ -252,7 +265,7 @@ def margin_plot(result: SuiteResult) -> str:
 def agreement_grid(result: SuiteResult) -> str:
     """Prompts x spec configs: exact, first divergence at position p (coloured by class), or
     failed / missing."""
-    configs = [r for r in result.configs if r.config != "baseline"]
+    configs = [r for r in ordered(result) if r.config != "baseline"]
     if not configs:
         return "<p class='note'>No speculative configs.</p>"
     prompts: list[str] = []
@@ -312,7 +325,8 @@ def _divergence_table(r: ConfigResult, divs: list[Divergence], kind: str, detok)
             f"<td class='cls-{_e(c.cls)}'>{_e(c.cls)}</td>"
             f"<td>{_e(_tok(detok, d.base_token))} → {_e(_tok(detok, d.spec_token))}</td>"
             f"<td class='num'>{_num(c.base_margin, '{:.3g}')} / {_num(c.spec_margin, '{:.3g}')}</td>"
-            f"<td class='num'>{_num(d.margin_in_noise)}</td><td>{rank}</td>"
+            f"<td class='num'>{'∞' if d.margin_in_noise == math.inf else _num(d.margin_in_noise)}</td>"
+            f"<td>{rank}</td>"
             f"<td>{_context_html(d.context) if d.context else '-'}</td>"
             + (f"<td>{_e(attribution_str(a)) if a else '-'}</td>" if attr else "") + "</tr>")
     rows.append("</table>")
@@ -321,7 +335,7 @@ def _divergence_table(r: ConfigResult, divs: list[Divergence], kind: str, detok)
 
 def divergence_list(result: SuiteResult, detok=None) -> str:
     out = []
-    for r in result.configs:
+    for r in ordered(result):
         sets = [(k, d) for k, d in divergence_sets(r) if d]
         if not sets:
             continue
@@ -339,7 +353,7 @@ def divergence_list(result: SuiteResult, detok=None) -> str:
 
 def checks_section(result: SuiteResult) -> str:
     out = ["<table class='checks'><tr><th>config</th><th>check</th><th>result</th><th>message</th></tr>"]
-    for r in result.configs:
+    for r in ordered(result):
         checks = r.checks or []
         for i, c in enumerate(checks):
             cfg = (f"<td rowspan='{len(checks)}'><b>{_e(r.config)}</b><br>{_chip(r.verdict)}</td>"

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from speccheck.cli import main
 from speccheck.evaluate import Check, ConfigResult, Speed, SuiteResult, Together
-from speccheck.report_html import html_report, method_and_k
+from speccheck.report_html import html_report, method_and_k, ordered
 from speccheck.store import Store
 from speccheck.svgplot import StripPoint, heat_grid, line_plot, log_strip, nice_ticks
 from speccheck.types import Completion, RunRecord, Scored, SpecConfig, SpecCounters
@@ -191,8 +191,15 @@ def test_missing_figures_everywhere():
     assert "no data" in dom.full_text and "no checks evaluated" in dom.full_text
 
 
-def test_method_and_k():
+def test_method_and_k_and_config_order():
     assert method_and_k("dflash2-k7") == ("dflash2", 7) and method_and_k("baseline") is None
+    names = ["zeta-k2", "mtp-k10", "dflash-k7", "mtp-k9", "baseline", "dflash2-k7", "eagle-k3"]
+    res = SuiteResult("s", {}, {}, 0.0, 0.01, 0.05, {}, [config(n) for n in names])
+    assert [r.config for r in ordered(res)] == ["baseline", "mtp-k9", "mtp-k10", "dflash-k7", "dflash2-k7",
+                                                "eagle-k3", "zeta-k2"]
+    dom = Dom(html_report(res))
+    assert [a["data-config"] for a in dom.all("tr") if "data-config" in a and a.get("class") is None] \
+        == [r.config for r in ordered(res)]
 
 
 def test_svg_primitives():
