@@ -103,7 +103,8 @@ def line_plot(series: dict[str, Sequence[tuple[float, float | None]]], *, title:
                        f'data-series="{_e(name)}" data-x="{x:g}" data-y="{y:.6g}">'
                        f'<title>{_e(name)} {_e(xlabel)}={x:g}: {y:.3g}</title></circle>')
             if len(s) <= 12:  # few points: print each value, as the seed's table does
-                out.append(f'<text x="{_f(sx(x))}" y="{_f(sy(y) - 8)}" text-anchor="middle" font-size="10" '
+                dy = -8 if i % 2 == 0 else 15  # alternate series label below their points
+                out.append(f'<text x="{_f(sx(x))}" y="{_f(sy(y) + dy)}" text-anchor="middle" font-size="10" '
                            f'fill="{color}">{y:.3g}</text>')
         out.append("</g>")
         ly = top + 14 + 18 * i
