@@ -259,7 +259,9 @@ def margin_plot(result: SuiteResult) -> str:
                       legend=[(k.replace("_", " "), v) for k, v in CLASS_COLORS.items()])
             + "<p class='note'>Filled: first divergence (free running); hollow: teacher-forced or "
               "in a batch. Triangles at the left edge are exact ties (margin 0); squares at the right "
-              "edge have no margin (one stream had ended). Hover a point for its prompt and position.</p>")
+              "edge have no margin (one stream had ended). Hover a point for its prompt and position."
+            + ("" if result.noise > 0 else " Path noise was not measured (no teacher-forced rescoring of "
+               "the baseline): the thresholds are the policy's floors.") + "</p>")
 
 
 def agreement_grid(result: SuiteResult) -> str:

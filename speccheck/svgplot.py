@@ -89,8 +89,8 @@ def line_plot(series: dict[str, Sequence[tuple[float, float | None]]], *, title:
         if y is None or not math.isfinite(y):
             continue
         out.append(f'<g class="ref"><line x1="{left}" x2="{left + pw}" y1="{_f(sy(y))}" y2="{_f(sy(y))}" '
-                   f'stroke="#555" stroke-dasharray="5,4"/><text x="{left + pw + 4}" y="{_f(sy(y) + 4)}" '
-                   f'fill="#555">{_e(label)}</text></g>')
+                   f'stroke="#555" stroke-dasharray="5,4"/><text x="{left + pw - 4}" y="{_f(sy(y) - 4)}" '
+                   f'text-anchor="end" fill="#555">{_e(label)}</text></g>')
     for i, (name, s) in enumerate(pts.items()):
         color = colors.get(name, PALETTE[i % len(PALETTE)])
         s = sorted(s)
@@ -126,7 +126,7 @@ def heat_grid(rows: Sequence[str], cols: Sequence[str], values: Sequence[Sequenc
     """A rows x cols grid of values in [0, 1], each cell coloured and labelled with its value;
     None cells are left blank."""
     top = 40
-    width = label_width + cell * max(len(cols), 1) + 20
+    width = max(label_width + cell * max(len(cols), 1) + 20, 7 * len(title) + 40)  # room for the title
     height = top + 22 * len(rows) + 36
     out = _svg_open(width, height, title, "heat")
     for j, c in enumerate(cols):
@@ -170,11 +170,11 @@ def log_strip(rows: Sequence[str], points: Sequence[StripPoint], *, title: str, 
     pos = [p.x for p in points if math.isfinite(p.x) and p.x > 0] + \
           [x for x, _, _ in vlines if x is not None and math.isfinite(x) and x > 0]
     lo = math.floor(math.log10(min(pos))) if pos else -4
-    hi = math.ceil(math.log10(max(pos))) if pos else 1
+    hi = math.floor(math.log10(max(pos))) + 1 if pos else 1  # a decade of room for the labels
     if hi - lo < 2:
         lo, hi = lo - 1, hi + 1
     lo -= 1  # one decade below the smallest value: room for the floor (exact ties)
-    top, bottom, right = 58, 56, 20
+    top, bottom, right = 58, 56, 40
     pw = width - label_width - right
     ph = row_height * max(len(rows), 1)
     height = top + ph + bottom + (18 if legend else 0)
