@@ -251,16 +251,16 @@ def margin_plot(result: SuiteResult) -> str:
                           ("kind", kind))))
     if not points:
         return "<p class='note'>No divergences: every config reproduced the baseline token for token.</p>"
-    vlines = [(result.noise, f"path noise {result.noise:.3g}", "#666"),
-              (result.tau_tie, f"τ_tie {result.tau_tie:.3g}", CLASS_COLORS["near_tie"]),
-              (result.tau_low, f"τ_low {result.tau_low:.3g}", CLASS_COLORS["low_confidence"])]
+    vlines = [(result.noise, f"path noise {_num(result.noise, '{:.3g}')}", "#666"),
+              (result.tau_tie, f"τ_tie {_num(result.tau_tie, '{:.3g}')}", CLASS_COLORS["near_tie"]),
+              (result.tau_low, f"τ_low {_num(result.tau_low, '{:.3g}')}", CLASS_COLORS["low_confidence"])]
     return (log_strip(rows, points, title="baseline margin (top-1 − top-2, nats) at every divergence",
                       xlabel="baseline margin, nats (log)", vlines=vlines,
                       legend=[(k.replace("_", " "), v) for k, v in CLASS_COLORS.items()])
             + "<p class='note'>Filled: first divergence (free running); hollow: teacher-forced or "
               "in a batch. Triangles at the left edge are exact ties (margin 0); squares at the right "
               "edge have no margin (one stream had ended). Hover a point for its prompt and position."
-            + ("" if result.noise > 0 else " Path noise was not measured (no teacher-forced rescoring of "
+            + ("" if (result.noise or 0) > 0 else " Path noise was not measured (no teacher-forced rescoring of "
                "the baseline): the thresholds are the policy's floors.") + "</p>")
 
 
@@ -387,8 +387,8 @@ def _kv_table(items) -> str:
 
 def identity_section(result: SuiteResult) -> str:
     meta = [(k, v) for k, v in (result.meta or {}).items() if v not in (None, "", [], {})]
-    noise = [("path noise (nats)", f"{result.noise:.4g}"), ("τ_tie", f"{result.tau_tie:.4g}"),
-             ("τ_low", f"{result.tau_low:.4g}")]
+    noise = [("path noise (nats)", _num(result.noise, "{:.4g}")), ("τ_tie", _num(result.tau_tie, "{:.4g}")),
+             ("τ_low", _num(result.tau_low, "{:.4g}"))]
     return (f"<div class='plots'><div><h3>engine and kernels</h3>{_kv_table((result.identity or {}).items())}</div>"
             f"<div><h3>suite</h3>{_kv_table([('suite', result.suite)] + meta + noise)}</div>"
             f"<div><h3>policy</h3>{_kv_table((result.policy or {}).items())}</div></div>")
@@ -402,7 +402,8 @@ def html_report(result: SuiteResult, detok=None) -> str:
         f"<title>speccheck — {_e(result.suite)}</title><style>{CSS}</style></head><body>",
         f"<h1>speccheck report — {_e(result.suite)}</h1>",
         f"<p class='note'>{_e(engine)} engine · corpus {_e(corpus)} · {len(result.configs)} configs · "
-        f"path noise {result.noise:.4g} nats (τ_tie {result.tau_tie:.3g}, τ_low {result.tau_low:.3g})</p>",
+        f"path noise {_num(result.noise, '{:.4g}')} nats (τ_tie {_num(result.tau_tie, '{:.3g}')}, "
+        f"τ_low {_num(result.tau_low, '{:.3g}')})</p>",
         banner(result),
         "<h2 id='configs'>Configs</h2>", summary_table(result),
         "<h2 id='sweep'>K-sweep</h2>", sweep_plots(result),

@@ -183,7 +183,7 @@ def test_no_external_urls_and_store_text_is_escaped():
 
 def test_missing_figures_everywhere():
     """An empty result and a result with nothing measured still render."""
-    empty = SuiteResult("s", {}, {}, 0.0, 0.0, 0.0, {}, [])
+    empty = SuiteResult("s", {}, {}, None, None, None, {}, [])
     assert "FAIL" in html_report(empty)
     bare = SuiteResult("s", {}, {}, 0.0, 0.01, 0.05, {},
                        [config("baseline"), config("mtp-k2", checks=[])])
