@@ -19,6 +19,7 @@ from speccheck.svgplot import PALETTE, StripPoint, heat_grid, line_plot, log_str
 from speccheck.verify import END, Divergence
 
 CLASS_COLORS = {"near_tie": "#2a9d8f", "low_confidence": "#e09f3e", "high_confidence": "#d62828"}
+BANNER_ITEMS = 12  # failed checks listed in the banner; the rest are in the checks table
 VERDICT_TEXT = {"pass": "PASS", "fail": "FAIL", "error": "ENGINE FAILURE"}
 
 CSS = """
@@ -111,7 +112,7 @@ def divergence_sets(r: ConfigResult) -> list[tuple[str, list[Divergence]]]:
 
 
 def _chip(state: str, text: str | None = None) -> str:
-    return f'<span class="chip {state}">{_e(text or state)}</span>'
+    return f'<span class="chip {_e(state)}">{_e(text or state)}</span>'
 
 
 def _check_state(c) -> str:
@@ -153,7 +154,9 @@ def banner(result: SuiteResult) -> str:
             f"{_e(c)} {_num(by[c].speed.speedup, '{:.2f}x')}" for c in best.values()))
     return (f'<div class="banner {state}" id="verdict"><span class="big">{head}</span>{_e(text)}'
             f'<div>{" · ".join(facts)}</div>'
-            + (f"<ul>{''.join(items)}</ul>" if items else "") + "</div>")
+            + (f"<ul>{''.join(items[:BANNER_ITEMS])}</ul>" if items else "")
+            + (f"<div>… and {len(items) - BANNER_ITEMS} more failed checks (see Checks below)</div>"
+               if len(items) > BANNER_ITEMS else "") + "</div>")
 
 
 def summary_table(result: SuiteResult) -> str:

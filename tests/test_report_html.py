@@ -140,6 +140,13 @@ def test_verdict_banner_comes_first_and_names_failures():
     assert "mtp-k1" not in banner.split("do not pass:")[1].split("divergences:")[0]
 
 
+def test_banner_stays_short():
+    many = [config(f"mtp-k{k}", checks=[Check(f"c{i}", False, f"bad {i}") for i in range(5)]) for k in range(1, 5)]
+    dom = Dom(html_report(SuiteResult("s", {}, {}, 0.0, 0.01, 0.05, {}, [config("baseline")] + many)))
+    assert "… and 8 more failed checks" in dom.full_text
+    assert len(dom.all("tr", data_check="c4")) == 4  # all of them in the checks table
+
+
 def test_plots_are_svg_with_points():
     res = synthetic_suite()
     dom = Dom(html_report(res))
