@@ -19,6 +19,9 @@ from speccheck.svgplot import PALETTE, StripPoint, heat_grid, line_plot, log_str
 from speccheck.verify import END, Divergence
 
 CLASS_COLORS = {"near_tie": "#2a9d8f", "low_confidence": "#e09f3e", "high_confidence": "#d62828"}
+SECTIONS = (("configs", "configs"), ("sweep", "K-sweep"), ("acceptance", "acceptance"),
+            ("margins", "margins"), ("agreement", "agreement"), ("divergences", "divergences"),
+            ("checks", "checks"), ("identity", "identity"))
 BANNER_ITEMS = 12  # failed checks listed in the banner; the rest are in the checks table
 VERDICT_TEXT = {"pass": "PASS", "fail": "FAIL", "error": "ENGINE FAILURE"}
 
@@ -408,6 +411,7 @@ def html_report(result: SuiteResult, detok=None) -> str:
         f"path noise {_num(result.noise, '{:.4g}')} nats (τ_tie {_num(result.tau_tie, '{:.3g}')}, "
         f"τ_low {_num(result.tau_low, '{:.3g}')})</p>",
         banner(result),
+        "<p class='note'>" + " · ".join(f"<a href='#{a}'>{t}</a>" for a, t in SECTIONS) + "</p>",
         "<h2 id='configs'>Configs</h2>", summary_table(result),
         "<h2 id='sweep'>K-sweep</h2>", sweep_plots(result),
         "<h2 id='acceptance'>Acceptance per draft position</h2>", acceptance_plot(result),

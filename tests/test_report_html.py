@@ -183,6 +183,9 @@ def test_no_external_urls_and_store_text_is_escaped():
         for k in ("src", "href"):
             assert not str(a.get(k, "")).startswith(("http:", "https:", "//")), a
     assert "http://" not in html and "https://" not in html
+    ids = {a["id"] for _, a in dom.elements if "id" in a}
+    links = [a["href"] for a in dom.all("a")]
+    assert links and all(h.startswith("#") and h[1:] in ids for h in links)  # in-page links only
     assert not dom.all("script") and "<script>" not in html
     assert EVIL in dom.full_text  # shown as text, the divergence context and the check message
     assert dom.full_text.count("<script>") >= 2
