@@ -6,8 +6,10 @@ from typing import Sequence
 
 from speccheck.types import K_MAX, SpecConfig
 
-#: what `speccheck run` covers with no --method/--config: baseline + MTP K=1..7 + drafter at K=7
-DEFAULT_MATRIX = ("baseline",) + tuple(f"mtp-k{k}" for k in range(1, 8)) + ("dflash-k7",)
+#: what `speccheck run` covers with no --method/--config: baseline + MTP K=1..7 + the block
+#: drafters (DFlash, DFlash2) at K=7 = block_size - 1 (the seed article's comparison)
+DEFAULT_MATRIX = ("baseline",) + tuple(f"mtp-k{k}" for k in range(1, 8)) + ("dflash-k7",
+                                                                           "dflash2-k7")
 DEFAULT_K = {"mtp": list(range(1, 8))}
 
 
@@ -42,7 +44,7 @@ def check_method(method: str, offered: Sequence[str] | None, engine: str) -> Non
 
 
 def build_matrix(methods: Sequence[str] = (), k: str | None = None, configs: Sequence[str] = (),
-                 offered: Sequence[str] | None = ("mtp", "dflash"), engine: str = "reference",
+                 offered: Sequence[str] | None = ("mtp", "dflash", "dflash2"), engine: str = "reference",
                  default_k: dict[str, int | None] | None = None, draft: str | None = None,
                  include_baseline: bool = True) -> list[SpecConfig]:
     """The configs to run, baseline first. With nothing asked for: DEFAULT_MATRIX."""

@@ -70,10 +70,13 @@ def config(name, *, divs=(), tf=(), tpi=None, per_pos=(), tok_s=None, speedup=No
     cc = {"near_tie": 0, "low_confidence": 0, "high_confidence": 0}
     for d in list(divs) + list(tf):
         cc[d.classification.cls] += 1
-    return ConfigResult(name, 2, list(failed), None if failed else True, [], len(prompts),
-                        len(prompts) - len(divs), 0.99, 0.995, 0.99, list(divs), list(tf), cc, [], acc,
-                        None, Speed(tok_s, tok_s, 0.01, speedup), together, checks,
-                        [] if failed else list(prompts))
+    return ConfigResult(
+        config=name, repeats=2, failed_runs=list(failed), identical_runs=None if failed else True,
+        nondeterminism=[], prompts=len(prompts), prompts_exact=len(prompts) - len(divs),
+        prefix_agreement=0.99, token_agreement=0.995, text_similarity=0.99, divergences=list(divs),
+        tf_divergences=list(tf), class_counts=cc, attribution=[], acceptance=acc,
+        golden_tokens_per_iter=None, speed=Speed(tok_s, tok_s, 0.01, speedup), together=together,
+        checks=checks, prompt_ids=[] if failed else list(prompts))
 
 
 def synthetic_suite() -> SuiteResult:

@@ -2,7 +2,10 @@
 
 See DESIGN.md, "What 'agree' means (verify/)".
 """
-from speccheck.verify.acceptance import Acceptance, acceptance_of, acceptance_summary
+from speccheck.verify.acceptance import (Acceptance, acceptance_mismatches, acceptance_of,
+                                         acceptance_summary, counter_problems,
+                                         tokens_per_iteration_views)
+from speccheck.verify.boundaries import Boundary, boundary_divergence, stop_tokens
 from speccheck.verify.divergence import (END, Divergence, find_divergences,
                                          teacher_forced_agreement, teacher_forced_divergences)
 from speccheck.verify.margins import (CLASSES, SEVERITY, Classification, calibrate_thresholds,
@@ -12,7 +15,9 @@ from speccheck.verify.streams import (DeterminismResult, PrefixAgreement, determ
                                       unique_completions)
 
 __all__ = [
-    "Acceptance", "acceptance_of", "acceptance_summary",
+    "Acceptance", "acceptance_mismatches", "acceptance_of", "acceptance_summary",
+    "counter_problems", "tokens_per_iteration_views",
+    "Boundary", "boundary_divergence", "stop_tokens",
     "END", "Divergence", "find_divergences", "teacher_forced_agreement", "teacher_forced_divergences",
     "CLASSES", "SEVERITY", "Classification", "calibrate_thresholds", "classify_divergence",
     "margins", "path_noise", "rank_of",

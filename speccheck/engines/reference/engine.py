@@ -5,6 +5,8 @@ Weights directory (the package's ``weights/`` or ``model=DIR``)::
     config.json         ReferenceConfig (model shape, drafter shape, special token ids)
     model.safetensors   target (HF Qwen3_5TextModel names) + mtp.* (vLLM Qwen3.5 MTP names)
     drafter.safetensors DFlash drafter (vLLM DFlashQwen3Model names)
+    dflash2.safetensors DFlash2 drafter (vLLM DFlash2Qwen3Model names; its conv/selector
+                        fields in the file's metadata), optional
     tokenizer.json      byte-level BPE (``tokenizers``), <|endoftext|> and <|mask|>
 
 Without trained weights the networks get a fixed-seed random init, so everything runs (and
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -23,6 +26,7 @@ from speccheck.engines.base import Engine, EngineError, EngineUsageError
 from speccheck.types import Completion, Prompt, Scored, SpecConfig
 
 from .decode import FAULTS, Decoder, Knobs
+from .dflash2 import DFLASH2_FILE, WALK_DTYPES, SelectorKnobs, load_dflash2
 from .model import (ATTN_FORMS, GDN_FORMS, DFlashDrafter, MTPModule, Qwen3_5TextModel,
                     ReferenceConfig, init_weights)
 
@@ -44,6 +48,11 @@ ENGINE_ARGS = {
     "batch": (None, "1", "prompts decoded together in one batch (each prefilled alone, then "
                          "decoding at its own length and, speculating, its own acceptance)"),
     "fault": (("none",) + tuple(FAULTS), "none", "planted spec-decode bug for self-tests"),
+    "dflash2_selector": (("on", "off"), "on", "DFlash2 candidate selector; off = per-slot argmax "
+                                               "(DFlash's rule)"),
+    "dflash2_top_k": (None, "", "DFlash2 candidates per slot (empty = the checkpoint's "
+                                "selector_top_k)"),
+    "dflash2_walk": (tuple(WALK_DTYPES), "fp32", "dtype of the DFlash2 edge scores and walk"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -71,7 +80,7 @@ def parse_engine_args(args: dict[str, str]) -> dict[str, str]:
         if allowed and out[k] not in allowed:
             raise EngineUsageError(f"--engine-arg {k}={out[k]!r} is not valid for the reference "
                                    f"engine; choose one of {', '.join(allowed)}")
-    for key in ("threads", "batch"):
+    for key in ("threads", "batch", "dflash2_top_k"):
         if out[key] and not (out[key].isdigit() and int(out[key]) > 0):
             raise EngineUsageError(f"--engine-arg {key}={out[key]!r}: give a positive integer")
     return out
@@ -124,7 +133,7 @@ def _load(module: torch.nn.Module, sd: dict, path: Path) -> None:
 
 class ReferenceEngine(Engine):
     name = "reference"
-    methods = ("mtp", "dflash")
+    methods = ("mtp", "dflash", "dflash2")
 
     def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
                  draft: str | None = None) -> None:
@@ -168,7 +177,18 @@ class ReferenceEngine(Engine):
         fault = None if self.args["fault"] == "none" else self.args["fault"]
         self.knobs = Knobs(fault=fault, **{k: self.args[k] for k in (
             "gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode", "attn_verify")})
-        self.decoder = Decoder(self.cfg, self.target, self.mtp, self.drafter, self.knobs)
+        d2_file = self.model_dir / DFLASH2_FILE
+        self.dflash2 = None
+        if d2_file.is_file():
+            try:
+                self.dflash2 = load_dflash2(d2_file, self.cfg).to(self.device, dtype).eval()
+            except ValueError as e:
+                raise EngineUsageError(str(e)) from e
+        top_k = self.args["dflash2_top_k"]
+        self.selector = SelectorKnobs(self.args["dflash2_selector"] == "on",
+                                      int(top_k) if top_k else None, self.args["dflash2_walk"])
+        self.decoder = Decoder(self.cfg, self.target, self.mtp, self.drafter, self.knobs,
+                               self.dflash2, self.selector)
 
     def _special(self, token: str) -> int:
         i = self.tokenizer.token_to_id(token)
@@ -182,7 +202,8 @@ class ReferenceEngine(Engine):
         from speccheck import __version__
 
         files = {n: _sha256(self.model_dir / n)
-                 for n in ("config.json", "model.safetensors", "drafter.safetensors")}
+                 for n in ("config.json", "model.safetensors", "drafter.safetensors",
+                           DFLASH2_FILE)}
         target = {n: files[n] for n in ("config.json", "model.safetensors")}
         model_id = "speccheck-reference-qwen3_5-tiny" + ("" if self.trained else "-untrained")
         # the identity keys every engine shares: model_id, model_hash (the target, MTP included),
@@ -206,6 +227,10 @@ class ReferenceEngine(Engine):
             "fault": self.args["fault"],
             "batch": int(self.args["batch"]),
             "block_size": self.cfg.drafter.block_size,
+            "dflash2": (None if self.dflash2 is None else
+                        {"selector": self.args["dflash2_selector"],
+                         "top_k": self.selector.top_k or self.dflash2.d2.selector_top_k,
+                         "walk": self.selector.walk, "config": vars(self.dflash2.d2).copy()}),
         }
 
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -228,7 +253,7 @@ class ReferenceEngine(Engine):
     def _generate_batch(self, prompts, prompt_ids, config: SpecConfig, top_k: int) -> list[Completion]:
         if config.method not in ("baseline",) + self.methods:
             raise EngineUsageError(f"--method {config.method!r} is not offered by the reference "
-                                   f"engine; choose baseline, mtp or dflash")
+                                   f"engine; choose baseline, {', '.join(self.methods)}")
         names = ", ".join(dict.fromkeys(p.id for p in prompts))
         try:
             gens = self.decoder.generate_batch([list(ids) for ids in prompt_ids],
@@ -240,7 +265,7 @@ class ReferenceEngine(Engine):
             raise EngineError(f"reference engine failed on prompt {names}: {e}") from e
         return [Completion(p.id, list(ids), g.token_ids, g.logprobs, g.topk_ids, g.topk_logprobs,
                            self.detokenize(g.token_ids), g.finish_reason, g.ttft_s, g.decode_s,
-                           g.spec)
+                           replace(g.spec, iterations=g.iterations) if g.spec else None)
                 for p, ids, g in zip(prompts, prompt_ids, gens)]
 
     def score(self, prompt_ids: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
@@ -251,7 +276,7 @@ class ReferenceEngine(Engine):
             out.append(Scored(ids, lps, tok))
         return out
 
-    def attribution_variants(self) -> dict[str, dict[str, str]]:
+    def attribution_variants(self, configs=()) -> dict[str, dict[str, str]]:
         """Other kernel paths for the same network: GDN all-recurrent / all-chunked,
         attention all-single / all-multi, and fp32 (each only if it differs from now)."""
         a = self.args
@@ -269,7 +294,7 @@ class ReferenceEngine(Engine):
                 if any(a[key] != val for key, val in v.items())}
 
     def default_k(self, method: str) -> int | None:
-        if method == "dflash":
+        if method in ("dflash", "dflash2"):
             return self.cfg.drafter.block_size - 1
         if method == "mtp":
             return 3
