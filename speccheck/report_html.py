@@ -22,7 +22,7 @@ CLASS_COLORS = {"near_tie": "#2a9d8f", "low_confidence": "#e09f3e", "high_confid
 SECTIONS = (("configs", "configs"), ("sweep", "K-sweep"), ("acceptance", "acceptance"),
             ("margins", "margins"), ("agreement", "agreement"), ("divergences", "divergences"),
             ("checks", "checks"), ("identity", "identity"))
-BANNER_ITEMS = 12  # failed checks listed in the banner; the rest are in the checks table
+BANNER_ITEMS = 12  # failing configs listed in the banner; every check is in the checks table
 VERDICT_TEXT = {"pass": "PASS", "fail": "FAIL", "error": "ENGINE FAILURE"}
 
 CSS = """
@@ -32,7 +32,7 @@ h3{font-size:15px;margin:16px 0 6px}
 .banner{padding:14px 18px;border-radius:6px;color:#fff;margin:10px 0 14px}
 .banner .big{font-size:26px;font-weight:bold;margin-right:14px}
 .banner.pass{background:#2b8a3e} .banner.fail{background:#c92a2a} .banner.error{background:#5f3dc4}
-.banner ul{margin:8px 0 0;padding-left:22px} .banner li{margin:2px 0}
+.banner ul{margin:8px 0 0;padding-left:22px} .banner li{margin:2px 0} .banner .why{opacity:.85;font-size:13px}
 table{border-collapse:collapse;font-size:13px;margin:6px 0}
 th,td{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top}
 th{background:#f3f3f3} td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
@@ -114,6 +114,10 @@ def divergence_sets(r: ConfigResult) -> list[tuple[str, list[Divergence]]]:
     return sets
 
 
+def _clip(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[:limit - 1].rstrip() + "…"
+
+
 def _chip(state: str, text: str | None = None) -> str:
     return f'<span class="chip {_e(state)}">{_e(text or state)}</span>'
 
@@ -136,13 +140,11 @@ def banner(result: SuiteResult) -> str:
     else:
         text = f"{len(bad)} of {n} configs do not pass: " + ", ".join(r.config for r in bad)
     items = []
-    for r in bad:
-        for c in r.checks:
-            if not c.passed and not c.skipped:
-                first = (c.message.splitlines() or [""])[0]
-                items.append(f"<li><b>{_e(r.config)}</b> {_e(c.name)}: {_e(first)}</li>")
-        if r.failed_runs and not any(not c.passed for c in r.checks):
-            items.append(f"<li><b>{_e(r.config)}</b> engine failure: {_e('; '.join(r.failed_runs))}</li>")
+    for r in bad:  # one line per config: what failed, and the start of the first failure's evidence
+        failed = [c for c in r.checks if not c.passed and not c.skipped]
+        names = ", ".join(c.name for c in failed) or "engine failure"
+        first = (failed[0].message if failed else "; ".join(r.failed_runs)).splitlines() or [""]
+        items.append(f"<li><b>{_e(r.config)}</b> {_e(names)} <span class='why'>— {_e(_clip(first[0]))}</span></li>")
     counts = {k: 0 for k in CLASS_COLORS}
     for r in ordered(result):
         for _, divs in divergence_sets(r):
@@ -158,7 +160,7 @@ def banner(result: SuiteResult) -> str:
     return (f'<div class="banner {state}" id="verdict"><span class="big">{head}</span>{_e(text)}'
             f'<div>{" · ".join(facts)}</div>'
             + (f"<ul>{''.join(items[:BANNER_ITEMS])}</ul>" if items else "")
-            + (f"<div>… and {len(items) - BANNER_ITEMS} more failed checks (see Checks below)</div>"
+            + (f"<div>… and {len(items) - BANNER_ITEMS} more failing configs (see Checks below)</div>"
                if len(items) > BANNER_ITEMS else "") + "</div>")
 
 

@@ -144,10 +144,16 @@ def test_verdict_banner_comes_first_and_names_failures():
 
 
 def test_banner_stays_short():
-    many = [config(f"mtp-k{k}", checks=[Check(f"c{i}", False, f"bad {i}") for i in range(5)]) for k in range(1, 5)]
-    dom = Dom(html_report(SuiteResult("s", {}, {}, 0.0, 0.01, 0.05, {}, [config("baseline")] + many)))
-    assert "… and 8 more failed checks" in dom.full_text
-    assert len(dom.all("tr", data_check="c4")) == 4  # all of them in the checks table
+    """One line per failing config (its failed checks, the first message clipped), at most
+    BANNER_ITEMS configs; the full messages are in the checks table."""
+    long = "evidence " * 100
+    many = [config(f"mtp-k{k}", checks=[Check(f"c{i}", False, long) for i in range(5)]) for k in range(1, 16)]
+    html = html_report(SuiteResult("s", {}, {}, 0.0, 0.01, 0.05, {}, [config("baseline")] + many))
+    dom = Dom(html)
+    banner = html[html.index('id="verdict"'):html.index("<h2")]
+    assert banner.count("<li>") == 12 and "… and 3 more failing configs" in banner
+    assert "c0, c1, c2, c3, c4" in banner and len(banner) < 12 * 400
+    assert len(dom.all("tr", data_check="c4")) == 15  # every check in the checks table
 
 
 def test_plots_are_svg_with_points():
