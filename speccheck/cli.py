@@ -399,15 +399,18 @@ def gate(suite, store_dir, golden_dir, policy_file, settings, junit):
 @golden_option
 @_apply(policy_options)
 @click.option("--out", default=None, type=click.Path(file_okay=False),
-              help="Directory for report.md and report.json (default: the suite directory).")
-def report(suite, store_dir, golden_dir, policy_file, settings, out):
-    """Write a Markdown report (the seed article's tables) and a JSON summary."""
+              help="Directory for report.md, report.json and report.html (default: the suite directory).")
+@click.option("--html", "html_file", default=None, type=click.Path(dir_okay=False),
+              help="Write the HTML report here instead of report.html in the --out directory.")
+def report(suite, store_dir, golden_dir, policy_file, settings, out, html_file):
+    """Write a Markdown report (the seed article's tables), a JSON summary and a self-contained
+    HTML report (verdict, K-sweep and margin plots, every check and divergence)."""
     from speccheck.report import method_table, write_report
 
     s, result, detok = _evaluate(store_dir, suite, policy_file, settings, golden_dir=golden_dir)
-    md, js = write_report(result, Path(out) if out else s.root, detok)
+    paths = write_report(result, Path(out) if out else s.root, detok, Path(html_file) if html_file else None)
     click.echo(method_table(result) + "\n")
-    click.echo(f"wrote {md}\nwrote {js}")
+    click.echo("\n".join(f"wrote {p}" for p in paths))
 
 
 @main.command()

@@ -238,9 +238,12 @@ def markdown_report(result: SuiteResult, detok=None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(result: SuiteResult, out_dir: Path, detok=None) -> tuple[Path, Path]:
+def write_report(result: SuiteResult, out_dir: Path, detok=None, html: Path | None = None) -> tuple[Path, ...]:
+    """report.md, report.json and the HTML report (``html``, default report.html beside them)."""
+    from speccheck.report_html import write_html
+
     out_dir.mkdir(parents=True, exist_ok=True)
     md, js = out_dir / "report.md", out_dir / "report.json"
     md.write_text(markdown_report(result, detok))
     js.write_text(json.dumps(result.to_dict(), indent=1, default=str, ensure_ascii=False))
-    return md, js
+    return md, js, write_html(result, html or out_dir / "report.html", detok)
