@@ -100,11 +100,20 @@ def load_corpus(name_or_path: str | os.PathLike, max_tokens: int | None = None) 
                        or os.path.isfile(spec))
     if looks_like_path:
         path = Path(spec)
+        if path.is_dir():
+            raise CorpusError(f"corpus path {spec} is a directory; give the path of a .jsonl or "
+                              f".toml file inside it, or one of the built-in corpora: "
+                              f"{', '.join(list_corpora())}.")
         if not path.is_file():
             raise CorpusError(f"corpus file {spec} does not exist; give the path of a .jsonl or "
                               f".toml file, or one of the built-in corpora: "
                               f"{', '.join(list_corpora())}.")
-        return _load_file(path.stem, str(path), path.read_bytes(), max_tokens)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise CorpusError(f"corpus file {spec}: cannot read it ({e.strerror or e}); check its "
+                              "permissions.") from None
+        return _load_file(path.stem, str(path), data, max_tokens)
     for suffix in SUFFIXES:
         entry = _builtin_dir().joinpath(spec + suffix)
         if entry.is_file():
@@ -132,7 +141,7 @@ def _prompt_dict(p: Prompt) -> dict:
 
 def _load_file(name: str, path: str, data: bytes, max_tokens: int | None = None) -> Corpus:
     try:
-        content = data.decode("utf-8")
+        content = data.decode("utf-8-sig")  # a byte-order mark (Windows editors) is not content
     except UnicodeDecodeError as e:
         raise CorpusError(f"{path}: not UTF-8 text ({e}); save the corpus as UTF-8.") from None
     if path.endswith(".toml"):

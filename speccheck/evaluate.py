@@ -111,6 +111,7 @@ class ConfigResult:
     #: spec counters identical run to run (None: fewer than 2 runs with counters)
     acceptance_identical: bool | None = None
     acceptance_nondeterminism: list[str] = field(default_factory=list)
+    prompt_ids: list[str] = field(default_factory=list)  # the prompts compared with the baseline
 
     @property
     def verdict(self) -> str:
@@ -368,6 +369,7 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
         stops = stop_tokens((c.token_ids, c.finish_reason) for r in base_ok for c in r.completions)
         free = compare_runs(base_ok[0], run0, tau_tie, tau_low, noise, detok, stops)
         result.prompts, result.prompts_exact = free.prompts, free.exact
+        result.prompt_ids = [c.prompt_id for c in run0.completions if c.prompt_id in base]
         result.divergences = free.divergences
         result.boundaries = free.boundaries
         result.prefix_agreement = free.prefix_agreement

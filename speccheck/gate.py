@@ -6,7 +6,8 @@ from pathlib import Path
 
 from speccheck.evaluate import SuiteResult
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ENGINE = 0, 1, 2, 3
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ENGINE, EXIT_INTERNAL = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130  # Ctrl-C, the shell convention (128 + SIGINT)
 
 
 def exit_code(result: SuiteResult) -> int:

@@ -9,6 +9,9 @@ To use the tests in your own repository, import them into a test module::
 """
 from __future__ import annotations
 
+import contextlib
+import time
+
 from pathlib import Path
 
 import pytest
@@ -75,12 +78,22 @@ def spec_result(request: pytest.FixtureRequest):
     cfg = request.config
     plan = _plan(cfg)
     reporter = cfg.pluginmanager.get_plugin("terminalreporter")
+    capman = cfg.pluginmanager.get_plugin("capturemanager")
+    started = time.perf_counter()
 
     def log(msg: str) -> None:
-        if reporter is not None:
+        if reporter is None:
+            return
+        # the session fixture runs under output capture: lift it, or progress shows only with -s
+        with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
             reporter.write_line(f"speccheck: {msg}")
 
-    suite = run_suite(plan, Store(cfg.getoption("--spec-store")), log=log)
+    def progress(done: int, total: int, what: str) -> None:
+        spent = time.perf_counter() - started
+        eta = f", about {spent / done * (total - done):.0f} s left" if 0 < done < total else ""
+        log(f"[{done}/{total}] {what}{eta}")
+
+    suite = run_suite(plan, Store(cfg.getoption("--spec-store")), log=log, progress=progress)
     policy = load_policy(cfg.getoption("--spec-policy"))
     golden = Path(cfg.getoption("--spec-golden"))
     result = evaluate_suite(suite, policy, [c.name for c in plan.configs], golden_acceptance(suite, golden))

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-METHODS_BUILTIN = ("baseline", "mtp", "dflash")
+METHODS_BUILTIN = ("baseline", "mtp", "dflash", "dflash2")
 K_MAX = 32
 
 

@@ -71,6 +71,8 @@ def test_end_to_end_smoke_run_diff_gate_report(tmp_path):
     assert g.exit_code in (0, 1) and "gate:" in g.output and (tmp_path / "j.xml").exists()
     rep = runner.invoke(main, ["report", "--store", st, "--out", str(tmp_path / "rep")])
     assert rep.exit_code == 0 and "| mtp-k2 | 2 |" in (tmp_path / "rep" / "report.md").read_text()
+    page = (tmp_path / "rep" / "report.html").read_text()  # the HTML report beside it
+    assert "data-config='mtp-k2'" in page and "class=\"plot line\"" in page
 
     # golden: record, check passes; a golden of another model is refused with exit 2
     gold = str(tmp_path / "golden")

@@ -14,6 +14,7 @@ import torch
 
 from speccheck.types import SpecCounters
 
+from . import dflash2 as _dflash2
 from .model import (ATTN_FORMS, GDN_FORMS, Cache, DFlashDrafter, MTPModule, Qwen3_5TextModel,
                     ReferenceConfig, set_nondeterministic)
 
@@ -150,15 +151,19 @@ class Decoder:
     (:meth:`generate_batch`; one request is a batch of one)."""
 
     def __init__(self, cfg: ReferenceConfig, target: Qwen3_5TextModel, mtp: MTPModule | None,
-                 drafter: DFlashDrafter | None, knobs: Knobs):
+                 drafter: DFlashDrafter | None, knobs: Knobs,
+                 dflash2: "_dflash2.DFlash2Drafter | None" = None,
+                 selector: "_dflash2.SelectorKnobs | None" = None):
         self.cfg, self.target, self.mtp, self.drafter, self.knobs = cfg, target, mtp, drafter, knobs
+        self.dflash2, self.selector = dflash2, selector or _dflash2.SelectorKnobs()
         self.device = target.embed_tokens.weight.device
         self._arm()
 
     def _arm(self) -> None:
         """Switch the ``nondeterministic`` fault on or off in the networks. Done at every call:
         decoders with other knobs may share the networks (ReferenceEngine.with_args)."""
-        set_nondeterministic([m for m in (self.target, self.mtp, self.drafter) if m is not None],
+        nets = (self.target, self.mtp, self.drafter, self.dflash2)
+        set_nondeterministic([m for m in nets if m is not None],
                              self.knobs.fault == "nondeterministic")
 
     # ------------------------------------------------------------------ public
@@ -182,14 +187,16 @@ class Decoder:
         self._arm()
         if method == "baseline":
             return self._baseline(prompts, max_tokens, top_k)
-        if method not in ("mtp", "dflash"):
-            raise ValueError(f"unknown method {method!r}: choose baseline, mtp or dflash")
+        if method not in ("mtp", "dflash", "dflash2"):
+            raise ValueError(f"unknown method {method!r}: choose baseline, mtp, dflash or dflash2")
         if k < 1:
             raise ValueError(f"method {method} needs K >= 1, got {k}")
         if method == "mtp" and self.mtp is None:
             raise ValueError("method mtp needs the MTP weights (mtp.* in model.safetensors)")
         if method == "dflash" and self.drafter is None:
             raise ValueError("method dflash needs the drafter (drafter.safetensors)")
+        if method == "dflash2" and self.dflash2 is None:
+            raise ValueError(f"method dflash2 needs the DFlash2 drafter ({_dflash2.DFLASH2_FILE})")
         return self._speculative(prompts, max_tokens, method, k, top_k)
 
     @torch.inference_mode()
@@ -272,7 +279,7 @@ class Decoder:
 
     def _speculative(self, prompts, max_tokens, method, k, top_k) -> list[Generation]:
         fault = self.knobs.fault
-        aux_ids = tuple(self.cfg.drafter.target_layer_ids) if method == "dflash" else ()
+        aux_ids = tuple(self.cfg.drafter.target_layer_ids) if method != "mtp" else ()
         if fault == "dflash-wrong-layer":  # each layer's input (the previous layer's output)
             aux_ids = tuple(max(i - 1, 0) for i in aux_ids)
         conv_history = self.cfg.linear_conv_kernel_dim - 1
@@ -333,8 +340,7 @@ class Decoder:
         K+1 positions, emit the accepted prefix plus the target's own next token, and keep
         exactly the state of the emitted positions."""
         fault = self.knobs.fault
-        drafts = [self._draft_mtp(states[b], tokens[b], pending[b], k) if method == "mtp"
-                  else self._draft_dflash(states[b], tokens[b], pending[b], k) for b in live]
+        drafts = [self._draft(method, states[b], tokens[b], pending[b], k) for b in live]
         for b in live:
             pending[b] = None
         feed = self._t([[x[b]] + d for b, d in zip(live, drafts)])  # [n, k+1]
@@ -392,7 +398,18 @@ class Decoder:
 
     # ------------------------------------------------------------------ drafters
 
+    def _draft(self, method, state, tokens, pending, k) -> list[int]:
+        if method == "mtp":
+            return self._draft_mtp(state, tokens, pending, k)
+        if method == "dflash2":
+            return _dflash2.draft(self.dflash2, self.target, self.cfg, state, tokens, pending, k,
+                                  self.selector)
+        return self._draft_dflash(state, tokens, pending, k)
+
     def _draft_init(self, method, max_len):
+        if method == "dflash2":
+            return _dflash2.new_state(self.dflash2, self.cfg, max_len,
+                                      self.target.embed_tokens.weight)
         if method == "mtp":
             return Cache(len(self.mtp.layers), max_len)
         dc = self.cfg.drafter
