@@ -15,6 +15,15 @@ def exit_code(result: SuiteResult) -> int:
     return EXIT_PASS if result.passed else EXIT_FAIL
 
 
+def plan_note(result: SuiteResult) -> str | None:
+    """Said wherever a suite is judged that recorded no plan (stored by an older speccheck)."""
+    if result.plan is not None:
+        return None
+    return (f"note: suite {result.suite} has no recorded plan (stored before speccheck recorded "
+            "what `run` was asked for): only the configs stored are judged, a config that never "
+            "ran cannot be missed; demand configs with --method/--k/--config.")
+
+
 def gate_text(result: SuiteResult) -> str:
     lines = []
     for r in result.configs:
@@ -22,6 +31,8 @@ def gate_text(result: SuiteResult) -> str:
         lines.append(f"{'PASS' if not failed else 'FAIL'}  {r.config}")
         for c in failed:
             lines.append(f"      {c.name} failed for config {r.config}: {c.message}")
+    if plan_note(result):
+        lines.append(plan_note(result))
     n_fail = sum(1 for r in result.configs if r.verdict != "pass")
     lines.append(f"gate: {'PASS' if result.passed else 'FAIL'} — {len(result.configs) - n_fail} of "
                  f"{len(result.configs)} configs pass (suite {result.suite})")

@@ -35,7 +35,12 @@ def _fingerprint(identity: dict, corpus_hash: str) -> dict:
 
 
 def record(suite: Suite, result: SuiteResult, root: Path) -> Path:
-    """Write the suite's baseline (first repeat) and every config's acceptance as the golden."""
+    """Write the suite's baseline (first repeat) and every config's acceptance as the golden.
+    Refused while the suite misses a planned run: a golden is recorded from a complete suite."""
+    missing = [m for r in result.configs for m in r.missing]
+    if missing:
+        raise GoldenMismatch(f"suite {suite.id} is incomplete, so it cannot be recorded as golden: "
+                             + "; ".join(missing))
     base = suite.load_run("baseline", 0)
     if base.status != "ok":
         raise GoldenMismatch("the baseline run failed; nothing to record as golden.")

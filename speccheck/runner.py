@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -45,11 +45,40 @@ class RunPlan:
     #: N > 0: per config, also one run of the whole corpus at once with every prompt N times
     #: (batch-composition invariance; N identical concurrent requests give one completion)
     concurrent: int = 0
+    #: decode every prompt's full max_tokens past end-of-sequence (part of the suite identity)
+    ignore_eos: bool = False
 
     def suite_meta(self, corpus: Corpus) -> dict:
         return {"engine": self.engine, "model": self.model, "draft": self.draft,
                 "engine_args": self.engine_args, "corpus": corpus.name, "corpus_hash": corpus.hash,
-                "top_k": self.top_k, "speccheck_version": __version__}
+                "ignore_eos": self.ignore_eos, "top_k": self.top_k, "speccheck_version": __version__}
+
+    def load_corpus(self) -> Corpus:
+        """The corpus; with ``ignore_eos`` every prompt decodes its full budget."""
+        corpus = load_corpus(self.corpus)
+        if not self.ignore_eos:
+            return corpus
+        return replace(corpus, prompts=[replace(p, ignore_eos=True) for p in corpus.prompts])
+
+    def run_args(self) -> list[str]:
+        """The `speccheck run` options that name this plan's suite (to resume it)."""
+        args = ["--engine", self.engine]
+        args += ["--model", self.model] if self.model else []
+        args += ["--draft", self.draft] if self.draft else []
+        for key, value in sorted(self.engine_args.items()):
+            args += ["--engine-arg", f"{key}={value}"]
+        args += ["--corpus", self.corpus]
+        args += ["--ignore-eos"] if self.ignore_eos else []
+        args += ["--top-k", str(self.top_k)] if self.top_k != 5 else []
+        return args
+
+    def planned(self) -> dict[str, dict]:
+        """What each config must leave in the store (recorded before any engine starts)."""
+        want = {"repeats": self.repeats,
+                "fresh_process_repeat": self.fresh_process_repeat and self.repeats > 1,
+                "concurrent": self.concurrent, "rescore": self.rescore}
+        return {c.name: {**want, "attribute": self.attribute and not c.is_baseline}
+                for c in self.configs}
 
 
 Log = Callable[[str], None]
@@ -59,9 +88,15 @@ def _print(msg: str) -> None:
     print(msg, flush=True)
 
 
+def plan_suite_id(plan: RunPlan, corpus: Corpus | None = None) -> str:
+    """The id of the suite this plan runs in (its corpus loaded unless given)."""
+    corpus = corpus or plan.load_corpus()
+    return suite_id(plan.engine, plan.model, plan.draft, plan.engine_args, corpus.name, corpus.hash,
+                    plan.ignore_eos)
+
+
 def open_suite(plan: RunPlan, store: Store, corpus: Corpus) -> Suite:
-    sid = suite_id(plan.engine, plan.model, plan.draft, plan.engine_args, corpus.name, corpus.hash)
-    return store.suite(sid, plan.suite_meta(corpus))
+    return store.suite(plan_suite_id(plan, corpus), plan.suite_meta(corpus))
 
 
 def weights_fingerprint(identity: dict) -> tuple:
@@ -129,11 +164,13 @@ def _summary_line(record: RunRecord) -> str:
 
 def run_suite(plan: RunPlan, store: Store, log: Log = _print,
               progress: Callable[[int, int, str], None] | None = None) -> Suite:
-    """Run every (config, repeat) not yet complete in the store, then rescore and attribute.
-    ``progress(done, total, what)`` is called before each run and once at the end."""
-    corpus = load_corpus(plan.corpus)
+    """Record the plan in the suite, then run every (config, repeat) not yet complete in the
+    store, then rescore and attribute. ``progress(done, total, what)`` is called before each
+    run and once at the end."""
+    corpus = plan.load_corpus()
     suite = open_suite(plan, store, corpus)
     store.set_latest(suite.id)
+    suite.extend_plan(plan.planned(), plan.run_args())  # before any engine starts
     engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
     try:
         inputs = tokenized_inputs(suite, engine, corpus)
@@ -205,7 +242,7 @@ def _worker_main(argv: Sequence[str]) -> int:
     plan = RunPlan(**{**p, "configs": [SpecConfig(**c) for c in p["configs"]]})
     store = Store(request["store"])
     suite = store.suite(request["suite"])
-    corpus = load_corpus(plan.corpus)
+    corpus = plan.load_corpus()
     try:
         engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
     except EngineUsageError as e:
