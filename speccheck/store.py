@@ -320,12 +320,12 @@ class Suite:
     def missing(self, config_name: str) -> list[str]:
         """What is not stored of this config: every run, rescoring and attribution the plan
         asked for; a config with no stored run at all is missing whether planned or not (it
-        was demanded). Empty when complete. Failed runs are not missing (they say why)."""
+        was demanded, or its one run was cut short). Empty when complete. Failed runs are not missing (they say why)."""
         want = (self.load_plan() or {}).get("configs", {}).get(config_name)
         resume = f"re-run `{self.resume_command(config_name)}` to resume"
-        if not (self.root / "runs" / config_name).is_dir():
+        if not self.repeats(config_name) and not (self.run_dir(config_name, -1) / "manifest.json").exists():
             if want is None:
-                return [f"{config_name} was demanded but is not stored in suite {self.id}; run "
+                return [f"{config_name} is not stored in suite {self.id}; run "
                         f"`{self.resume_command(config_name)}`"]
             return [f"{config_name} was planned but is not stored: the run died or was stopped "
                     f"before it; {resume}"]

@@ -243,3 +243,20 @@ def test_tokenizer_special_ids_and_round_trip():
         assert tok.decode(ids, skip_special_tokens=False) == text
         if p.category == "ocr_ja":  # Japanese got merges, not 3 bytes per character
             assert len(ids) < 0.6 * len(text.encode("utf-8"))
+
+
+def test_default_corpus_decodes_its_full_budget_in_the_reference_golden():
+    """Every default prompt yields max_tokens compared tokens on the reference engine: the
+    committed golden baseline (recorded from this very corpus: same hash) shows no prompt
+    stopping early, the long OCR prompts included."""
+    from pathlib import Path
+
+    from speccheck.store import read_run
+
+    corpus = load_corpus("default")
+    gold = Path(__file__).parents[1] / "golden" / "reference" / "speccheck-reference-qwen3_5-tiny" / "default"
+    assert json.loads((gold / "golden.json").read_text())["fingerprint"]["corpus_hash"] == corpus.hash
+    base = read_run(gold / "baseline").by_prompt()
+    assert set(base) == {p.id for p in corpus.prompts}
+    short = {p.id: base[p.id].n_tokens for p in corpus.prompts if base[p.id].n_tokens != p.max_tokens}
+    assert not short, f"prompts stopping before max_tokens: {short}"
