@@ -11,7 +11,8 @@ import click
 from speccheck.config import MatrixError, build_matrix
 from speccheck.corpus import CorpusError, list_corpora, load_corpus
 from speccheck.engines import EngineError, EngineUsageError, engine_class
-from speccheck.gate import EXIT_ENGINE, EXIT_FAIL, EXIT_USAGE, exit_code, gate_text, plan_note, write_junit
+from speccheck.gate import (EXIT_ENGINE, EXIT_FAIL, EXIT_PASS, EXIT_USAGE, exit_code, gate_text, plan_note,
+                            write_junit)
 from speccheck.policy import PolicyError, load_policy
 from speccheck.store import Store, StoreError
 
@@ -272,14 +273,12 @@ def gate(methods, k, configs, suite, store_dir, golden_dir, policy_file, setting
     demanded, unmet = _demanded(s, methods, k, configs)
     names = judged_configs(s, demanded) if demanded else None
     _, result, _ = _evaluate(store_dir, s.id, policy_file, settings, names, golden_dir=golden_dir)
-    text = gate_text(result)
-    if unmet:
-        text = "\n".join(f"FAIL  --method {m}: demanded, but suite {s.id} stores and plans no {m} "
-                         f"config; run one: `{s.run_command('--method', m)}`" for m in unmet) + "\n" + text.replace("gate: PASS", "gate: FAIL")
-    click.echo(text)
+    unmet = [f"--method {m}: demanded, but suite {s.id} stores and plans no {m} config; run one: "
+             f"`{s.run_command('--method', m)}`" for m in unmet]
+    click.echo(gate_text(result, unmet))
     if junit:
         write_junit(result, Path(junit))
-    sys.exit(exit_code(result) or (EXIT_FAIL if unmet else 0))
+    sys.exit(exit_code(result) or (EXIT_FAIL if unmet else EXIT_PASS))
 
 
 @main.command()
@@ -296,9 +295,10 @@ def report(suite, store_dir, golden_dir, policy_file, settings, out):
     s, result, detok = _evaluate(store_dir, suite, policy_file, settings, golden_dir=golden_dir)
     md, js = write_report(result, Path(out) if out else s.root, detok)
     click.echo(f"wrote {md}\nwrote {js}")
-    for line in [m for r in result.configs for m in r.missing] + [plan_note(result) or ""]:
-        if line:
-            click.echo(f"FAIL  {line}" if not line.startswith("note") else line)
+    for line in (m for r in result.configs for m in r.missing):
+        click.echo(f"FAIL  {line}")
+    if plan_note(result):
+        click.echo(plan_note(result))
 
 
 @main.command()
