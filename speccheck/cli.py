@@ -444,7 +444,8 @@ def corpus_show(name):
     click.echo(f"{c.name}  {c.path}  hash {c.hash}")
     for p in c.prompts:
         text = p.as_text().replace("\n", " ")
-        click.echo(f"  {p.id:24} {p.category:14} max_tokens={p.max_tokens:<5} {text[:70]}")
+        flag = " ignore_eos" if p.ignore_eos else ""
+        click.echo(f"  {p.id:24} {p.category:14} max_tokens={p.max_tokens:<5}{flag} {text[:70]}")
 
 
 @main.group()

@@ -191,3 +191,19 @@ def test_pytest_plugin_fails_a_planned_config_it_was_not_asked_for(resumed, tmp_
     assert "1 failed, 2 passed" in r.stdout, r.stdout
     assert re.search(r"FAILED .*test_deterministic\[mtp-k5\]", r.stdout), r.stdout
     assert "mtp-k5 was planned but is not stored" in r.stdout
+
+
+def test_run_ignore_eos_decodes_every_budget_in_a_suite_of_its_own(tmp_path):
+    """`speccheck run --ignore-eos` (here on smoke, whose chat prompt the reference model ends
+    at once): every prompt decodes its full max_tokens, in a suite apart from the plain one."""
+    store = tmp_path / "S"
+    r = cli("run", "--store", store, "--corpus", "smoke", "--method", "baseline", "--repeats", "1",
+            "--concurrent", "0", "--ignore-eos")
+    assert r.exit_code == 0, r.output
+    plan = RunPlan(corpus="smoke", configs=[SpecConfig()], ignore_eos=True)
+    suite = Store(store).suite(plan_suite_id(plan))
+    assert suite.meta["ignore_eos"] is True
+    assert plan_suite_id(plan) != plan_suite_id(RunPlan(corpus="smoke"))
+    budget = {p.id: p.max_tokens for p in plan.load_corpus().prompts}
+    assert {c.prompt_id: c.n_tokens for c in suite.load_run("baseline", 0).completions} == budget
+    assert "--ignore-eos" in suite.resume_command("baseline")
