@@ -207,3 +207,29 @@ def test_run_ignore_eos_decodes_every_budget_in_a_suite_of_its_own(tmp_path):
     budget = {p.id: p.max_tokens for p in plan.load_corpus().prompts}
     assert {c.prompt_id: c.n_tokens for c in suite.load_run("baseline", 0).completions} == budget
     assert "--ignore-eos" in suite.resume_command("baseline")
+
+
+def test_missing_names_each_planned_piece(tmp_path):
+    """Store level, on hand-made records: each thing a plan asks of a config is checked."""
+    from speccheck.types import Completion, RunRecord
+
+    suite = Store(tmp_path / "S").suite("s", {"corpus_hash": "h"})
+    want = {"repeats": 2, "fresh_process_repeat": True, "concurrent": 2, "rescore": False,
+            "attribute": False}
+    suite.extend_plan({"baseline": want}, ["--engine", "reference", "--corpus", "smoke"])
+
+    def record(repeat, fresh=False, copies=0):
+        comp = Completion("p", [1, 2], [3], [-0.1], [[3, 4]], [[-0.1, -2.0]])
+        return RunRecord(SpecConfig(), {}, "smoke", "h", repeat, fresh,
+                         completions=[comp] * max(copies, 1), copies=copies)
+
+    suite.write_run(record(0))
+    assert "baseline r1, baseline all at once (x2)" in suite.missing("baseline")[0]
+    suite.write_run(record(1))
+    suite.write_run(record(-1, copies=1))
+    (gap,) = suite.missing("baseline")
+    assert "baseline all at once (x2)" in gap and "fresh-process repeat of baseline" in gap
+    assert "--repeats 2 --concurrent 2 --no-attribution" in gap
+    suite.write_run(record(1, fresh=True))
+    suite.write_run(record(-1, copies=2))
+    assert suite.missing("baseline") == []
