@@ -34,7 +34,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--spec-k", default=None, help="K values: 7, 1-12 or 1,3,7")
     g.addoption("--spec-config", action="append", default=[], help="config by name, e.g. mtp-k3 "
                 "(repeatable)")
-    g.addoption("--spec-corpus", default="default", help="corpus name or file")
+    g.addoption("--spec-corpus", default=None,
+                help="corpus name or file (default: the ini value spec_corpus, else 'default')")
     g.addoption("--spec-store", default=".speccheck", help="store directory")
     g.addoption("--spec-golden", default="golden", help="golden directory")
     g.addoption("--spec-repeats", default=2, type=int, help="repeats per config")
@@ -45,6 +46,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "identical concurrent requests); 0: off")
     g.addoption("--spec-ignore-eos", action="store_true",
                 help="decode every prompt's full max_tokens past end-of-sequence")
+    parser.addini("spec_corpus", default="default",
+                  help="speccheck: the corpus `pytest -m spec` runs unless --spec-corpus says")
+
+
+def _corpus(config: pytest.Config) -> str:
+    return config.getoption("--spec-corpus") or config.getini("spec_corpus")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -57,7 +64,7 @@ def _plan(config: pytest.Config):
     o = config.getoption
     return plan_from_options(o("--spec-engine"), o("--spec-model"), o("--spec-draft"),
                              tuple(o("--spec-method")), o("--spec-k"), tuple(o("--spec-config")),
-                             o("--spec-corpus"), o("--spec-repeats"), 5,
+                             _corpus(config), o("--spec-repeats"), 5,
                              tuple(o("--spec-engine-arg")), concurrent=o("--spec-concurrent"),
                              ignore_eos=o("--spec-ignore-eos"))
 
