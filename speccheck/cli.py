@@ -18,7 +18,8 @@ import click
 from speccheck.config import MatrixError, build_matrix
 from speccheck.corpus import CorpusError, list_corpora, load_corpus
 from speccheck.engines import EngineError, EngineUsageError, engine_class
-from speccheck.gate import (EXIT_ENGINE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, exit_code, gate_text,
+from speccheck.gate import (EXIT_ENGINE, EXIT_FAIL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PASS, EXIT_USAGE,
+                            exit_code, gate_text, plan_note,
                             write_junit)
 from speccheck.policy import PolicyError, load_policy
 from speccheck.store import Store, StoreError
@@ -165,6 +166,8 @@ run_options = [
     click.option("--attribute-with", "attribute_with", multiple=True, metavar="LABEL=URL",
                  help="openai engine: attribute divergences by re-scoring them on a second "
                       "server started with other kernel settings (repeatable)."),
+    click.option("--ignore-eos", is_flag=True,
+                 help="Decode every prompt's full max_tokens past end-of-sequence (a new suite)."),
 ]
 
 
@@ -186,7 +189,7 @@ def _attribute_with(items: tuple[str, ...], cls) -> dict[str, str]:
 
 def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args,
           no_attribution=False, base_url=None, served_model=None, api_key_env=None, concurrent=0,
-          attribute_with=(), max_tokens=None):
+          attribute_with=(), max_tokens=None, ignore_eos=False):
     from speccheck.runner import RunPlan
 
     from speccheck.engines import ENGINES
@@ -218,7 +221,7 @@ def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, eng
     return RunPlan(engine=engine, model=model, draft=draft, engine_args=args, corpus=corpus,
                    configs=matrix, repeats=repeats, top_k=top_k, attribute=not no_attribution,
                    concurrent=concurrent, attribute_with=_attribute_with(attribute_with, cls),
-                   max_tokens=max_tokens)
+                   max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
 def _suite(store_dir: str, suite_id: str | None):
@@ -288,7 +291,8 @@ def main() -> None:
 @_apply(run_options)
 @store_option
 def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, top_k, engine_args,
-        no_attribution, concurrent, base_url, served_model, api_key_env, attribute_with, store_dir):
+        no_attribution, concurrent, base_url, served_model, api_key_env, attribute_with, ignore_eos,
+        store_dir):
     """Run the matrix (baseline always included) into the store; resumes finished runs."""
     from speccheck.runner import run_suite
 
@@ -297,7 +301,7 @@ def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, 
                                TimeRemainingColumn)
 
     plan = _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args, no_attribution,
-                 base_url, served_model, api_key_env, concurrent, attribute_with, max_tokens)
+                 base_url, served_model, api_key_env, concurrent, attribute_with, max_tokens, ignore_eos)
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
@@ -321,10 +325,12 @@ def _select(suite, methods, k, configs) -> list[str] | None:
     if k and not methods:
         raise MatrixError(f"--k {k}: say which method it applies to (e.g. --method mtp --k {k}), "
                           "or name configs with --config.")
+    from speccheck.evaluate import judged_configs
+
     if not methods and not configs:
         return None
     wanted = {c.name for c in build_matrix(methods, k, configs, offered=None)} if (k or configs) else None
-    names = [n for n in suite.configs()
+    names = [n for n in judged_configs(suite)
              if n == "baseline" or (wanted is not None and n in wanted)
              or (wanted is None and n.split("-k")[0] in methods)]
     return names
@@ -375,22 +381,49 @@ def diff(methods, k, configs, against, as_json, run_missing, corpus, suite, stor
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1, default=str, ensure_ascii=False))
     else:
-        click.echo(diff_text(result, detok))
+        click.echo(diff_text(result, detok) + (f"\n{plan_note(result)}" if plan_note(result) else ""))
+
+
+def _demanded(suite, methods, k, configs) -> tuple[list[str], list[str]]:
+    """Configs named on the command line: (names, methods named without --k that have no
+    config stored or planned). A method without --k means every K of it stored or planned."""
+    from speccheck.evaluate import judged_configs
+
+    names = [c.name for c in build_matrix(methods if k is not None else (), k, configs, offered=None,
+                                          include_baseline=False)] if (k is not None or configs) else []
+    unmet = []
+    for m in methods if k is None else ():
+        have = [n for n in judged_configs(suite) if n == m or n.startswith(f"{m}-k")]
+        names += have
+        unmet += [] if have else [m]
+    return names, unmet
 
 
 @main.command()
+@click.option("--method", "methods", multiple=True,
+              help="Demand configs of this method (with --k; repeatable): absent ones fail.")
+@click.option("--k", "k", default=None, help="K values of --method: 7, 1-12 or 1,3,7.")
+@click.option("--config", "configs", multiple=True, help="Demand a config by name, e.g. mtp-k3 (repeatable).")
 @suite_option
 @store_option
 @golden_option
 @_apply(policy_options)
 @click.option("--junit", default=None, type=click.Path(dir_okay=False), help="Write JUnit XML here.")
-def gate(suite, store_dir, golden_dir, policy_file, settings, junit):
-    """Apply the policy to every config in the store: exit 0 pass, 1 fail, 3 engine failure."""
-    _, result, _ = _evaluate(store_dir, suite, policy_file, settings, golden_dir=golden_dir)
-    click.echo(gate_text(result))
+def gate(methods, k, configs, suite, store_dir, golden_dir, policy_file, settings, junit):
+    """Apply the policy to every config stored, planned (by `run`) or demanded here: exit 0
+    pass, 1 fail, 3 engine failure. A planned or demanded config that is missing fails."""
+    from speccheck.evaluate import judged_configs
+
+    s = _suite(store_dir, suite)
+    demanded, unmet = _demanded(s, methods, k, configs)
+    names = judged_configs(s, demanded) if demanded else None
+    _, result, _ = _evaluate(store_dir, s.id, policy_file, settings, names, golden_dir=golden_dir)
+    unmet = [f"--method {m}: demanded, but suite {s.id} stores and plans no {m} config; run one: "
+             f"`{s.run_command('--method', m)}`" for m in unmet]
+    click.echo(gate_text(result, unmet))
     if junit:
         write_junit(result, Path(junit))
-    sys.exit(exit_code(result))
+    sys.exit(exit_code(result) or (EXIT_FAIL if unmet else EXIT_PASS))
 
 
 @main.command()
@@ -411,6 +444,10 @@ def report(suite, store_dir, golden_dir, policy_file, settings, out, html_file):
     paths = write_report(result, Path(out) if out else s.root, detok, Path(html_file) if html_file else None)
     click.echo(method_table(result) + "\n")
     click.echo("\n".join(f"wrote {p}" for p in paths))
+    for line in (m for r in result.configs for m in r.missing):
+        click.echo(f"FAIL  {line}")
+    if plan_note(result):
+        click.echo(plan_note(result))
 
 
 @main.command()
@@ -496,9 +533,17 @@ def _golden_check_print(s, result, golden_dir, policy_file, settings) -> bool:
 @golden_option
 @_apply(policy_options)
 def golden_check(suite, store_dir, golden_dir, policy_file, settings):
-    """Compare today's baseline with the golden; only classified near-ties may differ."""
+    """Compare today's baseline with the golden; only classified near-ties may differ. A
+    planned run missing from the suite fails the check too."""
     s, result, _ = _evaluate(store_dir, suite, policy_file, settings, golden_dir=golden_dir)
-    ok = _golden_check_print(s, result, golden_dir, policy_file, settings)
+    missing = [m for r in result.configs for m in r.missing]
+    for line in missing:
+        click.echo(f"FAIL  {line}")
+    if s.is_complete("baseline", 0):
+        ok = _golden_check_print(s, result, golden_dir, policy_file, settings) and not missing
+    else:
+        click.echo(f"FAIL  suite {s.id} holds no complete baseline r0 to compare with the golden")
+        ok = False
     click.echo("golden check: PASS" if ok else "golden check: FAIL")
     sys.exit(0 if ok else 1)
 
@@ -559,7 +604,8 @@ def corpus_show(name):
     click.echo(f"{c.name}  {c.path}  hash {c.hash}")
     for p in c.prompts:
         text = p.as_text().replace("\n", " ")
-        click.echo(f"  {p.id:24} {p.category:14} max_tokens={p.max_tokens:<5} {text[:70]}")
+        flag = " ignore_eos" if p.ignore_eos else ""
+        click.echo(f"  {p.id:24} {p.category:14} max_tokens={p.max_tokens:<5}{flag} {text[:70]}")
 
 
 @main.group()

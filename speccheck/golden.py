@@ -61,6 +61,10 @@ def identity_changes(old: dict, new: dict, keys) -> list[str]:
 def record(suite: Suite, result: SuiteResult, root: Path, force: bool = False) -> Path:
     """Write the suite's baseline (first repeat) and every config's acceptance as the golden.
     Refuses a suite whose gate fails, and an existing golden unless ``force``."""
+    missing = [m for r in result.configs for m in r.missing]
+    if missing:
+        raise GoldenMismatch(f"suite {suite.id} is incomplete, so it cannot be recorded as golden: "
+                             + "; ".join(missing))
     base = suite.load_run("baseline", 0)
     if base.status != "ok":
         raise GoldenMismatch("the baseline run failed; nothing to record as golden.")

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -50,11 +50,41 @@ class RunPlan:
     attribute_with: dict[str, str] = field(default_factory=dict)
     #: max_tokens of prompts from corpora that carry none (Spec-Bench's question.jsonl)
     max_tokens: int | None = None
+    #: decode every prompt's full max_tokens past end-of-sequence (part of the suite identity)
+    ignore_eos: bool = False
 
     def suite_meta(self, corpus: Corpus) -> dict:
         return {"engine": self.engine, "model": self.model, "draft": self.draft,
                 "engine_args": self.engine_args, "corpus": corpus.name, "corpus_hash": corpus.hash,
-                "top_k": self.top_k, "speccheck_version": __version__}
+                "ignore_eos": self.ignore_eos, "top_k": self.top_k, "speccheck_version": __version__}
+
+    def load_corpus(self) -> Corpus:
+        """The corpus; with ``ignore_eos`` every prompt decodes its full budget."""
+        corpus = load_corpus(self.corpus, self.max_tokens)
+        if not self.ignore_eos:
+            return corpus
+        return replace(corpus, prompts=[replace(p, ignore_eos=True) for p in corpus.prompts])
+
+    def run_args(self) -> list[str]:
+        """The `speccheck run` options that name this plan's suite (to resume it)."""
+        args = ["--engine", self.engine]
+        args += ["--model", self.model] if self.model else []
+        args += ["--draft", self.draft] if self.draft else []
+        for key, value in sorted(self.engine_args.items()):
+            args += ["--engine-arg", f"{key}={value}"]
+        args += ["--corpus", self.corpus]
+        args += ["--max-tokens", str(self.max_tokens)] if self.max_tokens else []
+        args += ["--ignore-eos"] if self.ignore_eos else []
+        args += ["--top-k", str(self.top_k)] if self.top_k != 5 else []
+        return args
+
+    def planned(self) -> dict[str, dict]:
+        """What each config must leave in the store (recorded before any engine starts)."""
+        want = {"repeats": self.repeats,
+                "fresh_process_repeat": self.fresh_process_repeat and self.repeats > 1,
+                "concurrent": self.concurrent, "rescore": self.rescore}
+        return {c.name: {**want, "attribute": self.attribute and not c.is_baseline}
+                for c in self.configs}
 
 
 Log = Callable[[str], None]
@@ -64,9 +94,15 @@ def _print(msg: str) -> None:
     print(msg, flush=True)
 
 
+def plan_suite_id(plan: RunPlan, corpus: Corpus | None = None) -> str:
+    """The id of the suite this plan runs in (its corpus loaded unless given)."""
+    corpus = corpus or plan.load_corpus()
+    return suite_id(plan.engine, plan.model, plan.draft, plan.engine_args, corpus.name, corpus.hash,
+                    plan.ignore_eos)
+
+
 def open_suite(plan: RunPlan, store: Store, corpus: Corpus) -> Suite:
-    sid = suite_id(plan.engine, plan.model, plan.draft, plan.engine_args, corpus.name, corpus.hash)
-    return store.suite(sid, plan.suite_meta(corpus))
+    return store.suite(plan_suite_id(plan, corpus), plan.suite_meta(corpus))
 
 
 def weights_fingerprint(identity: dict) -> tuple:
@@ -162,17 +198,31 @@ def run_suite(plan: RunPlan, store: Store, log: Log = _print,
 
 def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
                        progress: Callable[[int, int, str], None] | None = None) -> Suite:
-    """Run every (config, repeat) not yet complete in the store, then rescore and attribute.
-    ``progress(done, total, what)`` is called before each run and once at the end."""
-    corpus = load_corpus(plan.corpus, plan.max_tokens)
-    engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)  # bad args: nothing written
+    """Record the plan in the suite, then run every (config, repeat) not yet complete in the
+    store, then rescore and attribute. ``progress(done, total, what)`` is called before each
+    run and once at the end. The engine is made (its arguments checked) before anything is
+    written, and the plan is recorded before it generates anything."""
+    corpus = plan.load_corpus()
+
+    def open_planned() -> Suite:
+        suite = open_suite(plan, store, corpus)
+        store.set_latest(suite.id)
+        suite.extend_plan(plan.planned(), plan.run_args())
+        return suite
+
+    try:
+        engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
+    except EngineUsageError:
+        raise  # bad input: nothing written
+    except BaseException:
+        open_planned()  # a crash at engine start leaves the plan, so every verdict names what is missing
+        raise
     try:
         check_context(engine, corpus)
+        suite = open_planned()  # before any generation
     except BaseException:
         engine.close()
         raise
-    suite = open_suite(plan, store, corpus)
-    store.set_latest(suite.id)
     try:
         inputs = tokenized_inputs(suite, engine, corpus)
         current = weights_fingerprint(engine.identity())
@@ -264,7 +314,7 @@ def _worker_main(argv: Sequence[str]) -> int:
     plan = RunPlan(**{**p, "configs": [SpecConfig(**c) for c in p["configs"]]})
     store = Store(request["store"])
     suite = store.suite(request["suite"])
-    corpus = load_corpus(plan.corpus, plan.max_tokens)
+    corpus = plan.load_corpus()
     try:
         engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
     except EngineUsageError as e:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 from speccheck.corpus import load_corpus
@@ -184,6 +184,11 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
         def run(args: dict[str, str], config: SpecConfig, repeats: int, together: int) -> Suite:
             variant = engine.with_args(**args)
             suite = suite_for(args)
+            # recorded as `speccheck run` records it, so that the verdict demands every run
+            plan = RunPlan(engine="reference", engine_args=args, corpus=corpus, repeats=1,
+                           configs=[SpecConfig()], fresh_process_repeat=False, attribute=False)
+            spec = replace(plan, configs=[config], repeats=repeats, concurrent=together)
+            suite.extend_plan({**plan.planned(), **spec.planned()}, spec.run_args())
             if suite is not base_suite and suite.root != base_suite.root:
                 suite.write_run(base)
                 suite.write_rescore("baseline", 0, list(base_scores), list(base_scores.values()))

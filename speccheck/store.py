@@ -4,6 +4,7 @@ Layout::
 
     <store>/LATEST                         suite id of the last `speccheck run`
     <store>/suites/<suite>/suite.json      what the suite is: engine, model, engine args, corpus + hash
+    <store>/suites/<suite>/plan.json       what `speccheck run` was asked to store (Suite.missing)
     <store>/suites/<suite>/inputs.npz      the prompts' token ids, tokenised once for every config
     <store>/suites/<suite>/runs/<config>/r<i>/manifest.json + arrays.npz
     <store>/suites/<suite>/rescore/<config>-r<i>.npz   baseline's teacher-forced scores of that run
@@ -15,8 +16,12 @@ place, so a crash never leaves a half run that looks finished. Every other store
 ``<file>.sha256`` sidecar, checked on every read; stores written before sums existed still load.
 Arrays are plain ``.npz`` read with ``allow_pickle=False``; nothing is unpickled. Writers take
 the store lock (``<store>/lock``: the holder's pid, released by the kernel when it dies).
-A suite is keyed by what produced it (engine, model, draft, engine args, corpus), so runs
-with a planted fault or another kernel knob never mix with clean ones.
+A suite is keyed by what produced it (engine, model, draft, engine args, corpus, ignore_eos),
+so runs with a planted fault or another kernel knob never mix with clean ones.
+
+The plan is written before any engine starts and only ever extended, so a run that dies
+(crash, OOM, a killed CI job) leaves a suite that says what is missing: every verdict fails
+a planned config that is not complete. Suites stored before plans were recorded have none.
 """
 from __future__ import annotations
 
@@ -47,9 +52,11 @@ class StoreError(ValueError):
 
 
 def suite_id(engine: str, model: str | None, draft: str | None, engine_args: dict,
-             corpus: str, corpus_hash: str) -> str:
-    """A readable, stable directory name for everything that makes runs comparable."""
-    key = json.dumps([engine, model, draft, sorted(engine_args.items()), corpus, corpus_hash])
+             corpus: str, corpus_hash: str, ignore_eos: bool = False) -> str:
+    """A readable, stable directory name for everything that makes runs comparable
+    (``ignore_eos`` enters the key only when set, so older suites keep their ids)."""
+    key = json.dumps([engine, model, draft, sorted(engine_args.items()), corpus, corpus_hash]
+                     + (["ignore_eos"] if ignore_eos else []))
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     model_slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model).name if model else "default")[:40]
     return f"{engine}-{model_slug}-{corpus}-{digest}"
@@ -489,6 +496,85 @@ class Suite:
             return self.load_rescore(config_name, repeat) is not None
         except StoreError:
             return False
+
+    # --- the plan: what `speccheck run` was asked to store here -----------------------------
+    def load_plan(self) -> dict | None:
+        """The recorded plan, or None for a suite stored before plans were recorded."""
+        path = self.root / "plan.json"
+        return _load_json(path) if path.exists() else None
+
+    def extend_plan(self, configs: dict[str, dict], run_args: list[str]) -> dict:
+        """Add configs to the plan (written atomically, before any engine starts). A config
+        planned again keeps the larger demand: most repeats, the newest all-at-once copies,
+        rescoring and attribution if either run asked for them. ``run_args`` are the
+        `speccheck run` options that name this suite (engine, model, corpus, ...)."""
+        plan = self.load_plan() or {"format": 1, "configs": {}}
+        for name, want in configs.items():
+            old = plan["configs"].get(name)
+            if old is not None:
+                want = {"repeats": max(old["repeats"], want["repeats"]),
+                        "fresh_process_repeat": old["fresh_process_repeat"] or want["fresh_process_repeat"],
+                        "concurrent": want["concurrent"] or old["concurrent"],
+                        "rescore": old["rescore"] or want["rescore"],
+                        "attribute": old["attribute"] or want["attribute"]}
+            plan["configs"][name] = want
+        plan["configs"] = dict(sorted(plan["configs"].items(), key=lambda kv: config_sort_key(kv[0])))
+        plan["run_args"] = run_args
+        if plan != self.load_plan():  # a resume with nothing new writes nothing
+            _atomic_write_text(self.root / "plan.json", json.dumps(plan, indent=1))
+        return plan
+
+    def planned_configs(self) -> list[str]:
+        plan = self.load_plan()
+        return list(plan["configs"]) if plan else []
+
+    def run_command(self, *options: str) -> str:
+        """`speccheck run` into this suite with these options (as the plan recorded it)."""
+        run_args = (self.load_plan() or {}).get("run_args", [])
+        return shlex.join(["speccheck", "run", *run_args, *options, "--store", str(self.root.parent.parent)])
+
+    def resume_command(self, config_name: str) -> str:
+        """The `speccheck run` that stores what the plan asks of this config (it resumes:
+        complete runs are skipped)."""
+        want = (self.load_plan() or {}).get("configs", {}).get(config_name)
+        options = ["--config", config_name]
+        if want is not None:
+            options += ["--repeats", str(want["repeats"]), "--concurrent", str(want["concurrent"])]
+            options += [] if want["attribute"] else ["--no-attribution"]
+        return self.run_command(*options)
+
+    def missing(self, config_name: str) -> list[str]:
+        """What is not stored of this config: every run, rescoring and attribution the plan
+        asked for; a config with no stored run at all is missing whether planned or not (it
+        was demanded, or its one run was cut short). Empty when complete. Failed runs are not missing (they say why)."""
+        want = (self.load_plan() or {}).get("configs", {}).get(config_name)
+        resume = f"re-run `{self.resume_command(config_name)}` to resume"
+        if not self.repeats(config_name) and not (self.run_dir(config_name, -1) / "manifest.json").exists():
+            if want is None:
+                return [f"{config_name} is not stored in suite {self.id}; run "
+                        f"`{self.resume_command(config_name)}`"]
+            return [f"{config_name} was planned but is not stored: the run died or was stopped "
+                    f"before it; {resume}"]
+        if want is None:
+            return []
+        gaps = [f"{config_name} r{r}" for r in range(want["repeats"])
+                if not (self.run_dir(config_name, r) / "manifest.json").exists()]
+        if want["concurrent"]:
+            together = self.run_dir(config_name, -1) / "manifest.json"
+            if not together.exists() or _load_json(together).get("copies") != want["concurrent"]:
+                gaps.append(f"{config_name} all at once (x{want['concurrent']})")
+        ok = [r for r in range(want["repeats"]) if self.is_complete(config_name, r)]
+        if (want["fresh_process_repeat"] and want["repeats"] > 1 and len(ok) == want["repeats"]
+                and not any(_load_json(self.run_dir(config_name, r) / "manifest.json").get("fresh_process")
+                            for r in ok)):
+            gaps.append(f"the fresh-process repeat of {config_name} (every stored repeat ran in "
+                        "one process)")
+        if want["rescore"] and self.is_complete(config_name, 0) and self.load_rescore(config_name, 0) is None:
+            gaps.append(f"teacher-forced rescoring of {config_name} r0 (never finished)")
+        if (want["attribute"] and config_name != "baseline" and self.is_complete(config_name, 0)
+                and self.load_attribution(config_name) is None):
+            gaps.append(f"kernel-path attribution of {config_name} (never finished)")
+        return [f"planned but not stored: {', '.join(gaps)}; {resume}"] if gaps else []
 
     def write_attribution(self, config_name: str, data: list[dict]) -> None:
         _atomic_write_text(self.root / "attribution" / f"{config_name}.json",

@@ -774,3 +774,20 @@ def test_dflash2_call_with_fake_vllm_runs_in_the_v2_runner(fake_vllm, dflash2_dr
         assert eng.last_call_fresh_process
     finally:
         eng.close()
+
+
+def test_ignore_eos_decodes_the_full_budget_with_fake_vllm(fake_vllm):
+    """With the fake vLLM (test double), which like vLLM stops at any of stop_token_ids: a
+    prompt whose first token is end-of-sequence (id 2 in the fixture's config) stops at once,
+    and with ignore_eos decodes its full budget, one at a time and all at once."""
+    target, _ = fake_vllm
+    eng = VllmEngine(model=str(target))
+    try:
+        stops = Prompt("a", "x", 6, text="a")
+        goes_on = Prompt("b", "x", 6, text="a", ignore_eos=True)
+        for generate in (eng.generate, eng.generate_together):
+            out = generate([stops, goes_on], [[45], [45]], SpecConfig(), 5)
+            assert out[0].token_ids.tolist() == [2]
+            assert out[1].n_tokens == 6 and out[1].token_ids[0] == 2
+    finally:
+        eng.close()

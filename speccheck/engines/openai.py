@@ -554,6 +554,8 @@ class OpenAIEngine(Engine):
                 "max_tokens": int(prompt.max_tokens), "temperature": 0,
                 "logprobs": int(top_k), "return_tokens_as_token_ids": True,
                 "return_token_ids": True}
+        if prompt.ignore_eos:  # vLLM's extra parameter; sent only when asked for
+            body["ignore_eos"] = True
         t0 = time.perf_counter()
         resp = self._json("POST", "/v1/completions", body)
         wall = time.perf_counter() - t0

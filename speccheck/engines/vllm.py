@@ -644,6 +644,7 @@ class VllmEngine(Engine):
         req = {"op": "generate", "prompts": [list(map(int, p)) for p in prompt_ids],
                "max_tokens": [int(p.max_tokens) for p in prompts], "top_k": int(top_k),
                "stop_token_ids": eos_token_ids(self.model), "sampling": self.args["sampling"],
+               "ignore_eos": [bool(p.ignore_eos) for p in prompts],
                "warmup": bool(self.args["own"].get("warmup", True)), "together": together}
         result = self._call(req, spec, DFLASH2_ENV if config.method == "dflash2" else {})
         rows = result["requests"]

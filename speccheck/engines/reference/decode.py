@@ -119,6 +119,7 @@ class _Out:
     tk_ids: list[np.ndarray] = field(default_factory=list)
     tk_lps: list[np.ndarray] = field(default_factory=list)
     finish: str | None = None
+    ignore_eos: bool = False  # decode the full max_tokens past end-of-sequence
 
     def add(self, tokens: list[int], rows: torch.Tensor) -> None:
         """tokens[i] was emitted from log-prob row rows[i] (fp32 [n, V])."""
@@ -132,7 +133,7 @@ class _Out:
             self.lps.append(float(chosen[i]))
             self.tk_ids.append(idx[i])
             self.tk_lps.append(vals[i])
-            if self.finish is None and t == self.eos:
+            if self.finish is None and t == self.eos and not self.ignore_eos:
                 self.finish = "stop"
             elif self.finish is None and len(self.tokens) >= self.max_tokens:
                 self.finish = "length"
@@ -175,18 +176,20 @@ class Decoder:
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_tokens: list[int],
-                       method: str = "baseline", k: int = 0, top_k: int = 5) -> list[Generation]:
+                       method: str = "baseline", k: int = 0, top_k: int = 5,
+                       ignore_eos: list[bool] | None = None) -> list[Generation]:
         """Greedy decoding of several prompts as one batch: each prompt is prefilled alone,
         then all decode together, each sequence at its own length (see Cache; speculative
         sequences also accept different numbers of tokens); one that stops leaves the
         batch. The batch's prefill and decode times are shared out in proportion to each
         sequence's tokens, so that sums over the batch (the tok/s of a run) are the batch's
-        own."""
+        own. ``ignore_eos[i]``: sequence i does not stop at end-of-sequence."""
         if not prompts or any(not p for p in prompts):
             raise ValueError("empty prompt: at least one token is needed")
         self._arm()
+        ignore_eos = list(ignore_eos or [False] * len(prompts))
         if method == "baseline":
-            return self._baseline(prompts, max_tokens, top_k)
+            return self._baseline(prompts, max_tokens, top_k, ignore_eos)
         if method not in ("mtp", "dflash", "dflash2"):
             raise ValueError(f"unknown method {method!r}: choose baseline, mtp, dflash or dflash2")
         if k < 1:
@@ -197,7 +200,7 @@ class Decoder:
             raise ValueError("method dflash needs the drafter (drafter.safetensors)")
         if method == "dflash2" and self.dflash2 is None:
             raise ValueError(f"method dflash2 needs the DFlash2 drafter ({_dflash2.DFLASH2_FILE})")
-        return self._speculative(prompts, max_tokens, method, k, top_k)
+        return self._speculative(prompts, max_tokens, method, k, top_k, ignore_eos)
 
     @torch.inference_mode()
     def score(self, prompt_ids: list[int], continuation: list[int], top_k: int = 5):
@@ -251,8 +254,9 @@ class Decoder:
                            (t2 - t1) * (len(o.tokens) - 1) / n_decoded, c, it)
                 for p, o, c, it in zip(prompts, outs, counters, iterations)]
 
-    def _baseline(self, prompts, max_tokens, top_k) -> list[Generation]:
-        outs = [_Out(n, self.cfg.eos_token_id, top_k) for n in max_tokens]
+    def _baseline(self, prompts, max_tokens, top_k, ignore_eos) -> list[Generation]:
+        outs = [_Out(n, self.cfg.eos_token_id, top_k, ignore_eos=i)
+                for n, i in zip(max_tokens, ignore_eos)]
         t0 = time.perf_counter()
         cache, _, _, rows = self._prefill(prompts, max(map(len, prompts)) + max(max_tokens) + 2,
                                           top_k)
@@ -277,7 +281,7 @@ class Decoder:
         iterations = [len(o.tokens) - 1 for o in outs]
         return self._generations(prompts, outs, [None] * len(outs), iterations, t0, t1, t2)
 
-    def _speculative(self, prompts, max_tokens, method, k, top_k) -> list[Generation]:
+    def _speculative(self, prompts, max_tokens, method, k, top_k, ignore_eos) -> list[Generation]:
         fault = self.knobs.fault
         aux_ids = tuple(self.cfg.drafter.target_layer_ids) if method != "mtp" else ()
         if fault == "dflash-wrong-layer":  # each layer's input (the previous layer's output)
@@ -286,7 +290,8 @@ class Decoder:
         B = len(prompts)
         max_len = max(map(len, prompts)) + max(max_tokens) + k + 4
         outs = [_Out(n, self.cfg.eos_token_id, top_k, cut_at_max=fault != "past-max-tokens",
-                     cut_at_eos=fault != "past-eos") for n in max_tokens]
+                     cut_at_eos=fault != "past-eos", ignore_eos=i)
+                for n, i in zip(max_tokens, ignore_eos)]
         counters = [SpecCounters(accepted_per_pos=[0] * k) for _ in range(B)]
         iterations = [0] * B
         t0 = time.perf_counter()

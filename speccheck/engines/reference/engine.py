@@ -312,7 +312,8 @@ class ReferenceEngine(Engine):
         try:
             gens = self.decoder.generate_batch([list(ids) for ids in prompt_ids],
                                                [p.max_tokens for p in prompts],
-                                               config.method, config.k, top_k)
+                                               config.method, config.k, top_k,
+                                               [p.ignore_eos for p in prompts])
         except ValueError as e:
             raise EngineUsageError(f"prompt {names}: {e}") from e
         except RuntimeError as e:
