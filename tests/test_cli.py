@@ -1,6 +1,7 @@
 """The command line as a user meets it: bad input gets one clear paragraph and exit 2, and
 loses nothing already stored; a small real run on the reference engine goes end to end."""
 import json
+import re
 import subprocess
 import sys
 
@@ -97,7 +98,8 @@ def test_sweep_prints_the_k_table_and_best_k(tmp_path):
     assert r.exit_code == 0, r.output
     rows = [line for line in r.output.splitlines() if line.startswith("| mtp-k")]
     assert [row.split("|")[1].strip() for row in rows] == ["mtp-k1", "mtp-k2"]
-    assert "best mtp: mtp-k" in r.output
+    # which K wins is a measurement (and none may beat the baseline on a loaded machine)
+    assert re.search(r"best mtp: (mtp-k[12]\b|none)", r.output), r.output
 
 
 def test_runs_made_with_other_weights_are_redone(tmp_path):
