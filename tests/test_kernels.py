@@ -56,7 +56,7 @@ def test_cli_json_and_bad_device():
     r = CliRunner().invoke(main, ["kernels", "gdn", "--device", "cpu", "--positions", "48",
                                   "--json"])
     assert r.exit_code == 0, r.output
-    data = json.loads(r.output)
+    data = json.loads(r.stdout)  # progress goes to stderr
     assert [k["name"] for k in data["kernels"]] == ["reference recurrent", "reference chunked"]
     pair = data["chunked_vs_recurrent"][0]
     assert pair["compared"] == 48 * 4 and 0 <= pair["flips"] <= pair["compared"]
