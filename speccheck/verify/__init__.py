@@ -5,8 +5,11 @@ See DESIGN.md, "What 'agree' means (verify/)".
 from speccheck.verify.acceptance import Acceptance, acceptance_of, acceptance_summary
 from speccheck.verify.divergence import (END, Divergence, find_divergences,
                                          teacher_forced_agreement, teacher_forced_divergences)
+from speccheck.verify.logprobs import (DeltaSummary, DriftTest, FlipBudget, abs_deltas,
+                                       drift_test, flip_budget, ks_greater, summarize)
 from speccheck.verify.margins import (CLASSES, SEVERITY, Classification, calibrate_thresholds,
                                       classify_divergence, margins, path_noise, rank_of)
+from speccheck.verify.ties import canonical_rows, canonical_topk
 from speccheck.verify.streams import (DeterminismResult, PrefixAgreement, determinism,
                                       first_divergence, prefix_agreement, text_similarity,
                                       unique_completions)
@@ -14,8 +17,11 @@ from speccheck.verify.streams import (DeterminismResult, PrefixAgreement, determ
 __all__ = [
     "Acceptance", "acceptance_of", "acceptance_summary",
     "END", "Divergence", "find_divergences", "teacher_forced_agreement", "teacher_forced_divergences",
+    "DeltaSummary", "DriftTest", "FlipBudget", "abs_deltas", "drift_test", "flip_budget",
+    "ks_greater", "summarize",
     "CLASSES", "SEVERITY", "Classification", "calibrate_thresholds", "classify_divergence",
     "margins", "path_noise", "rank_of",
+    "canonical_rows", "canonical_topk",
     "DeterminismResult", "PrefixAgreement", "determinism", "first_divergence",
     "prefix_agreement", "text_similarity", "unique_completions",
 ]

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from speccheck.types import SpecCounters
+from speccheck.verify.ties import canonical_rows
 
 from .model import (ATTN_FORMS, GDN_FORMS, Cache, DFlashDrafter, MTPModule, Qwen3_5TextModel,
                     ReferenceConfig, set_nondeterministic)
@@ -26,6 +27,8 @@ FAULTS = {
     "accept-top2": "a draft token is accepted when it is the target's top-1 or top-2 choice",
     "nondeterministic": "the MLP down_proj sums its partial products in a run-to-run random "
                         "order (seeded from os.urandom)",
+    "state-precision": "the GDN recurrent state carried from one verify step to the next is "
+                       "stored in bf16 (precision loss: flips only near-ties, moves every logprob)",
 }
 
 
@@ -88,7 +91,8 @@ class _Out:
         """tokens[i] was emitted from log-prob row rows[i] (fp32 [n, V])."""
         vals, idx = rows.topk(self.top_k, dim=-1)
         chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
-        vals, idx, chosen = vals.cpu().numpy(), idx.cpu().numpy(), chosen.cpu().numpy()
+        idx, vals = canonical_rows(idx.cpu().numpy(), vals.cpu().numpy())
+        chosen = chosen.cpu().numpy()
         for i, t in enumerate(tokens):
             if self.finish is not None:
                 return
@@ -164,7 +168,8 @@ class Decoder:
         rows = torch.log_softmax(self.target.logits(hs, top_k), -1)
         vals, idx = rows.topk(top_k, dim=-1)
         tok = rows.gather(1, self._t(continuation)[:, None])[:, 0]
-        return idx.cpu().numpy(), vals.cpu().numpy(), tok.cpu().numpy()
+        idx, vals = canonical_rows(idx.cpu().numpy(), vals.cpu().numpy())
+        return idx, vals, tok.cpu().numpy()
 
     # ------------------------------------------------------------------ internals
 
@@ -282,6 +287,8 @@ class Decoder:
                 kept.append(m + 1)
             roll_back = fault != "stale-state"
             cache.commit(kept if B > 1 else kept[0], roll_back_gdn=roll_back)
+            if fault == "state-precision":  # planted: the carried state loses precision
+                cache.gdn = [None if s is None else s.to(torch.bfloat16).to(s.dtype) for s in cache.gdn]
             still = [j for j, b in enumerate(live) if outs[b].finish is None]
             if B > 1 and len(still) < len(live):
                 cache.select(still)
