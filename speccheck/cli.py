@@ -334,7 +334,7 @@ def _golden_check_print(s, result, golden_dir, policy_file, settings) -> bool:
         t = chk.noise_drift
         click.echo(f"    kernel-path noise {'DRIFTED' if t.drifted else 'as recorded'}: |Δ| median "
                    f"{t.spec.median:.4f} / p90 {t.spec.p90:.4f} nats vs golden {t.reference.median:.4f} / "
-                   f"{t.reference.p90:.4f} (ratio {t.ratio:.2f}, KS D+ {t.ks:.3f}, p {t.p:.2g})")
+                   f"{t.reference.p90:.4f} (ratio {t.ratio:.2f}, KS D+ {t.ks:.3f}, rank-test p {t.p:.2g})")
     for r in result.configs:
         if r.acceptance is not None and r.config in chk.acceptance:
             click.echo(f"    {r.config}: {r.acceptance.tokens_per_iter:.2f} tokens/iter "

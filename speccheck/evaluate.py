@@ -549,7 +549,7 @@ def _drift_str(t: DriftTest, against: str) -> str:
     s, ref = t.spec, t.reference
     return (f"|Δ| median {s.median:.4f} / p90 {s.p90:.4f} / max {s.max:.4f} nats over {s.n} positions vs "
             f"{against} {ref.median:.4f} / {ref.p90:.4f} / {ref.max:.4f} ({ref.n}): ratio {t.ratio:.2f} "
-            f"(max {t.max_ratio:.2f}), KS D+ {t.ks:.3f}, p {t.p:.2g}")
+            f"(max {t.max_ratio:.2f}), KS D+ {t.ks:.3f}, rank-test p {t.p:.2g}")
 
 
 def _logprobs_check(lc: LogprobConsistency | None) -> Check:

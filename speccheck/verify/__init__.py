@@ -6,7 +6,8 @@ from speccheck.verify.acceptance import Acceptance, acceptance_of, acceptance_su
 from speccheck.verify.divergence import (END, Divergence, find_divergences,
                                          teacher_forced_agreement, teacher_forced_divergences)
 from speccheck.verify.logprobs import (DeltaSummary, DriftTest, FlipBudget, abs_deltas,
-                                       drift_test, flip_budget, ks_greater, summarize)
+                                       drift_test, flip_budget, ks_greater,
+                                       rank_test_greater, summarize)
 from speccheck.verify.margins import (CLASSES, SEVERITY, Classification, calibrate_thresholds,
                                       classify_divergence, margins, path_noise, rank_of)
 from speccheck.verify.ties import canonical_rows, canonical_topk
@@ -18,7 +19,7 @@ __all__ = [
     "Acceptance", "acceptance_of", "acceptance_summary",
     "END", "Divergence", "find_divergences", "teacher_forced_agreement", "teacher_forced_divergences",
     "DeltaSummary", "DriftTest", "FlipBudget", "abs_deltas", "drift_test", "flip_budget",
-    "ks_greater", "summarize",
+    "ks_greater", "rank_test_greater", "summarize",
     "CLASSES", "SEVERITY", "Classification", "calibrate_thresholds", "classify_divergence",
     "margins", "path_noise", "rank_of",
     "canonical_rows", "canonical_topk",
