@@ -47,7 +47,7 @@ class Policy:
     #: logprobs_consistent. Where spec and baseline chose the same token in the same context,
     #: |spec-reported - baseline teacher-forced logprob| must stay within
     #: max(logprob_floor, logprob_noise_multiple x noise) at every position, ...
-    logprob_noise_multiple: float = 8.0
+    logprob_noise_multiple: float = 10.0
     logprob_floor: float = 0.05
     #: ... and its distribution may not exceed the engine's kernel-path noise (baseline decode
     #: vs prefill path; and the golden's sample of the same config when recorded) by more than
@@ -56,9 +56,10 @@ class Policy:
     #: Calibrated on the reference engine: clean MTP K=1/3/7 and DFlash K=7 gave ratios
     #: 0.91-1.08 with p >= 0.59 on smoke, code and default (the verify path's noise there is
     #: the decode path's); a bf16-rounded GDN state carried between verify steps (fault
-    #: state-precision) gave 1.41 at p 9e-4 on code (735 positions). The multiple/floor above:
-    #: clean per-position |Δ| reached 1.8x noise (max 0.030 nats at noise 0.017).
-    max_logprob_drift: float = 1.25
+    #: state-precision, mtp-k3) gave 1.28 at p 2e-6 on default (1633 positions) and 1.41 at
+    #: p 9e-4 on code (735). The multiple/floor above: clean per-position |Δ| reached 3.2x
+    #: noise (max 0.074 nats at noise 0.023, default corpus); a wrong row is off by nats.
+    max_logprob_drift: float = 1.2
     logprob_drift_alpha: float = 1e-3
     #: ... and the teacher-forced flips may not exceed flip_noise_multiple x the number the
     #: noise predicts (sum over positions of P(noise >= baseline margin)) + flip_slack x
