@@ -5,8 +5,12 @@
 #   bash scripts/h200_vllm.sh run [CKPT_DIR]
 #       exports the reference checkpoint to CKPT_DIR (default /tmp/speccheck-ckpt) unless it
 #       is there, then `speccheck run --engine vllm`: baseline, MTP K=1,3,7 and DFlash K=7
-#       (env CONFIGS), 2 repeats and the corpus all at once (each prompt twice), with the
-#       settings the staged tree needs; then diff, gate and report; then
+#       (env CONFIGS), 2 repeats and the corpus all at once (each prompt twice), with CUDA
+#       graphs and vLLM's default GDN prefill backend (env LEGACY_KERNELS=1: enforce_eager +
+#       Triton GDN prefill as before; GDN_PREFILL, ATTENTION: one switch each; CORPUS may be
+#       a path, e.g. Spec-Bench's question.jsonl, MAX_TOKENS its max_tokens); then
+#       attribution re-scores every divergence under vLLM's kernel variants; then diff, gate
+#       and report; then
 #       (time permitting) scripts/capture_vllm_fixtures.py for fixtures the run did not
 #       capture. Everything comes back under $OUT: run.log, summary.txt, h200.tgz (store,
 #       fixtures, worker logs, report). Stops launching work after DEADLINE_S (default 500).
@@ -27,6 +31,9 @@ CORPUS=${CORPUS:-smoke+code}
 CONFIGS=${CONFIGS:-mtp-k7 dflash-k7 mtp-k3 mtp-k1}
 WORK=${WORK:-/tmp/speccheck-h200}
 PIECES=${PIECES:-/root/pieces}
+ATTENTION=${ATTENTION:-TRITON_ATTN}   # the staged tree's target ran with it; auto = vLLM's choice
+GDN_PREFILL=${GDN_PREFILL:-}         # empty: vLLM's default (FlashInfer on SM90)
+LEGACY_KERNELS=${LEGACY_KERNELS:-0}  # 1: enforce_eager + Triton GDN prefill, as before
 
 sc() { python3 -m speccheck.cli "$@"; }
 left() { echo $((DEADLINE_S - SECONDS)); }
@@ -58,20 +65,29 @@ run() {
     local target=$ckpt draft=$ckpt/drafter
     [ -f "$ckpt/target/config.json" ] && target=$ckpt/target
     echo "== target $target  drafter $draft  ($(du -sh "$ckpt" | cut -f1))"
-    local ea=(--engine-arg attention_backend=TRITON_ATTN
-              --engine-arg 'additional_config={"gdn_prefill_backend": "triton"}'
-              --engine-arg env.VLLM_USE_FLASHINFER_SAMPLER=0
-              --engine-arg language_model_only=true --engine-arg enforce_eager=true
+    # what `vllm serve` runs: CUDA graphs + torch.compile, vLLM's own GDN prefill backend
+    # (FlashInfer on SM90: flashinfer must be staged). LEGACY_KERNELS=1 restores the old
+    # settings (enforce_eager, Triton/FLA GDN prefill); GDN_PREFILL=triton|flashinfer and
+    # ATTENTION=auto|FLASH_ATTN|TRITON_ATTN|FLASHINFER pick one switch each.
+    local ea=(--engine-arg env.VLLM_USE_FLASHINFER_SAMPLER=0
+              --engine-arg language_model_only=true
               --engine-arg enable_prefix_caching=false
               --engine-arg kv_cache_memory_bytes=4000000000
               --engine-arg worker=per-config)
+    [ "$ATTENTION" != auto ] && ea+=(--engine-arg "attention_backend=$ATTENTION")
+    if [ "$LEGACY_KERNELS" = 1 ]; then
+      ea+=(--engine-arg enforce_eager=true)
+      GDN_PREFILL=${GDN_PREFILL:-triton}
+    fi
+    [ -n "$GDN_PREFILL" ] && ea+=(--engine-arg "additional_config={\"gdn_prefill_backend\": \"$GDN_PREFILL\"}")
+    echo "== kernel settings: attention=$ATTENTION gdn_prefill=${GDN_PREFILL:-vLLM default} legacy=$LEGACY_KERNELS"
     ea+=(--engine-arg dtype=bfloat16)
     attempt() {  # attempt ARGS...: one `speccheck run` into the store, within the deadline
       echo "== run $* (t=${SECONDS}s, deadline ${DEADLINE_S}s)"
       [ "$(left)" -gt 20 ] || { echo "== skipped: deadline"; return 124; }
       timeout --kill-after=20 "$(left)" python3 -m speccheck.cli run --engine vllm \
         --model "$target" --draft "$draft" --corpus "$CORPUS" --repeats 2 \
-        --store "$store" "${ea[@]}" "$@"
+        ${MAX_TOKENS:+--max-tokens "$MAX_TOKENS"} --store "$store" "${ea[@]}" "$@"
       local rc=$?
       echo "== run exit $rc (t=${SECONDS}s)"
       if [ "$rc" != 0 ]; then

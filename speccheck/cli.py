@@ -80,7 +80,11 @@ run_options = [
     click.option("--method", "methods", multiple=True, help="baseline | mtp | dflash | ... (repeatable)."),
     click.option("--k", "k", default=None, help="K values: 7, 1-12 or 1,3,7."),
     click.option("--config", "configs", multiple=True, help="Config by name, e.g. mtp-k3 (repeatable)."),
-    click.option("--corpus", default="default", show_default=True, help="Built-in corpus name or a file path."),
+    click.option("--corpus", default="default", show_default=True,
+                 help="Built-in corpus name or a file path (also Spec-Bench's question.jsonl)."),
+    click.option("--max-tokens", "max_tokens", default=None, type=click.IntRange(1, 32768),
+                 help="max_tokens for corpora whose prompts carry none, e.g. Spec-Bench's "
+                      "question.jsonl (default 128)."),
     click.option("--repeats", default=2, show_default=True, type=click.IntRange(1, 100)),
     click.option("--top-k", "top_k", default=5, show_default=True, type=click.IntRange(2, 20)),
     click.option("--engine-arg", "engine_args", multiple=True, help="Engine option key=value (repeatable)."),
@@ -92,11 +96,31 @@ run_options = [
     click.option("--served-model", default=None, help="openai engine: the server's model name."),
     click.option("--api-key-env", default=None,
                  help="openai engine: env var holding the API key (default OPENAI_API_KEY)."),
+    click.option("--attribute-with", "attribute_with", multiple=True, metavar="LABEL=URL",
+                 help="openai engine: attribute divergences by re-scoring them on a second "
+                      "server started with other kernel settings (repeatable)."),
 ]
 
 
+def _attribute_with(items: tuple[str, ...], cls) -> dict[str, str]:
+    """--attribute-with LABEL=URL pairs, checked by the engine before anything runs."""
+    out: dict[str, str] = {}
+    for item in items:
+        label, sep, url = item.partition("=")
+        if not sep or not label.strip() or not url.strip():
+            raise click.BadParameter(f"{item!r}: write --attribute-with LABEL=URL, e.g. "
+                                     "eager=http://127.0.0.1:8001", param_hint="--attribute-with")
+        if label.strip() in out:
+            raise click.BadParameter(f"label {label.strip()!r} is given twice",
+                                     param_hint="--attribute-with")
+        cls.attribution_server_args(label.strip(), url.strip())  # EngineUsageError if not
+        out[label.strip()] = url.strip()
+    return out
+
+
 def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args,
-          no_attribution=False, base_url=None, served_model=None, api_key_env=None, concurrent=0):
+          no_attribution=False, base_url=None, served_model=None, api_key_env=None, concurrent=0,
+          attribute_with=(), max_tokens=None):
     from speccheck.runner import RunPlan
 
     args = _engine_args(engine_args)
@@ -118,7 +142,8 @@ def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, eng
                           default_k=default_k, draft=draft, include_baseline=not cls.serves_one_config)
     return RunPlan(engine=engine, model=model, draft=draft, engine_args=args, corpus=corpus,
                    configs=matrix, repeats=repeats, top_k=top_k, attribute=not no_attribution,
-                   concurrent=concurrent)
+                   concurrent=concurrent, attribute_with=_attribute_with(attribute_with, cls),
+                   max_tokens=max_tokens)
 
 
 def _suite(store_dir: str, suite_id: str | None):
@@ -163,8 +188,8 @@ def main() -> None:
 @main.command()
 @_apply(run_options)
 @store_option
-def run(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args, no_attribution,
-        concurrent, base_url, served_model, api_key_env, store_dir):
+def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, top_k, engine_args,
+        no_attribution, concurrent, base_url, served_model, api_key_env, attribute_with, store_dir):
     """Run the matrix (baseline always included) into the store; resumes finished runs."""
     from speccheck.runner import run_suite
 
@@ -172,7 +197,7 @@ def run(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engin
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     plan = _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args, no_attribution,
-                 base_url, served_model, api_key_env, concurrent)
+                 base_url, served_model, api_key_env, concurrent, attribute_with, max_tokens)
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:

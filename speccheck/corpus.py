@@ -31,6 +31,10 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 MAX_TOKENS_LIMIT = 32768
+#: max_tokens of prompts from a format that carries none (Spec-Bench's question.jsonl)
+DEFAULT_MAX_TOKENS = 128
+#: Spec-Bench's data/spec_bench/question.jsonl (and MT-bench's): these fields, first turn used
+SPEC_BENCH_FIELDS = {"question_id", "category", "turns"}
 SUFFIXES = (".jsonl", ".toml")
 _FIELDS = {"id", "category", "max_tokens", "text", "messages"}
 _ROLES = {"system", "user", "assistant"}
@@ -81,11 +85,15 @@ def list_corpora() -> list[str]:
     return sorted(names)
 
 
-def load_corpus(name_or_path: str | os.PathLike) -> Corpus:
+def load_corpus(name_or_path: str | os.PathLike, max_tokens: int | None = None) -> Corpus:
     """A built-in corpus by name (``default``, ``smoke``, ...) or a user's corpus file by path.
 
     Anything containing a path separator, ending in ``.jsonl``/``.toml``, or naming an existing
-    file is treated as a path; otherwise it must be a built-in name.
+    file is treated as a path; otherwise it must be a built-in name. A JSONL file whose first
+    record has Spec-Bench's fields (question_id, category, turns) is read as Spec-Bench's
+    question.jsonl: read where it lies at run time (third-party prompts are never copied into
+    the repo), each question's first turn as one user message, ``max_tokens`` (default
+    DEFAULT_MAX_TOKENS) for every prompt, since the format carries none.
     """
     spec = os.fspath(name_or_path)
     looks_like_path = (os.sep in spec or "/" in spec or spec.endswith(SUFFIXES)
@@ -96,7 +104,7 @@ def load_corpus(name_or_path: str | os.PathLike) -> Corpus:
             raise CorpusError(f"corpus file {spec} does not exist; give the path of a .jsonl or "
                               f".toml file, or one of the built-in corpora: "
                               f"{', '.join(list_corpora())}.")
-        return _load_file(path.stem, str(path), path.read_bytes())
+        return _load_file(path.stem, str(path), path.read_bytes(), max_tokens)
     for suffix in SUFFIXES:
         entry = _builtin_dir().joinpath(spec + suffix)
         if entry.is_file():
@@ -122,7 +130,7 @@ def _prompt_dict(p: Prompt) -> dict:
     return d
 
 
-def _load_file(name: str, path: str, data: bytes) -> Corpus:
+def _load_file(name: str, path: str, data: bytes, max_tokens: int | None = None) -> Corpus:
     try:
         content = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -131,10 +139,12 @@ def _load_file(name: str, path: str, data: bytes) -> Corpus:
         records = _read_toml(path, content)
     else:
         records = _read_jsonl(path, content)
+    spec_bench = bool(records) and SPEC_BENCH_FIELDS <= set(records[0][1])
     prompts: list[Prompt] = []
     seen: dict[str, int] = {}
     for line, rec in records:
-        p = _to_prompt(path, line, rec)
+        p = (_spec_bench_prompt(path, line, rec, max_tokens or DEFAULT_MAX_TOKENS) if spec_bench
+             else _to_prompt(path, line, rec))
         if p.id in seen:
             raise CorpusError(f"{path}:{line}: duplicate prompt id {p.id!r} (first used on line "
                               f"{seen[p.id]}); give every prompt a unique id.")
@@ -226,3 +236,29 @@ def _to_prompt(path: str, line: int, rec: dict) -> Prompt:
             raise CorpusError(f"{where}: prompt {pid!r}, message {i} is empty; give it content.")
         out.append({"role": m["role"], "content": m["content"]})
     return Prompt(pid, category, max_tokens, messages=tuple(out))
+
+
+def _spec_bench_prompt(path: str, line: int, rec: dict, max_tokens: int) -> Prompt:
+    """One line of Spec-Bench's question.jsonl -> a chat prompt of its first turn."""
+    where = f"{path}:{line}"
+    missing = SPEC_BENCH_FIELDS - set(rec)
+    if missing:
+        raise CorpusError(f"{where}: missing field(s) {sorted(missing)}; the file's first line "
+                          f"is in Spec-Bench's format, so every line needs question_id, "
+                          f"category and turns.")
+    qid, category, turns = rec["question_id"], rec["category"], rec["turns"]
+    if isinstance(qid, bool) or not isinstance(qid, (int, str)) or not str(qid).strip():
+        raise CorpusError(f"{where}: 'question_id' must be a number or a non-empty string, "
+                          f"got {qid!r}.")
+    if not isinstance(category, str) or not category.strip():
+        raise CorpusError(f"{where}: question {qid!r}: 'category' must be a non-empty string, "
+                          f"got {category!r}.")
+    if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) \
+            or not turns[0].strip():
+        raise CorpusError(f"{where}: question {qid!r}: 'turns' must be a list whose first "
+                          f"entry is the (non-empty) question text.")
+    if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+        raise CorpusError(f"max_tokens {max_tokens} for {path}: use a whole number from 1 to "
+                          f"{MAX_TOKENS_LIMIT} (option --max-tokens).")
+    return Prompt(str(qid), category, max_tokens,
+                  messages=({"role": "user", "content": turns[0]},))

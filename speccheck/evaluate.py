@@ -13,30 +13,42 @@ import numpy as np
 
 from speccheck.policy import Policy
 from speccheck.store import Suite
-from speccheck.types import Completion, RunRecord
+from speccheck.types import Completion, RunRecord, SpecConfig
 from speccheck.verify import (
+    END,
     Acceptance,
     DriftTest,
     FlipBudget,
+    Boundary,
     Divergence,
+    acceptance_mismatches,
     acceptance_summary,
+    boundary_divergence,
     calibrate_thresholds,
     abs_deltas,
+    counter_problems,
     determinism,
     drift_test,
     find_divergences,
     flip_budget,
     margins,
     path_noise,
+    stop_tokens,
     teacher_forced_agreement,
     teacher_forced_divergences,
     text_similarity,
+    tokens_per_iteration_views,
     unique_completions,
 )
 
 CHECKS = ("ran", "deterministic", "batch_invariant", "concurrent_identical",
-          "agrees_with_baseline", "divergences_are_low_confidence", "logprobs_consistent",
+          "agrees_with_baseline", "divergences_are_low_confidence", "same_stopping",
+          "counters_consistent", "acceptance_deterministic", "logprobs_consistent",
           "acceptance_not_regressed", "speedup")
+
+#: how to get evidence that is missing from a store (runs are kept; only what is missing is redone)
+RESUME = ("`speccheck run` again with the same options into the same --store resumes: stored runs "
+          "are skipped and only the missing rescoring is redone")
 
 
 @dataclass
@@ -123,6 +135,18 @@ class ConfigResult:
     together: Together | None = None
     logprobs: LogprobConsistency | None = None
     checks: list[Check] = field(default_factory=list)
+    #: evidence the store lacks (rescoring absent or short): never read as agreement
+    missing_evidence: list[str] = field(default_factory=list)
+    #: why the engine's path noise (and so tau) could not be measured; None when it was
+    noise_missing: str | None = None
+    #: prompts whose spec output stops elsewhere than the baseline's (explained or not)
+    boundaries: list[Boundary] = field(default_factory=list)
+    #: impossible spec counters ("r0 prompt p: ..."), and the run's tokens/iteration three ways
+    counter_problems: list[str] = field(default_factory=list)
+    counter_views: dict[str, float | None] = field(default_factory=dict)
+    #: spec counters identical run to run (None: fewer than 2 runs with counters)
+    acceptance_identical: bool | None = None
+    acceptance_nondeterminism: list[str] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -149,6 +173,8 @@ class SuiteResult:
     tau_low: float
     policy: dict
     configs: list[ConfigResult]
+    #: why path noise was not measured (tau then comes from the policy floors); None when it was
+    noise_missing: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -166,8 +192,9 @@ class SuiteResult:
 
     def to_dict(self) -> dict:
         return {"suite": self.suite, "meta": self.meta, "identity": self.identity,
-                "noise": self.noise, "tau_tie": self.tau_tie, "tau_low": self.tau_low,
-                "policy": self.policy, "passed": self.passed,
+                "noise": self.noise, "noise_missing": self.noise_missing,
+                "tau_tie": self.tau_tie, "tau_low": self.tau_low, "policy": self.policy,
+                "passed": self.passed,
                 "configs": [c.to_dict() for c in self.configs]}
 
 
@@ -188,21 +215,47 @@ def speed_of(records: Sequence[RunRecord]) -> tuple[float | None, float | None, 
     return (median(warm) if warm else None, cold, median(ttfts) if ttfts else None)
 
 
-def suite_noise(suite: Suite) -> float:
-    """The engine's own path noise: its decode-path logprobs of the baseline's tokens against
-    the teacher-forced (prefill-path) logprobs of the same tokens."""
+def rescore_gaps(suite: Suite, name: str, repeat: int, comps: Sequence[Completion]) -> list[str]:
+    """What the stored teacher-forced rescoring of one run lacks ([] when it covers every
+    prompt with one score row per generated token), each with the command that redoes it."""
+    scored = suite.load_rescore(name, repeat)
+    path = suite.rescore_path(name, repeat)
+    if scored is None:
+        return [f"no teacher-forced rescoring of {name} r{repeat} is stored ({path}); {RESUME}"]
+    absent = [c.prompt_id for c in comps if c.prompt_id not in scored]
+    short = [f"{c.prompt_id} ({len(scored[c.prompt_id].topk_ids)} score rows for {c.n_tokens} tokens)"
+             for c in comps if c.prompt_id in scored and len(scored[c.prompt_id].topk_ids) != c.n_tokens]
+    gaps = ([f"prompt(s) {', '.join(absent[:8])}{' ...' if len(absent) > 8 else ''} not scored"]
+            if absent else []) + ([f"wrong length at {', '.join(short[:8])}"] if short else [])
+    if not gaps:
+        return []
+    return [f"the teacher-forced rescoring of {name} r{repeat} ({path}) is incomplete: "
+            f"{'; '.join(gaps)}. Delete that file, then {RESUME}"]
+
+
+def measure_noise(suite: Suite) -> tuple[float, str | None]:
+    """``(noise, why_missing)``: the engine's own path noise -- its decode-path logprobs of the
+    baseline's tokens against the teacher-forced (prefill-path) logprobs of the same tokens --
+    or ``(0.0, reason)`` when the store cannot say (no complete baseline, no or incomplete
+    baseline rescoring, no tokens). Unmeasured noise is not zero noise: tau would come from
+    the policy floors, so every check that excuses a divergence by tau must say so."""
     if not suite.is_complete("baseline", 0):
-        return 0.0
-    scored = suite.load_rescore("baseline", 0)
-    if not scored:
-        return 0.0
-    a, b = [], []
-    for c in suite.load_run("baseline", 0).completions:
-        s = scored.get(c.prompt_id)
-        if s is not None and len(s.token_logprobs) == c.n_tokens:
-            a.append(c.logprobs)
-            b.append(s.token_logprobs)
-    return float(path_noise(np.concatenate(a), np.concatenate(b))) if a else 0.0
+        return 0.0, "no complete baseline run r0 to measure the engine's path noise on"
+    comps = suite.load_run("baseline", 0).completions
+    gaps = rescore_gaps(suite, "baseline", 0, comps)
+    if gaps:
+        return 0.0, gaps[0]
+    scored = suite.load_rescore("baseline", 0) or {}
+    a = [c.logprobs for c in comps if c.n_tokens]
+    b = [scored[c.prompt_id].token_logprobs for c in comps if c.n_tokens]
+    if not a:
+        return 0.0, "the baseline generated no tokens to measure the engine's path noise on"
+    return float(path_noise(np.concatenate(a), np.concatenate(b))), None
+
+
+def suite_noise(suite: Suite) -> float:
+    """:func:`measure_noise`'s figure alone (0.0 when it could not be measured)."""
+    return measure_noise(suite)[0]
 
 
 def kernel_noise_sample(suite: Suite) -> np.ndarray:
@@ -277,10 +330,14 @@ def logprob_consistency(ev: LogprobEvidence, flips: int, noise: float, kernel_no
 
 
 def decoded_context(detok, comp: Completion, pos: int, width: int = 8) -> str:
+    """A decoded window of ``comp`` before ``pos`` and the token there (``⟦⟨end⟩⟧`` where the
+    stream had already stopped: streams of different lengths are compared)."""
     if detok is None:
         return ""
-    lo = max(0, pos - width)
-    return f"{detok(comp.token_ids[lo:pos].tolist())}⟦{detok([int(comp.token_ids[pos])])}⟧"
+    n = comp.n_tokens
+    lo = max(0, min(pos, n) - width)
+    here = detok([int(comp.token_ids[pos])]) if 0 <= pos < n else "⟨end⟩"
+    return f"{detok(comp.token_ids[lo:min(pos, n)].tolist())}⟦{here}⟧"
 
 
 # --- evaluation ----------------------------------------------------------------------------------
@@ -295,6 +352,7 @@ class Comparison:
     matched: int
     compared: int
     divergences: list[Divergence]
+    boundaries: list[Boundary] = field(default_factory=list)  # outputs that stop elsewhere
 
     @property
     def high(self) -> list[Divergence]:
@@ -310,8 +368,12 @@ class Comparison:
 
 
 def compare_runs(base: RunRecord, other: RunRecord, tau_tie: float, tau_low: float, noise: float,
-                 detok=None) -> Comparison:
+                 detok=None, stops: set[int] | None = None) -> Comparison:
+    """``stops``: end-of-sequence ids (default: as the base run shows them, see
+    :func:`verify.stop_tokens`), for the boundary check of each prompt."""
     base_by = base.by_prompt()
+    if stops is None:
+        stops = stop_tokens((c.token_ids, c.finish_reason) for c in base.completions)
     cmp = Comparison(0, 0, 0, 0, [])
     for c in other.completions:
         b = base_by.get(c.prompt_id)
@@ -323,7 +385,13 @@ def compare_runs(base: RunRecord, other: RunRecord, tau_tie: float, tau_low: flo
         cmp.exact += not divs and b.n_tokens == c.n_tokens
         cmp.matched += divs[0].position if divs else min(b.n_tokens, c.n_tokens)
         cmp.compared += max(b.n_tokens, c.n_tokens)
-        cmp.divergences.extend(replace(d, context=decoded_context(detok, b, d.position)) for d in divs)
+        divs = [replace(d, context=decoded_context(detok, b if d.base_token != END else c, d.position))
+                for d in divs]
+        cmp.divergences.extend(divs)
+        bd = boundary_divergence(c.prompt_id, b.token_ids, b.finish_reason, c.token_ids,
+                                 c.finish_reason, divs[0] if divs else None, stops)
+        if bd is not None:
+            cmp.boundaries.append(bd)
     return cmp
 
 
@@ -370,9 +438,16 @@ def _split_divergences(copies: list[Completion], tau_tie: float, tau_low: float,
 def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau_low: float,
                     noise: float, base_records: list[RunRecord], golden_acceptance: dict | None = None,
                     detok=None, base_speed: float | None = None,
+                    noise_missing: str | None = None,
                     kernel_noise: np.ndarray | None = None,
                     golden_noise: dict | None = None,
                     baseline_not_invariant: bool = False) -> ConfigResult:
+    """One config's figures and checks. ``noise_missing`` (from :func:`measure_noise`): why
+    the path noise behind ``tau_tie``/``tau_low`` is unmeasured; checks that excuse a
+    divergence by tau then fail rather than trust floor thresholds. ``kernel_noise``: the
+    engine's kernel-path noise sample (:func:`kernel_noise_sample`); ``golden_noise``: the
+    golden's |Δ logprob| sample per config; ``baseline_not_invariant``: the baseline's own
+    run all at once splits or changes prompts."""
     records = list(suite.records(name))
     failed = [f"r{r.repeat}: {(r.error or '').splitlines()[0] if r.error else 'failed'}"
               for r in records if r.status != "ok"]
@@ -418,16 +493,32 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
 
     warm, cold, ttft = speed_of(ok)
     result.speed = Speed(warm, cold, ttft, warm / base_speed if warm and base_speed else None)
+    result.noise_missing = noise_missing
+    is_spec = name != "baseline"
+    if is_spec:
+        _judge_counters(result, ok, name, together)
 
     base_ok = [r for r in base_records if r.status == "ok"]
+    if is_spec and ok and not base_ok:
+        result.missing_evidence.append("no complete baseline run to compare with (speccheck run "
+                                       "--method baseline into the same --store)")
     if ok and base_ok:
         base = base_ok[0].by_prompt()
         run0 = ok[0]
         scored = suite.load_rescore(name, run0.repeat)
-        free = compare_runs(base_ok[0], run0, tau_tie, tau_low, noise, detok)
+        stops = stop_tokens((c.token_ids, c.finish_reason) for r in base_ok for c in r.completions)
+        free = compare_runs(base_ok[0], run0, tau_tie, tau_low, noise, detok, stops)
         result.prompts, result.prompts_exact = free.prompts, free.exact
         result.divergences = free.divergences
+        result.boundaries = free.boundaries
         result.prefix_agreement = free.prefix_agreement
+        if is_spec:
+            result.missing_evidence += rescore_gaps(suite, name, run0.repeat, run0.completions)
+            lacking = [p for p in base if p not in run0.by_prompt()]
+            if lacking:
+                result.missing_evidence.append(
+                    f"{name} r{run0.repeat} has no output for baseline prompt(s) "
+                    f"{', '.join(lacking[:8])}{' ...' if len(lacking) > 8 else ''}")
         tf_agree = tf_total = 0
         sims = []
         for c in run0.completions:
@@ -448,24 +539,86 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
         result.token_agreement = tf_agree / tf_total if tf_total else None
         result.text_similarity = float(np.mean(sims)) if sims else None
         counts: dict[str, int] = {"near_tie": 0, "low_confidence": 0, "high_confidence": 0}
-        for d in result.divergences + result.tf_divergences:
+        for d in _token_divergences(result.divergences + result.tf_divergences):
             counts[d.classification.cls] += 1
         result.class_counts = counts
         if scored and name != "baseline":
             result.logprobs = logprob_consistency(
-                logprob_evidence(run0, scored), len(result.tf_divergences), noise,
+                logprob_evidence(run0, scored), len(_token_divergences(result.tf_divergences)), noise,
                 kernel_noise if kernel_noise is not None else kernel_noise_sample(suite), policy,
                 (golden_noise or {}).get(name))
 
         spec = run0.spec_total()
-        if spec is not None and name != "baseline":
-            result.acceptance = acceptance_summary(spec.drafts, spec.draft_tokens, spec.accepted_tokens,
-                                                   spec.accepted_per_pos)
+        if spec is not None and is_spec:
+            try:
+                result.acceptance = acceptance_summary(spec.drafts, spec.draft_tokens,
+                                                       spec.accepted_tokens, spec.accepted_per_pos)
+            except ValueError:  # impossible counters: counters_consistent names them
+                result.acceptance = None
         if golden_acceptance and name in golden_acceptance:
             result.golden_tokens_per_iter = golden_acceptance[name]
 
     result.checks = _checks(result, policy, is_baseline=(name == "baseline"))
     return result
+
+
+def _token_divergences(divs: Sequence[Divergence]) -> list[Divergence]:
+    """Divergences where both sides chose a token (those where one stream had already
+    stopped are judged by same_stopping)."""
+    return [d for d in divs if d.base_token != END and d.spec_token != END]
+
+
+def _counter_tuple(c: Completion) -> tuple | None:
+    s = c.spec
+    return None if s is None else (s.drafts, s.draft_tokens, s.accepted_tokens,
+                                   tuple(s.accepted_per_pos), s.iterations)
+
+
+def _judge_counters(result: ConfigResult, ok: Sequence[RunRecord], name: str,
+                    together: RunRecord | None = None) -> None:
+    """counters_consistent's evidence (each request's counters against each other and
+    against its emitted tokens, then each run's totals; the run all at once too) and
+    acceptance determinism (the counters of every repeat against the first's)."""
+    k = SpecConfig.from_name(name).k
+    for rec in list(ok) + ([together] if together is not None and together.status == "ok" else []):
+        label = "all at once" if rec.copies else f"r{rec.repeat}"
+        with_spec = [c for c in rec.completions if c.spec is not None]
+        for c in with_spec:
+            s = c.spec
+            for p in counter_problems(s.drafts, s.draft_tokens, s.accepted_tokens, s.accepted_per_pos,
+                                      k, emitted=max(c.n_tokens - 1, 0), iterations=s.iterations):
+                result.counter_problems.append(f"{label} prompt {c.prompt_id}: {p}")
+        total = rec.spec_total()
+        if total is None:
+            continue
+        emitted = sum(max(c.n_tokens - 1, 0) for c in with_spec)
+        for p in counter_problems(total.drafts, total.draft_tokens, total.accepted_tokens,
+                                  total.accepted_per_pos, k, emitted=emitted,
+                                  iterations=total.iterations, requests=len(with_spec)):
+            result.counter_problems.append(f"{label} all prompts: {p}")
+        if rec is ok[0]:
+            result.counter_views = tokens_per_iteration_views(
+                total.drafts, total.accepted_tokens, total.accepted_per_pos, emitted, total.iterations)
+    runs = [rec for rec in ok if any(c.spec is not None for c in rec.completions)]
+    if len(runs) >= 2:
+        ids = [c.prompt_id for c in runs[0].completions]
+        tuples = [[_counter_tuple(rec.by_prompt()[p]) if p in rec.by_prompt() else None for p in ids]
+                  for rec in runs]
+        bad = acceptance_mismatches(tuples)
+        result.acceptance_identical = not bad
+        for ri, pi in bad:
+            result.acceptance_nondeterminism.append(
+                f"r{runs[ri].repeat} vs r{runs[0].repeat}: prompt {ids[pi]} counters "
+                f"{_fmt_counters(tuples[ri][pi])} vs {_fmt_counters(tuples[0][pi])}"
+                + (" (fresh process)" if runs[ri].fresh_process else ""))
+
+
+def _fmt_counters(t: tuple | None) -> str:
+    if t is None:
+        return "none"
+    d, dt, a, per, it = t
+    return (f"{d} drafts/{dt} draft tokens/{a} accepted, per position {list(per)}"
+            + (f", {it} steps" if it is not None else ""))
 
 
 def _fmt_div(d: Divergence) -> str:
@@ -488,11 +641,11 @@ def _checks(r: ConfigResult, p: Policy, is_baseline: bool) -> list[Check]:
                + (", logprob for logprob" if p.require_deterministic_logprobs else "")
                if r.identical_runs else f"runs differ: {'; '.join(r.nondeterminism[:5])}")
         checks.append(Check("deterministic", r.identical_runs or not p.require_deterministic, msg))
-    checks += _together_checks(r.together, p)
+    checks += _together_checks(r.together, p, r.noise_missing)
     if is_baseline:
         return checks
 
-    agree_fail = []
+    agree_fail = [f"evidence missing: {m}" for m in r.missing_evidence]
     if r.token_agreement is not None and r.token_agreement < p.min_token_agreement:
         agree_fail.append(f"teacher-forced token agreement {r.token_agreement:.2%} < {p.min_token_agreement:.2%}")
     if r.prefix_agreement is not None and r.prefix_agreement < p.min_prefix_agreement:
@@ -505,22 +658,37 @@ def _checks(r: ConfigResult, p: Policy, is_baseline: bool) -> list[Check]:
     checks.append(Check("agrees_with_baseline", not agree_fail,
                         figures if not agree_fail else "; ".join(agree_fail) + f" ({figures})"))
 
-    high = [d for d in r.divergences + r.tf_divergences if d.classification.cls == "high_confidence"]
+    token_divs = _token_divergences(r.divergences + r.tf_divergences)
+    high = [d for d in token_divs if d.classification.cls == "high_confidence"]
     seen, unique_high = set(), []
     for d in high:
         if (d.prompt_id, d.position) not in seen:
             seen.add((d.prompt_id, d.position))
             unique_high.append(d)
+    excused = {(d.prompt_id, d.position) for d in token_divs} - seen
+    unsure = [NOTHING_COMPARED] if not r.prompts else []
+    if r.missing_evidence:
+        unsure.append("evidence missing: divergences past the first cannot be classified without "
+                      "the teacher-forced rescoring (see agrees_with_baseline)")
+    if r.noise_missing and excused:
+        unsure.append(_untrusted_tau(len(excused), r.noise_missing))
     checks.append(Check(
-        "divergences_are_low_confidence", len(unique_high) <= p.max_high_confidence,
-        f"{len(unique_high)} high-confidence divergence(s) (max {p.max_high_confidence})"
+        "divergences_are_low_confidence", len(unique_high) <= p.max_high_confidence and not unsure,
+        "; ".join(unsure + [f"{len(unique_high)} high-confidence divergence(s) (max {p.max_high_confidence})"])
         + ("".join("\n    " + _fmt_div(d) for d in unique_high[:5])
            + (f"\n    ... and {len(unique_high) - 5} more" if len(unique_high) > 5 else ""))))
+    checks.append(_stopping_check(r))
+    checks.append(_counters_check(r))
+    checks.append(_acceptance_determinism_check(r, p))
 
-    checks.append(_logprobs_check(r.logprobs))
+    checks.append(_logprobs_check(r.logprobs, r.noise_missing))
 
     acc = r.acceptance
-    if acc is None or acc.drafts == 0:
+    if acc is None and r.counter_problems:
+        checks.append(Check("acceptance_not_regressed", False,
+                            "the spec counters are impossible, so acceptance cannot be measured "
+                            "(see counters_consistent)"))
+    elif acc is None or acc.drafts == 0:
         checks.append(Check("acceptance_not_regressed", False,
                             "the engine reported no drafts: this config did not actually speculate "
                             "(spec counters missing or zero)"))
@@ -552,13 +720,16 @@ def _drift_str(t: DriftTest, against: str) -> str:
             f"(max {t.max_ratio:.2f}), KS D+ {t.ks:.3f}, rank-test p {t.p:.2g}")
 
 
-def _logprobs_check(lc: LogprobConsistency | None) -> Check:
+def _logprobs_check(lc: LogprobConsistency | None, noise_missing: str | None = None) -> Check:
     """logprobs_consistent: where spec and baseline chose the same token in the same context,
     the spec engine's reported logprob is the baseline's up to path noise -- one by one, as a
     distribution (drift too small to flip more than near-ties), and in the flips it causes."""
     if lc is None:
-        return Check("logprobs_consistent", False, "no teacher-forced rescoring of this config: its "
-                     "reported logprobs cannot be checked (re-run `speccheck run` to finish rescoring)")
+        return Check("logprobs_consistent", False, "evidence missing: no teacher-forced rescoring of "
+                     f"this config, so its reported logprobs cannot be checked; {RESUME}")
+    if noise_missing:
+        return Check("logprobs_consistent", False, f"the engine's path noise is unmeasured "
+                     f"({noise_missing}): reported logprobs cannot be judged against it")
     problems = []
     if lc.n_over:
         problems.append(f"{lc.n_over} of {lc.positions} position(s) with |Δ logprob| above "
@@ -578,7 +749,74 @@ def _logprobs_check(lc: LogprobConsistency | None) -> Check:
                  summary if not problems else "; ".join(problems) + f" ({summary})")
 
 
-def _together_checks(t: Together | None, p: Policy) -> list[Check]:
+NOTHING_COMPARED = "evidence missing: no prompt was compared with a baseline output"
+
+
+def _untrusted_tau(n: int, why: str) -> str:
+    return (f"{n} divergence(s) would be excused as near-tie/low-confidence, but the thresholds "
+            f"were not calibrated -- path noise unmeasured ({why}); they came from the policy "
+            "floors, so nothing is excused")
+
+
+def _stopping_check(r: ConfigResult) -> Check:
+    """same_stopping: each spec output stops where the baseline's does (same length, same
+    finish reason, nothing past max_tokens or an end-of-sequence token), unless a tolerated
+    flip earlier in that prompt moved the stop."""
+    bad = [b for b in r.boundaries if not b.explained]
+    moved = [b for b in r.boundaries if b.explained]
+    ctx = {(d.prompt_id, d.position): d.context for d in r.divergences if d.context}
+    lines = [b.describe() + (f", context {ctx[(b.prompt_id, b.position)]!r}"
+                             if (b.prompt_id, b.position) in ctx and not b.explained else "")
+             for b in bad[:5]] + ([f"... and {len(bad) - 5} more"] if len(bad) > 5 else [])
+    head = f"{r.prompts - len(r.boundaries)}/{r.prompts} prompts stop where the baseline does"
+    if moved:
+        head += (f"; {len(moved)} stop elsewhere after a tolerated flip ("
+                 + ", ".join(f"{b.prompt_id}: {b.base_tokens} -> {b.spec_tokens} tokens" for b in moved[:5])
+                 + ")")
+    unsure = [_untrusted_tau(len(moved), r.noise_missing)] if r.noise_missing and moved else []
+    if not r.prompts:
+        unsure.append(NOTHING_COMPARED)
+    if bad:
+        head = f"{len(bad)} prompt(s) stop elsewhere with nothing to explain it; " + head
+    return Check("same_stopping", not bad and not unsure,
+                 "; ".join(unsure + [head]) + "".join("\n    " + x for x in lines))
+
+
+def _counters_check(r: ConfigResult) -> Check:
+    """counters_consistent: spec counters agree with each other and with the tokens emitted."""
+    v = r.counter_views
+    if not v and not r.counter_problems:
+        return Check("counters_consistent", True, "the engine reported no spec counters", skipped=True)
+    views = ", ".join(f"{name} say {x:.2f}" if x is not None else f"{name} say -"
+                      for name, x in v.items())
+    views = f"tokens/iteration: {views}" if views else "no counters in the first run"
+    if not r.counter_problems:
+        return Check("counters_consistent", True,
+                     f"{views}; counters agree with each other and with the tokens emitted "
+                     "(an output cut at max_tokens or end-of-sequence drops up to K accepted tokens)")
+    more = f"\n    ... and {len(r.counter_problems) - 8} more" if len(r.counter_problems) > 8 else ""
+    return Check("counters_consistent", False,
+                 f"{len(r.counter_problems)} impossible counter reading(s) for config {r.config} "
+                 f"({views})" + "".join("\n    " + x for x in r.counter_problems[:8]) + more)
+
+
+def _acceptance_determinism_check(r: ConfigResult, p: Policy) -> Check:
+    """acceptance_deterministic: the spec counters repeat run to run (gated only if asked:
+    near-ties may flip accept/reject with identical output -- performance, not correctness)."""
+    gated = p.require_deterministic_acceptance
+    note = "" if gated else " (reported, not gated: policy require_deterministic_acceptance)"
+    if r.acceptance_identical is None:
+        return Check("acceptance_deterministic", not gated,
+                     "fewer than 2 runs with spec counters to compare" + note, skipped=not gated)
+    if r.acceptance_identical:
+        return Check("acceptance_deterministic", True,
+                     f"spec counters identical in every run, prompt by prompt{note}", skipped=not gated)
+    return Check("acceptance_deterministic", not gated,
+                 f"spec counters differ run to run for {len(r.acceptance_nondeterminism)} prompt(s): "
+                 + "; ".join(r.acceptance_nondeterminism[:5]) + note, skipped=not gated)
+
+
+def _together_checks(t: Together | None, p: Policy, noise_missing: str | None = None) -> list[Check]:
     """batch_invariant: each prompt inside a batch of all the others (and of copies of
     itself) gives its tokens alone, or -- unless the policy asks for exact invariance -- at
     least flips no high-confidence token. concurrent_identical: identical requests in flight
@@ -594,17 +832,19 @@ def _together_checks(t: Together | None, p: Policy) -> list[Check]:
     if p.require_batch_invariant and t.baseline_not_invariant:  # judged against its engine
         problems = [d for d in t.divergences if d.cls != "near_tie"]
         figures += f"; the baseline is not batch-invariant either: {NOT_INVARIANT}"
+    excused = len(t.divergences) - len(t.high) if not p.require_batch_invariant else 0
+    unsure = [_untrusted_tau(excused, noise_missing)] if noise_missing and excused else []
     batch = Check("batch_invariant", len(problems) <= (0 if p.require_batch_invariant
-                                                         else p.max_high_confidence),
-                  figures + "".join("\n    " + _fmt_div(d) for d in problems[:5]))
-    concurrent = _concurrent_check(t, p)
+                                                         else p.max_high_confidence) and not unsure,
+                  "; ".join(unsure + [figures]) + "".join("\n    " + _fmt_div(d) for d in problems[:5]))
+    concurrent = _concurrent_check(t, p, noise_missing)
     return [batch, concurrent]
 
 
 NOT_INVARIANT = "this engine is not batch-invariant at ties, with or without speculation"
 
 
-def _concurrent_check(t: Together, p: Policy) -> Check:
+def _concurrent_check(t: Together, p: Policy, noise_missing: str | None = None) -> Check:
     """concurrent_identical: identical requests in flight together give one completion -- or,
     unless the policy is strict, differ only at near-ties (exact ties included: real servers
     batch identical requests out of step, and bf16 ties then go either way). Where the
@@ -617,6 +857,8 @@ def _concurrent_check(t: Together, p: Policy) -> Check:
     bad = [d for d in t.split_divergences if d.cls not in tolerated]
     if t.split and not t.split_divergences:  # split copies but nothing to classify: never excused
         bad = [None]
+    excused = len(t.split_divergences) - len([d for d in bad if d is not None])
+    unsure = [_untrusted_tau(excused, noise_missing)] if noise_missing and excused else []
     split = ", ".join(f"{pid}: {n} distinct" for pid, n in t.split.items())
     msg = (f"{t.copies} identical concurrent requests per prompt -> "
            + (f"more than one completion for {len(t.split)} prompt(s) ({split})" if t.split
@@ -629,7 +871,7 @@ def _concurrent_check(t: Together, p: Policy) -> Check:
         strict = " (strict: require_concurrent_identical)" if p.require_concurrent_identical else ""
         msg += (f"; {len([d for d in bad if d is not None])} split(s) not explained by a near-tie{strict}"
                 + "".join("\n    " + _fmt_div(d) for d in t.split_divergences[:5]))
-    return Check("concurrent_identical", not bad, msg)
+    return Check("concurrent_identical", not bad and not unsure, "; ".join(unsure + [msg]))
 
 
 def _pct(x: float | None) -> str:
@@ -646,7 +888,7 @@ def evaluate_suite(suite: Suite, policy: Policy, configs: Sequence[str] | None =
     """``golden_noise``: {config: |Δ| sample} recorded with the golden (golden.golden_noise)."""
     names = list(configs) if configs is not None else suite.configs()
     base_records = list(suite.records("baseline"))
-    noise = suite_noise(suite)
+    noise, noise_missing = measure_noise(suite)
     kernel = kernel_noise_sample(suite)
     tau_tie, tau_low = calibrate_thresholds(noise, policy.tie_noise_multiple, policy.low_noise_multiple,
                                             policy.tie_floor, policy.low_floor)
@@ -654,6 +896,7 @@ def evaluate_suite(suite: Suite, policy: Policy, configs: Sequence[str] | None =
     base_variant = baseline_not_invariant(suite, tau_tie, tau_low, noise)
     identity = next((r.identity for r in base_records if r.identity), {})
     results = [evaluate_config(suite, n, policy, tau_tie, tau_low, noise, base_records,
-                               golden_acceptance, detok, base_speed, kernel, golden_noise,
-                               base_variant) for n in names]
-    return SuiteResult(suite.id, suite.meta, identity, noise, tau_tie, tau_low, policy.to_dict(), results)
+                               golden_acceptance, detok, base_speed, noise_missing, kernel,
+                               golden_noise, base_variant) for n in names]
+    return SuiteResult(suite.id, suite.meta, identity, noise, tau_tie, tau_low, policy.to_dict(), results,
+                       noise_missing)

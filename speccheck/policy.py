@@ -27,6 +27,10 @@ class Policy:
     #: kernel choice legitimately varies between processes (e.g. autotuning).
     require_deterministic_logprobs: bool = True
     determinism_logprob_tolerance: float = 1e-6
+    #: the spec counters (drafts, accepted, per position) repeat run to run; off by default:
+    #: near-ties may flip accept/reject while the output repeats exactly (vLLM #53436), which
+    #: is performance nondeterminism, reported apart from output determinism
+    require_deterministic_acceptance: bool = False
     #: divergences that are not explained by a near-tie (see verify.classify_divergence)
     max_high_confidence: int = 0
     #: share of spec tokens equal to the baseline's teacher-forced argmax (the "99.6 %" figure)

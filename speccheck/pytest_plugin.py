@@ -15,6 +15,7 @@ import pytest
 
 __all__ = ["test_deterministic", "test_batch_invariant", "test_concurrent_identical",
            "test_agrees_with_baseline", "test_divergences_are_low_confidence",
+           "test_same_stopping", "test_counters_consistent", "test_acceptance_deterministic",
            "test_acceptance_not_regressed", "test_baseline_matches_golden"]
 
 #: generated for the baseline too (the others compare a spec config with the baseline)
@@ -132,6 +133,25 @@ def test_logprobs_consistent(spec_result, spec_config):
     """Where spec and baseline chose the same token, the reported logprobs match up to path
     noise: one by one, as a distribution, and in the flips they cause."""
     _assert_check(spec_result, spec_config, "logprobs_consistent")
+
+
+@pytest.mark.spec
+def test_same_stopping(spec_result, spec_config):
+    """Each output stops where the baseline's does (nothing past max_tokens or end-of-sequence),
+    unless a tolerated flip earlier in that prompt moved the stop."""
+    _assert_check(spec_result, spec_config, "same_stopping")
+
+
+@pytest.mark.spec
+def test_counters_consistent(spec_result, spec_config):
+    """The spec counters agree with each other and with the tokens emitted per iteration."""
+    _assert_check(spec_result, spec_config, "counters_consistent")
+
+
+@pytest.mark.spec
+def test_acceptance_deterministic(spec_result, spec_config):
+    """The spec counters repeat run to run (skipped unless require_deterministic_acceptance)."""
+    _assert_check(spec_result, spec_config, "acceptance_deterministic")
 
 
 @pytest.mark.spec

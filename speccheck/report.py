@@ -8,7 +8,7 @@ from pathlib import Path
 
 from speccheck.evaluate import ConfigResult, SuiteResult
 from speccheck.types import SpecConfig
-from speccheck.verify import Divergence
+from speccheck.verify import END, Divergence
 
 
 def _pct(x: float | None, digits: int = 2) -> str:
@@ -51,13 +51,15 @@ def attribution_str(a: dict) -> str:
         head = f"paths split: spec token from {', '.join(spec)}; baseline token from {', '.join(base)}"
     else:
         head = "unattributed: no alternative path reproduces the spec token"
-    return head
+    return head + "; " + " ".join(f"{label}→{tok}" for label, tok in sorted(a["paths"].items()))
 
 
 def divergence_line(d: Divergence, detok=None, attribution: dict | None = None) -> str:
     c = d.classification
 
     def tok(t: int) -> str:
+        if t == END:
+            return "⟨end⟩"
         return f"{detok([t])!r}({t})" if detok else str(t)
 
     rank = "absent" if c.spec_rank_in_base is None else f"rank {c.spec_rank_in_base + 1}"
@@ -71,9 +73,26 @@ def divergence_line(d: Divergence, detok=None, attribution: dict | None = None) 
     return line
 
 
+def noise_str(result: SuiteResult) -> str:
+    taus = f"tau_tie {result.tau_tie:.3f}, tau_low {result.tau_low:.3f}"
+    if result.noise_missing:
+        return (f"path noise NOT MEASURED ({result.noise_missing}) -> {taus} are the policy floors; "
+                "no divergence is excused by them")
+    return f"path noise {result.noise:.4f} nats -> {taus}"
+
+
+def counters_str(r: ConfigResult) -> str:
+    """The counters_consistent and acceptance_deterministic figures on one line."""
+    text = r.check("counters_consistent").message.splitlines()[0]
+    if r.acceptance_identical is not None:
+        text += (" · acceptance identical run to run" if r.acceptance_identical else
+                 f" · acceptance DIFFERS run to run ({len(r.acceptance_nondeterminism)} prompt(s))")
+    return text
+
+
 def diff_text(result: SuiteResult, detok=None) -> str:
     out = [f"suite {result.suite}  ({result.meta.get('engine')} engine, corpus {result.meta.get('corpus')})",
-           f"path noise {result.noise:.4f} nats -> tau_tie {result.tau_tie:.3f}, tau_low {result.tau_low:.3f}", ""]
+           noise_str(result), ""]
     for r in result.configs:
         out.append(f"{r.config}  —  {r.verdict.upper()}")
         if r.failed_runs:
@@ -93,6 +112,10 @@ def diff_text(result: SuiteResult, detok=None) -> str:
             attr = {(a["prompt_id"], a["position"]): a for a in r.attribution}
             for d in r.divergences:
                 out.append("    " + divergence_line(d, detok, attr.get((d.prompt_id, d.position))))
+            out.append(f"  stopping      {r.check('same_stopping').message.splitlines()[0]}")
+            for b in r.boundaries:
+                out.append("    " + b.describe())
+            out.append(f"  counters      {counters_str(r)}")
             if r.logprobs is not None:
                 out.append(f"  logprobs      {r.check('logprobs_consistent').message.splitlines()[0]}")
             if r.acceptance is not None:
@@ -148,7 +171,7 @@ def markdown_report(result: SuiteResult, detok=None) -> str:
         if key in ident:
             lines.append(f"| {key} | `{ident[key]}` |")
     lines += [f"| corpus | {result.meta.get('corpus')} (`{str(result.meta.get('corpus_hash'))[:16]}`) |",
-              f"| path noise | {result.noise:.4f} nats (tau_tie {result.tau_tie:.3f}, tau_low {result.tau_low:.3f}) |",
+              f"| path noise | {noise_str(result).removeprefix('path noise ')} |",
               "", "## Configs", "", sweep_table(result), ""]
     best = best_configs(result)
     if best:

@@ -45,6 +45,11 @@ class RunPlan:
     #: N > 0: per config, also one run of the whole corpus at once with every prompt N times
     #: (batch-composition invariance; N identical concurrent requests give one completion)
     concurrent: int = 0
+    #: label -> URL of a second server with other kernel settings to attribute with
+    #: (openai engine; not part of the suite's identity)
+    attribute_with: dict[str, str] = field(default_factory=dict)
+    #: max_tokens of prompts from corpora that carry none (Spec-Bench's question.jsonl)
+    max_tokens: int | None = None
 
     def suite_meta(self, corpus: Corpus) -> dict:
         return {"engine": self.engine, "model": self.model, "draft": self.draft,
@@ -131,7 +136,7 @@ def run_suite(plan: RunPlan, store: Store, log: Log = _print,
               progress: Callable[[int, int, str], None] | None = None) -> Suite:
     """Run every (config, repeat) not yet complete in the store, then rescore and attribute.
     ``progress(done, total, what)`` is called before each run and once at the end."""
-    corpus = load_corpus(plan.corpus)
+    corpus = load_corpus(plan.corpus, plan.max_tokens)
     suite = open_suite(plan, store, corpus)
     store.set_latest(suite.id)
     engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
@@ -170,8 +175,11 @@ def run_suite(plan: RunPlan, store: Store, log: Log = _print,
         if plan.rescore:
             rescore_suite(engine, suite, [c.name for c in plan.configs], log)
         if plan.attribute:
-            attribute_suite(plan, engine.attribution_variants(), suite,
-                            [c.name for c in plan.configs if not c.is_baseline], log)
+            spec_configs = [c for c in plan.configs if not c.is_baseline]
+            variants = engine.attribution_variants(spec_configs)
+            for label, url in plan.attribute_with.items():
+                variants[label] = engine.attribution_server_args(label, url)
+            attribute_suite(plan, variants, suite, [c.name for c in spec_configs], log)
     finally:
         engine.close()
     return suite
@@ -205,7 +213,7 @@ def _worker_main(argv: Sequence[str]) -> int:
     plan = RunPlan(**{**p, "configs": [SpecConfig(**c) for c in p["configs"]]})
     store = Store(request["store"])
     suite = store.suite(request["suite"])
-    corpus = load_corpus(plan.corpus)
+    corpus = load_corpus(plan.corpus, plan.max_tokens)
     try:
         engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
     except EngineUsageError as e:
@@ -298,7 +306,9 @@ def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: S
             log(f"attribution variant {label} failed: {e}")
             continue
         for it, s in zip(all_items, scored):
-            it.setdefault("paths", {})[label] = int(s.topk_ids[it["position"], 0])
+            token = int(s.topk_ids[it["position"], 0])
+            if token >= 0:  # -1: that path could not compute this position (engine says why)
+                it.setdefault("paths", {})[label] = token
     for name, items in todo.items():
         for it in items:
             paths = it.pop("paths", {})

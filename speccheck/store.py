@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterator
 
@@ -101,6 +101,15 @@ def _unragged(flat: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
     return [flat[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
+def _counters(d: dict | None) -> SpecCounters | None:
+    """Stored counters; keys this version does not know are left out (a newer speccheck may
+    store more), keys it knows but the store lacks take their defaults (``iterations``)."""
+    if not d:
+        return None
+    known = {f.name for f in fields(SpecCounters)}
+    return SpecCounters(**{k: v for k, v in d.items() if k in known})
+
+
 def read_run(d: Path) -> RunRecord:
     """One stored run directory (manifest.json + arrays.npz) as a RunRecord."""
     m = _load_json(d / "manifest.json")
@@ -120,7 +129,7 @@ def read_run(d: Path) -> RunRecord:
                 topk_logprobs=a["topk_logprobs"][sl], text=meta["text"],
                 finish_reason=meta["finish_reason"], ttft_s=meta["ttft_s"],
                 decode_s=meta["decode_s"],
-                spec=SpecCounters(**meta["spec"]) if meta["spec"] else None))
+                spec=_counters(meta["spec"])))
     cfg = m["config"]
     return RunRecord(
         config=SpecConfig(cfg["method"], cfg["k"], cfg.get("draft")), identity=m["identity"],

@@ -75,6 +75,9 @@ class SpecCounters:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # accepted count at draft position i
+    #: verify steps the engine ran for the request, with and without a draft (None where the
+    #: engine cannot say, e.g. a server's /metrics): what tokens/iteration is checked against
+    iterations: int | None = None
 
     def __add__(self, other: "SpecCounters") -> "SpecCounters":
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
@@ -85,6 +88,8 @@ class SpecCounters:
             self.draft_tokens + other.draft_tokens,
             self.accepted_tokens + other.accepted_tokens,
             [x + y for x, y in zip(a, b)],
+            None if self.iterations is None or other.iterations is None
+            else self.iterations + other.iterations,
         )
 
     def to_dict(self) -> dict:
@@ -175,7 +180,7 @@ class RunRecord:
         counters = [c.spec for c in self.completions if c.spec is not None]
         if not counters:
             return None
-        total = SpecCounters()
-        for c in counters:
+        total = counters[0] + SpecCounters(iterations=0)  # a copy, iterations kept (or None)
+        for c in counters[1:]:
             total = total + c
         return total

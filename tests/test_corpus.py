@@ -221,3 +221,41 @@ def test_tokenizer_special_ids_and_round_trip():
         assert tok.decode(ids, skip_special_tokens=False) == text
         if p.category == "ocr_ja":  # Japanese got merges, not 3 bytes per character
             assert len(ids) < 0.6 * len(text.encode("utf-8"))
+
+
+# --- Spec-Bench's question.jsonl, read directly ---------------------------------------------
+
+def _spec_bench_file(tmp_path, lines):
+    """A tiny synthetic file in Spec-Bench's question.jsonl format (written here: the real
+    third-party prompts are read at run time, never committed)."""
+    path = tmp_path / "question.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_spec_bench_questions_become_chat_prompts(tmp_path):
+    path = _spec_bench_file(tmp_path, [
+        {"question_id": 81, "category": "writing", "turns": ["Write a haiku.", "Shorter."]},
+        {"question_id": "qa_7", "category": "qa", "turns": ["Who wrote Emma?"],
+         "reference": ["Austen"]},
+    ])
+    c = load_corpus(str(path))
+    assert [p.id for p in c.prompts] == ["81", "qa_7"]
+    assert c.categories() == {"writing": 1, "qa": 1}
+    assert c.prompts[0].messages == ({"role": "user", "content": "Write a haiku."},)
+    assert all(p.max_tokens == 128 for p in c.prompts)
+    longer = load_corpus(str(path), max_tokens=256)
+    assert all(p.max_tokens == 256 for p in longer.prompts) and longer.hash != c.hash
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ({"question_id": 2, "category": "qa"}, "missing field"),
+    ({"question_id": 2, "category": "qa", "turns": []}, "turns"),
+    ({"question_id": 2, "category": "", "turns": ["x"]}, "category"),
+    ({"question_id": 1, "category": "qa", "turns": ["again"]}, "duplicate"),
+])
+def test_spec_bench_bad_lines_name_file_and_line(tmp_path, bad, msg):
+    path = _spec_bench_file(tmp_path, [{"question_id": 1, "category": "qa", "turns": ["x"]}, bad])
+    with pytest.raises(CorpusError, match=msg) as e:
+        load_corpus(str(path))
+    assert f"{path}:2" in str(e.value)

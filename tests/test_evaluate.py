@@ -5,10 +5,10 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import pytest
 
-from speccheck.evaluate import evaluate_suite
+from speccheck.evaluate import CHECKS, evaluate_suite
 from speccheck.gate import exit_code, gate_text, write_junit
 from speccheck.policy import Policy
-from speccheck.report import markdown_report
+from speccheck.report import diff_text, markdown_report
 from speccheck.store import Store
 from speccheck.types import Completion, RunRecord, Scored, SpecConfig, SpecCounters
 
@@ -57,18 +57,25 @@ def scored_for(tokens_by_prompt):
     return out
 
 
+#: per prompt of 6 tokens: 2 verify steps, each with a 3-token draft, 3 accepted (2 + 3 = 5)
+MTP_COUNTERS = SpecCounters(2, 6, 3, [2, 1, 0], iterations=2)
+#: one 7-token draft, 4 accepted (1 + 4 = 5); steps not counted, as a server's /metrics
+DFLASH_COUNTERS = SpecCounters(1, 7, 4, [1, 1, 1, 1, 0, 0, 0])
+
+
 @pytest.fixture
 def suite(tmp_path):
     s = Store(tmp_path).suite("t", {"corpus_hash": "h", "engine": "t", "corpus": "c"})
-    counters = SpecCounters(4, 12, 8, [4, 3, 1])
+    # each prompt: 6 tokens = the first (prefill) + 5 from verify steps
     for r in (0, 1):
         write(s, "baseline", [comp(p, t, NEAR.get(p)) for p, t in BASE.items()], r, fresh=r == 1)
-        write(s, "mtp-k3", [comp(p, t, NEAR.get(p), spec=counters) for p, t in BASE.items()], r)
+        write(s, "mtp-k3", [comp(p, t, NEAR.get(p), spec=MTP_COUNTERS) for p, t in BASE.items()], r)
     # near-tie flip at a[3] then a different continuation
     flipped = BASE["a"][:3] + [BASE["a"][3] + 1, 40, 41]
     for r in (0, 1):
-        write(s, "dflash-k7", [comp("a", flipped, NEAR["a"], counters, flip_at=3, base_token=BASE["a"][3])]
-              + [comp(p, BASE[p], spec=counters) for p in ("b", "c")], r)
+        write(s, "dflash-k7", [comp("a", flipped, NEAR["a"], DFLASH_COUNTERS, flip_at=3,
+                                    base_token=BASE["a"][3])]
+              + [comp(p, BASE[p], spec=DFLASH_COUNTERS) for p in ("b", "c")], r)
     for name in ("baseline", "mtp-k3", "dflash-k7"):
         toks = {c.prompt_id: c.token_ids.tolist() for c in s.load_run(name, 0).completions}
         s.write_rescore(name, 0, list(toks), list(scored_for(toks).values()))
@@ -80,7 +87,9 @@ def test_clean_suite_passes_with_figures(suite):
     assert res.passed and exit_code(res) == 0
     mtp = res.get("mtp-k3")
     assert mtp.prompts_exact == 3 and mtp.prefix_agreement == 1.0 and mtp.token_agreement == 1.0
-    assert mtp.acceptance.tokens_per_iter == pytest.approx(3.0)
+    assert mtp.acceptance.tokens_per_iter == pytest.approx(2.5)
+    assert all(c.passed and not c.skipped for c in mtp.checks
+               if c.name in ("same_stopping", "counters_consistent"))
     d = res.get("dflash-k7")
     assert [x.position for x in d.divergences] == [3] and d.divergences[0].classification.cls == "near_tie"
     assert d.prefix_agreement == pytest.approx(15 / 18)
@@ -97,7 +106,7 @@ def test_nondeterminism_fails_only_determinism(suite):
 
 
 def test_high_confidence_divergence_fails_with_evidence(suite):
-    bad = [comp("a", [5, 6, 30, 31, 32, 33], spec=SpecCounters(2, 6, 1, [1, 0, 0]))]
+    bad = [comp("a", [5, 6, 30, 31, 32, 33], spec=SpecCounters(2, 10, 3, [1, 1, 1, 0, 0]))]
     write(suite, "mtp-k5", bad)
     write(suite, "mtp-k5", bad, repeat=1)
     res = evaluate_suite(suite, Policy(min_token_agreement=0.5), ["baseline", "mtp-k5"])
@@ -188,3 +197,185 @@ def test_batch_changes_near_tie_passes_high_confidence_fails(suite):
     write_together(suite, "mtp-k3", [wild])
     c = evaluate_suite(suite, Policy(min_token_agreement=0.5)).get("mtp-k3").check("batch_invariant")
     assert not c.passed and "prompt a position 2" in c.message and "high_confidence" in c.message
+
+
+# --- missing evidence ----------------------------------------------------------------------------
+
+def test_missing_spec_rescoring_fails_agreement_naming_the_redo(suite):
+    suite.rescore_path("mtp-k3", 0).unlink()
+    res = evaluate_suite(suite, Policy(min_token_agreement=0.5))
+    mtp = res.get("mtp-k3")
+    agree = mtp.check("agrees_with_baseline")
+    assert mtp.token_agreement is None and not agree.passed
+    assert "no teacher-forced rescoring of mtp-k3 r0" in agree.message and "speccheck run" in agree.message
+    assert not mtp.check("divergences_are_low_confidence").passed  # past the first: unknown
+    assert exit_code(res) == 1 and res.get("dflash-k7").verdict == "pass"
+
+
+@pytest.mark.parametrize("damage", ["prompt missing", "wrong length"])
+def test_incomplete_spec_rescoring_fails_agreement(suite, damage):
+    toks = {c.prompt_id: c.token_ids.tolist() for c in suite.load_run("mtp-k3", 0).completions}
+    scored = scored_for(toks)
+    if damage == "prompt missing":
+        del scored["b"]
+    else:
+        s = scored["b"]
+        scored["b"] = Scored(s.topk_ids[:-2], s.topk_logprobs[:-2], s.token_logprobs[:-2])
+    suite.write_rescore("mtp-k3", 0, list(scored), list(scored.values()))
+    agree = evaluate_suite(suite, Policy(min_token_agreement=0.5)).get("mtp-k3").check("agrees_with_baseline")
+    assert not agree.passed and "incomplete" in agree.message and "Delete that file" in agree.message
+    assert ("b not scored" if damage == "prompt missing" else "b (4 score rows for 6 tokens)") in agree.message
+
+
+def test_unmeasured_path_noise_excuses_nothing(suite):
+    """Without the baseline's rescoring, tau comes from the floors: the near-tie of dflash-k7
+    is not excused, and the report says the noise was not measured (not 0.0000)."""
+    suite.rescore_path("baseline", 0).unlink()
+    res = evaluate_suite(suite, Policy(min_token_agreement=0.5))
+    assert res.noise_missing and "baseline r0" in res.noise_missing
+    d = res.get("dflash-k7")
+    chk = d.check("divergences_are_low_confidence")
+    assert not chk.passed and "not calibrated" in chk.message
+    assert res.get("mtp-k3").check("divergences_are_low_confidence").passed  # nothing to excuse
+    text = diff_text(res)
+    assert "path noise NOT MEASURED" in text and "0.0000" not in text
+
+
+def test_no_baseline_is_missing_evidence(tmp_path):
+    s = Store(tmp_path).suite("t", {"corpus_hash": "h", "engine": "t", "corpus": "c"})
+    for r in (0, 1):
+        write(s, "mtp-k3", [comp(p, t, spec=MTP_COUNTERS) for p, t in BASE.items()], r)
+    res = evaluate_suite(s, Policy())
+    r = res.get("mtp-k3")
+    agree = r.check("agrees_with_baseline")
+    assert not agree.passed and "no complete baseline" in agree.message and exit_code(res) == 1
+    for name in ("divergences_are_low_confidence", "same_stopping"):
+        assert not r.check(name).passed and "no prompt was compared" in r.check(name).message
+
+
+# --- output boundaries ----------------------------------------------------------------------------
+
+EOS = 49
+
+
+def _stop(pid, tokens, **kw):
+    c = comp(pid, tokens, **kw)
+    c.finish_reason = "stop" if tokens and tokens[-1] == EOS else "length"
+    return c
+
+
+def detok(ids):
+    return " ".join(f"t{i}" for i in ids)
+
+
+@pytest.mark.parametrize("case", ["past max_tokens", "stops early", "past end-of-sequence"])
+def test_output_boundaries_fail_same_stopping_without_a_crash(tmp_path, case):
+    s = Store(tmp_path).suite("t", {"corpus_hash": "h", "engine": "t", "corpus": "c"})
+    base = {"a": [5, 6, 7, 8, 9, 10], "e": [1, 2, 3, EOS]}
+    spec = dict(base)
+    if case == "past max_tokens":
+        spec["a"] = base["a"] + [11, 12]  # accepted drafts past max_tokens = 6
+    elif case == "stops early":
+        spec["a"] = base["a"][:4]
+    else:
+        spec["e"] = base["e"] + [4, 5]  # an accepted draft ran past end-of-sequence
+    for r in (0, 1):
+        write(s, "baseline", [_stop(p, t) for p, t in base.items()], r)
+        write(s, "mtp-k3", [_stop(p, t) for p, t in spec.items()], r)
+    for name in ("baseline", "mtp-k3"):
+        toks = {c.prompt_id: c.token_ids.tolist() for c in s.load_run(name, 0).completions}
+        sc = {p: Scored(*dist(t)[:2], dist(t)[1][:, 0]) for p, t in toks.items()}
+        s.write_rescore(name, 0, list(sc), list(sc.values()))
+    res = evaluate_suite(s, Policy(), detok=detok)
+    r = res.get("mtp-k3")
+    chk = r.check("same_stopping")
+    assert not chk.passed and "nothing earlier explains it" in chk.message
+    want = {"past max_tokens": "ran past max_tokens", "stops early": "stopped before",
+            "past end-of-sequence": "after an end-of-sequence token"}[case]
+    assert want in chk.message
+    assert r.check("divergences_are_low_confidence").passed  # judged by same_stopping alone
+    assert "same_stopping failed for config mtp-k3" in gate_text(res) and exit_code(res) == 1
+    assert "stopping" in diff_text(res, detok) and "⟨end⟩" in diff_text(res, detok)
+    markdown_report(res, detok)
+
+
+def test_a_near_tie_flip_may_move_the_stop(tmp_path):
+    s = Store(tmp_path).suite("t", {"corpus_hash": "h", "engine": "t", "corpus": "c"})
+    base = [5, 6, 7, 8, 9, 10, 11, EOS]
+    spec = [5, 6, 7, 9, 20, EOS]  # near-tie flip at 3, then a shorter answer
+    for r in (0, 1):
+        write(s, "baseline", [_stop("a", base, near={3})], r)
+        write(s, "mtp-k3", [_stop("a", spec, near={3}, flip_at=3, base_token=8)], r)
+    b_ids, b_lp = dist(base, near={3})
+    s.write_rescore("baseline", 0, ["a"], [Scored(b_ids, b_lp, b_lp[:, 0])])
+    t_ids, t_lp = dist(spec, near={3})
+    t_ids[3, :2] = [8, 9]  # teacher-forced, the baseline prefers its own token by 0.01 nats
+    s.write_rescore("mtp-k3", 0, ["a"], [Scored(t_ids, t_lp, np.where(t_ids[:, 0] == spec, t_lp[:, 0],
+                                                                          t_lp[:, 1]))])
+    res = evaluate_suite(s, Policy(min_token_agreement=0.0), detok=detok)
+    assert res.noise_missing is None
+    chk = res.get("mtp-k3").check("same_stopping")
+    assert chk.passed and "1 stop elsewhere after a tolerated flip" in chk.message
+    assert res.get("mtp-k3").boundaries[0].explained_by.position == 3
+
+
+# --- counters -------------------------------------------------------------------------------------
+
+def test_counters_that_count_the_bonus_token_fail(suite):
+    """The issue's engine: accepted counts the bonus token too (1 + accepted / drafts reads
+    high) while the per-position rates and the emitted tokens agree with each other."""
+    lying = SpecCounters(2, 6, 5, [2, 1, 0], iterations=2)  # 3 accepted + 2 bonus tokens
+    for r in (0, 1):
+        write(suite, "mtp-k3", [comp(p, t, NEAR.get(p), spec=lying) for p, t in BASE.items()], r)
+    r = evaluate_suite(suite, Policy(min_token_agreement=0.5)).get("mtp-k3")
+    chk = r.check("counters_consistent")
+    assert not chk.passed
+    assert "counters say 3.50, per-position rates say 2.50, emitted tokens say 2.50" in chk.message
+    assert "r0 prompt a: accepted tokens 5 != 3" in chk.message and "mtp-k3" in chk.message
+
+
+def test_impossible_counters_are_a_failed_check_not_a_traceback(suite):
+    impossible = SpecCounters(2, 6, 9, [2, 4, 3])  # more accepted than drafted
+    for r in (0, 1):
+        write(suite, "mtp-k3", [comp(p, t, NEAR.get(p), spec=impossible) for p, t in BASE.items()], r)
+    res = evaluate_suite(suite, Policy(min_token_agreement=0.5))
+    r = res.get("mtp-k3")
+    assert not r.check("counters_consistent").passed
+    assert "accepted tokens 9 > draft tokens 6" in r.check("counters_consistent").message
+    assert "impossible" in r.check("acceptance_not_regressed").message
+    assert exit_code(res) == 1 and "counters_consistent failed" in gate_text(res)
+
+
+def test_counters_within_truncation_slack_pass(suite):
+    """A last step whose accepted tokens were cut at max_tokens: counters say 2 more tokens
+    than were emitted, within K."""
+    cut = SpecCounters(2, 6, 5, [2, 2, 1], iterations=2)  # 2 + 5 = 7 tokens, 5 kept
+    for r in (0, 1):
+        write(suite, "mtp-k3", [comp(p, t, NEAR.get(p), spec=cut) for p, t in BASE.items()], r)
+    assert evaluate_suite(suite, Policy(min_token_agreement=0.5)).get("mtp-k3").check("counters_consistent").passed
+
+
+def test_acceptance_determinism_reported_and_gated_on_request(suite):
+    other = SpecCounters(3, 9, 2, [1, 1, 0], iterations=3)  # same tokens, other accept/reject
+    write(suite, "mtp-k3", [comp(p, t, NEAR.get(p), spec=other) for p, t in BASE.items()], repeat=1)
+    res = evaluate_suite(suite, Policy(min_token_agreement=0.5))
+    r = res.get("mtp-k3")
+    chk = r.check("acceptance_deterministic")
+    assert r.acceptance_identical is False and chk.skipped and "differ run to run" in chk.message
+    assert r.check("deterministic").passed and res.passed
+    assert "acceptance DIFFERS run to run (3 prompt(s))" in diff_text(res)
+    gated = evaluate_suite(suite, Policy(min_token_agreement=0.5, require_deterministic_acceptance=True))
+    c = gated.get("mtp-k3").check("acceptance_deterministic")
+    assert not c.passed and not c.skipped and "prompt a counters 3 drafts" in c.message
+    assert evaluate_suite(suite, Policy(min_token_agreement=0.5)).get("dflash-k7").acceptance_identical
+
+
+def test_every_check_reaches_junit_and_diff(suite, tmp_path):
+    res = evaluate_suite(suite, Policy(min_token_agreement=0.5))
+    assert [c.name for c in res.get("mtp-k3").checks] == list(CHECKS)
+    write_junit(res, tmp_path / "j.xml")
+    names = {c.get("name") for c in ET.parse(tmp_path / "j.xml").getroot().iter("testcase")}
+    assert {f"{n}[mtp-k3]" for n in CHECKS} <= names
+    text = diff_text(res)
+    assert "stopping      3/3 prompts stop where the baseline does" in text
+    assert "counters      tokens/iteration: counters say 2.50" in text

@@ -68,7 +68,8 @@ def test_reproduces_in_process_engine(config, ref, prompts):
         if cfg.is_baseline:
             assert g.spec is None or g.spec.drafts == 0
         else:
-            assert g.spec == w.spec
+            # a server's /metrics cannot say how many verify steps a request took
+            assert g.spec == dataclasses.replace(w.spec, iterations=None)
     if not cfg.is_baseline:
         assert sum(c.spec.drafts for c in got) > 0
     assert ident["engine"] == "openai" and ident["base_url"] == url
@@ -320,7 +321,7 @@ def test_capture_of_serve_replays_to_the_engine_s_own_outputs(ref, tmp_path):
                         4)[0]
     np.testing.assert_array_equal(comp.token_ids, want.token_ids)
     np.testing.assert_array_equal(comp.topk_ids, want.topk_ids)
-    assert delta == want.spec and delta.drafts > 0
+    assert delta == dataclasses.replace(want.spec, iterations=None) and delta.drafts > 0
     np.testing.assert_array_equal(scored.topk_ids[:, 0], comp.token_ids)  # greedy: top-1
 
 

@@ -10,6 +10,7 @@ from speccheck.engines.base import EngineUsageError
 from speccheck.engines.reference.decode import FAULTS
 from speccheck.engines.reference.engine import ReferenceEngine
 from speccheck.types import Prompt, SpecConfig
+from speccheck.verify import counter_problems
 
 #: equal numerics in decode and verify: fp32, recurrent GDN and per-query attention in both
 EQUAL = {"dtype": "fp32", "gdn_decode": "recurrent", "gdn_verify": "recurrent",
@@ -59,6 +60,10 @@ def test_lossless_with_equal_numerics(equal_engine, prompts, baseline, method, k
     assert 0 < tot.accepted_tokens < tot.draft_tokens  # drafts are accepted and rejected
     assert sum(tot.accepted_per_pos) == tot.accepted_tokens
     assert all(a >= b for a, b in zip(tot.accepted_per_pos, tot.accepted_per_pos[1:]))
+    for c in out:  # every verify step drafted, and the steps explain the tokens emitted
+        s = c.spec
+        assert s.iterations == s.drafts and not counter_problems(
+            s.drafts, s.draft_tokens, s.accepted_tokens, s.accepted_per_pos, k, c.n_tokens - 1, s.iterations)
 
 
 def test_completion_fields(baseline, prompts):

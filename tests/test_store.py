@@ -108,3 +108,31 @@ def test_new_first_repeat_drops_stale_rescoring(suite):
     suite.write_attribution("mtp-k3", [])
     suite.write_run(record())
     assert suite.load_rescore("mtp-k3", 0) is None and suite.load_attribution("mtp-k3") is None
+
+
+def test_counters_iterations_round_trip_and_old_stores_load(suite):
+    """SpecCounters.iterations is stored and read back; a store written before the field
+    existed (no "iterations" key) loads with None, and a key of a newer version is ignored."""
+    a = completion("a", 5)
+    a.spec = SpecCounters(2, 6, 2, [1, 1, 0], iterations=3)
+    suite.write_run(record(comps=[a, completion("b", 4)]))
+    back = suite.load_run("mtp-k3", 0).completions
+    assert back[0].spec.iterations == 3 and back[1].spec.iterations is None
+    manifest = suite.run_dir("mtp-k3", 0) / "manifest.json"
+    m = json.loads(manifest.read_text())
+    del m["completions"][0]["spec"]["iterations"]
+    m["completions"][1]["spec"]["from_a_newer_version"] = 1
+    manifest.write_text(json.dumps(m))
+    old = suite.load_run("mtp-k3", 0).completions
+    assert old[0].spec == SpecCounters(2, 6, 2, [1, 1, 0]) and old[1].spec == SpecCounters(3, 9, 4, [2, 1, 1])
+
+
+def test_counters_add_keeps_iterations_only_when_every_side_has_them():
+    a, b = SpecCounters(1, 3, 2, [1, 1, 0], 2), SpecCounters(2, 6, 1, [1], 4)
+    assert (a + b) == SpecCounters(3, 9, 3, [2, 1, 0], 6)
+    assert (a + SpecCounters(1, 3, 0, [0, 0, 0])).iterations is None
+    rec = record(comps=[completion("x", 3), completion("y", 3)])
+    rec.completions[0].spec, rec.completions[1].spec = a, b
+    assert rec.spec_total() == a + b and rec.spec_total() is not a
+    rec.completions[1].spec = SpecCounters(1, 3, 0, [0, 0, 0])
+    assert rec.spec_total().iterations is None

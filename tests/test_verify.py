@@ -6,11 +6,12 @@ import math
 import numpy as np
 import pytest
 
-from speccheck.verify import (END, acceptance_of, acceptance_summary, calibrate_thresholds,
-                              classify_divergence, determinism, find_divergences,
-                              first_divergence, margins, path_noise, prefix_agreement, rank_of,
+from speccheck.verify import (END, Boundary, acceptance_of, acceptance_summary,
+                              boundary_divergence, calibrate_thresholds, classify_divergence,
+                              counter_problems, determinism, find_divergences, first_divergence,
+                              margins, path_noise, prefix_agreement, rank_of, stop_tokens,
                               teacher_forced_agreement, teacher_forced_divergences,
-                              text_similarity, unique_completions)
+                              text_similarity, tokens_per_iteration_views, unique_completions)
 
 A = np.array
 
@@ -210,3 +211,79 @@ def test_determinism_sees_logprob_drift_under_identical_tokens():
     assert determinism([toks, toks], [lp, [lp[0] + 1e-7]], logprob_tolerance=1e-6).logprobs_identical
     flipped = determinism([toks, [np.array([1, 9, 3])]], [lp, [lp[0] + np.float32([0, 1, 1])]])
     assert not flipped.identical and flipped.logprobs_identical
+
+
+# --- counters and boundaries -------------------------------------------------------------------
+
+
+def test_counter_problems_name_each_impossibility():
+    ok = dict(drafts=4, draft_tokens=12, accepted_tokens=6, accepted_per_pos=[3, 2, 1], k=3)
+    assert counter_problems(**ok, emitted=10, iterations=4) == []
+    assert counter_problems(**ok, emitted=8, iterations=4) == []  # 2 accepted, cut at a stop
+    assert counter_problems(**ok, emitted=10) == []  # steps unknown: every step drafted
+    bonus = counter_problems(4, 12, 10, [3, 2, 1], 3, emitted=10, iterations=4)
+    assert any("accepted tokens 10 != 6" in p for p in bonus)
+    assert any("14 tokens after the first, but 10 were emitted" in p for p in bonus)
+    assert any("increases" in p for p in counter_problems(4, 12, 6, [1, 2, 3], 3))
+    assert any("x K 3 = 12 != draft tokens 10" in p for p in counter_problems(4, 10, 6, [3, 2, 1], 3))
+    assert any("negative" in p for p in counter_problems(4, 12, -1, [], 3))
+    assert any("> draft tokens" in p for p in counter_problems(1, 3, 4, [], 3))
+    assert any("above drafts" in p for p in counter_problems(1, 3, 3, [2, 1, 0], 3))
+    assert any("in only 3 verify steps" in p for p in counter_problems(**ok, iterations=3))
+    # more tokens than the steps explain (no steps without a draft were counted)
+    assert any("were emitted" in p for p in counter_problems(**ok, emitted=11))
+
+
+def test_tokens_per_iteration_three_ways():
+    v = tokens_per_iteration_views(100, 166, [42, 25, 15], 182, 100)
+    assert v == pytest.approx({"counters": 2.66, "per-position rates": 1.82, "emitted tokens": 1.82})
+    assert tokens_per_iteration_views(0, 0, [], 0, None)["counters"] is None
+
+
+def test_stop_tokens_from_stopped_streams_only():
+    assert stop_tokens([([1, 2, 9], "stop"), ([3, 9], "stop"), ([4, 5], "length")]) == {9}
+    # a stop string ended a stream on an ordinary token (9) seen mid-stream elsewhere
+    assert stop_tokens([([1, 2, 9], "stop"), ([2, 9, 3], "stop")]) == {3}
+
+
+def test_boundaries():
+    d = find_divergences("p", [1, 2, 3], *_rows([1, 2, 3]), [1, 2, 3, 4], *_rows([1, 2, 3, 4]),
+                         0.1, 0.2, 0.01)
+    b = boundary_divergence("p", [1, 2, 3], "length", [1, 2, 3, 4], "length", d[0], {9})
+    assert isinstance(b, Boundary) and b.kind == "past_max_tokens" and not b.explained
+    assert b.spec_past == (4,) and "ran past max_tokens at position 3" in b.describe()
+    b = boundary_divergence("p", [1, 9], "stop", [1, 9, 5], "length", None, {9})
+    assert b.kind == "past_end_of_sequence" and b.position == 2
+    # the baseline itself went on past end-of-sequence (ignore_eos): not a violation
+    assert boundary_divergence("p", [9, 1, 2], "length", [9, 1, 2], "length", None, {9}) is None
+    b = boundary_divergence("p", [1, 2, 9], "stop", [1, 2], "length", None, {9})
+    assert b.kind == "stops_early" and not b.explained
+    b = boundary_divergence("p", [1, 2, 3], "stop", [1, 2, 3], "length", None, {9})
+    assert b.kind == "finish_differs" and not b.explained
+    assert boundary_divergence("p", [1, 2], "length", [1, 2], "length", None, {9}) is None
+
+
+def _rows(tokens):
+    ids = np.array([[t, t + 1] for t in tokens], np.int32).reshape(len(tokens), 2)
+    return ids, np.tile(np.array([-0.1, -3.0], np.float32), (len(tokens), 1))
+
+
+def test_end_of_sequence_after_a_flip_where_the_baseline_ran_to_max_tokens():
+    """The baseline never stopped at end-of-sequence here (it may ignore it): a spec that
+    reached one after a near-tie flip and went on is explained; past max_tokens never is."""
+    b_ids = np.array([[1, 2], [2, 5], [3, 4]], np.int32)
+    lp = np.tile(np.array([-0.1, -0.11], np.float32), (3, 1))
+    s_ids = np.array([[1, 2], [5, 2], [9, 3]], np.int32)
+    d = find_divergences("p", [1, 2, 3], b_ids, lp, [1, 5, 9], s_ids, lp, 0.1, 0.2, 0.01)
+    assert d[0].cls == "near_tie"
+    b = boundary_divergence("p", [1, 2, 3], "length", [1, 5, 9], "length", d[0], {9})
+    assert b is None  # same length: the EOS was the last token
+    s4 = np.vstack([s_ids, [[4, 3]]])
+    d = find_divergences("p", [1, 2, 3], b_ids, lp, [1, 5, 9, 4], s4, np.vstack([lp, lp[:1]]),
+                         0.1, 0.2, 0.01)
+    b = boundary_divergence("p", [1, 2, 3], "length", [1, 5, 9, 4], "length", d[0], {9})
+    assert b.kind == "past_max_tokens" and not b.explained
+    b = boundary_divergence("p", [1, 2, 3, 7], "length", [1, 5, 9, 4], "length", d[0], {9})
+    assert b.kind == "past_end_of_sequence" and b.explained
+    b = boundary_divergence("p", [1, 2, 3, 9], "stop", [1, 5, 9, 4], "length", d[0], {9})
+    assert b.kind == "past_end_of_sequence" and not b.explained

@@ -260,8 +260,11 @@ def test_identity_records_requested_knobs_and_env(dirs):
         "env.VLLM_USE_FLASHINFER_SAMPLER": "0"})
     ident = eng.identity()
     assert ident["engine"] == "vllm"
-    assert ident["attention_backend"] == "TRITON_ATTN"
-    assert ident["gdn_prefill_backend"] == "triton"
+    # asked for, not yet read back: what ran stays unknown until a worker answers
+    assert ident["attention_backend_requested"] == "TRITON_ATTN"
+    assert ident["gdn_prefill_backend_requested"] == "triton"
+    assert ident["attention_backend"] is None and ident["gdn_prefill_backend"] is None
+    assert ident["kernels_read_back"] is False
     assert ident["env"]["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     assert ident["kernel_knobs"]["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
 
@@ -361,6 +364,41 @@ def position(ids, k, token):
     return {t: SimpleNamespace(logprob=lp, rank=rank[t], decoded_token=None) for t, lp in keep.items()}
 
 
+class Backend:
+    def __init__(self, name):
+        self.name = name
+
+    def get_name(self):
+        return self.name
+
+
+def fake_worker(kwargs, spec):
+    """vLLM 0.26's worker as the kernel probe reads it: model_runner.vllm_config
+    .compilation_config.static_forward_context with attention layers (attn_backend) and GDN
+    layers (gdn_prefill_backend, enable_packed_recurrent_decode), resolved like vLLM on an
+    SM90 GPU: attention auto -> FLASH_ATTN, GDN prefill auto -> flashinfer."""
+    import os
+    add = kwargs.get("additional_config") or {}
+    gdn = (kwargs.get("gdn_prefill_backend") or add.get("gdn_prefill_backend") or "auto")
+    gdn = "flashinfer" if gdn == "auto" else gdn
+    attn = kwargs.get("attention_backend") or "FLASH_ATTN"
+    packed = os.environ.get("VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE", "1") != "0"
+    ctx = {f"model.layers.{i}.linear_attn": SimpleNamespace(
+               gdn_prefill_backend=gdn, enable_packed_recurrent_decode=packed) for i in (0, 1, 2)}
+    ctx["model.layers.3.self_attn.attn"] = SimpleNamespace(attn_backend=Backend(attn))
+    drafter = None
+    if spec:
+        ctx["mtp.layers.0.self_attn.attn"] = SimpleNamespace(attn_backend=Backend("FLASH_ATTN"))
+        drafter = SimpleNamespace(_draft_attn_layer_names={"mtp.layers.0.self_attn.attn"})
+    eager = bool(kwargs.get("enforce_eager"))
+    cc = SimpleNamespace(static_forward_context=ctx,
+                         cudagraph_mode="NONE" if eager else "FULL_AND_PIECEWISE",
+                         mode=SimpleNamespace(name="NONE" if eager else "VLLM_COMPILE"),
+                         cudagraph_capture_sizes=[] if eager else [1, 2, 4, 8])
+    cfg = SimpleNamespace(compilation_config=cc, model_config=SimpleNamespace(enforce_eager=eager))
+    return SimpleNamespace(model_runner=SimpleNamespace(vllm_config=cfg, drafter=drafter))
+
+
 class LLM:
     def __init__(self, model, speculative_config=None, **kwargs):
         if "bogus_arg" in kwargs:
@@ -369,9 +407,24 @@ class LLM:
         self.kwargs = kwargs
         self.counts = [0, 0, 0]
         self.per_pos = [0] * (speculative_config or {}).get("num_speculative_tokens", 0)
-        self.llm_engine = SimpleNamespace()
+        self.calls = 0
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=12),
+            speculative_config=SimpleNamespace(method=self.spec["method"],
+                                               num_speculative_tokens=len(self.per_pos))
+            if self.spec else None,
+            additional_config=kwargs.get("additional_config") or {}))
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return [method(fake_worker(self.kwargs, self.spec), *args, **(kwargs or {}))]
 
     def generate(self, prompts, sp, use_tqdm=True):
+        self.calls += 1
+        import os
+        log = os.environ.get("FAKE_VLLM_CALL_LOG")
+        if log:  # the test reads how many generate() calls and prompts each call had
+            with open(log, "a") as f:
+                f.write(f"{len(prompts)}\\n")
         outs = []
         for p, sp in zip(prompts, sp if isinstance(sp, list) else [sp] * len(prompts)):
             ids = list(p["prompt_token_ids"])
@@ -518,3 +571,119 @@ def test_identity_after_dflash_call_carries_k_note(fake_vllm):
         assert eng.identity()["notes"] == []
     finally:
         eng.close()
+
+
+# ---------------------------------------------------------------- kernel paths, fake vLLM
+
+def test_identity_names_the_kernels_read_back_from_the_engine(fake_vllm):
+    """With the fake vLLM (test double shaped like vLLM 0.26's worker): after a call, the
+    identity names the backends the (fake) engine resolved, not the arguments: nothing was
+    asked for, yet FLASH_ATTN, flashinfer GDN prefill and CUDA graphs are recorded."""
+    target, _ = fake_vllm
+    eng = VllmEngine(model=str(target), engine_args={"warmup": "false"})
+    try:
+        p, ids = [Prompt("a", "x", 5, text="a")], [[1, 2]]
+        eng.generate(p, ids, SpecConfig("mtp", 3), 5)
+        ident = eng.identity()
+        assert ident["attention_backend_requested"] == "auto"
+        assert ident["attention_backend"] == "FLASH_ATTN"
+        assert ident["draft_attention_backend"] == "FLASH_ATTN"
+        assert ident["gdn_prefill_backend"] == "flashinfer"
+        assert ident["gdn_decode_kernel"] == "fla_packed_recurrent_decode"
+        assert ident["gdn_verify_kernel"] == "fused_sigmoid_gating_delta_rule_update"
+        assert ident["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+        assert ident["enforce_eager"] is False and ident["kernels_read_back"] is True
+        assert ident["kernel_knobs"]["gdn_prefill_backend"] == "flashinfer"
+    finally:
+        eng.close()
+    eng = VllmEngine(model=str(target), engine_args={
+        "warmup": "false", "enforce_eager": "true", "attention_backend": "TRITON_ATTN",
+        "additional_config": '{"gdn_prefill_backend": "triton"}',
+        "env.VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE": "0"})
+    try:
+        eng.generate([Prompt("a", "x", 5, text="a")], [[1, 2]], SpecConfig(), 5)
+        ident = eng.identity()
+        assert (ident["attention_backend"], ident["gdn_prefill_backend"]) == ("TRITON_ATTN", "triton")
+        assert ident["gdn_decode_kernel"] == "fused_sigmoid_gating_delta_rule_update"
+        assert ident["gdn_verify_kernel"] is None  # the baseline has no verify step
+        assert ident["cudagraph_mode"] == "NONE" and ident["enforce_eager"] is True
+    finally:
+        eng.close()
+
+
+def test_attribution_variants_follow_what_ran(fake_vllm):
+    """With the fake vLLM (test double): variants are relative to the resolved settings;
+    each flips one switch that differs from them."""
+    target, draft = fake_vllm
+    eng = VllmEngine(model=str(target), draft=str(draft), engine_args={"warmup": "false"})
+    try:
+        eng.generate([Prompt("a", "x", 4, text="a")], [[1, 2]], SpecConfig(), 5)
+        v = eng.attribution_variants([SpecConfig("mtp", 3), SpecConfig("dflash", 7)])
+    finally:
+        eng.close()
+    assert v["decode"] == {"score_path": "decode"}
+    assert v["decode gdn=fused_sigmoid_gating"]["env.VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE"] == "0"
+    assert v["decode eager"]["enforce_eager"] == "true"
+    assert v["verify mtp-k3"] == {"score_path": "verify", "score_spec": "mtp-k3"}
+    assert v["verify dflash-k7"]["score_spec"] == "dflash-k7"
+    assert json.loads(v["prefill gdn=triton"]["additional_config"]) == {"gdn_prefill_backend": "triton"}
+    assert "prefill attention=FLASH_ATTN" not in v and "prefill attention=TRITON_ATTN" in v
+    assert "prefill attention=FLASHINFER" not in v  # flashinfer is not installed there
+    assert v["prefill eager"] == {"enforce_eager": "true"}
+    # every variant is a valid set of engine args for this engine
+    for args in v.values():
+        split_engine_args({"warmup": "false", **args})
+
+
+def test_score_paths_through_the_worker(fake_vllm, tmp_path, monkeypatch):
+    """With the fake vLLM (test double): prefill scoring sends all sequences in as few
+    generate() calls as the scheduler's token budget (12 in the fake) allows; decode/verify
+    paths give the last two positions, which match the teacher-forced ones where the fake's
+    arithmetic model is the same on every path."""
+    target, draft = fake_vllm
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv("FAKE_VLLM_CALL_LOG", str(log))
+    def greedy(ids, n):  # the fake's arithmetic model: argmax = (7 len + sum) mod 50
+        out = []
+        for _ in range(n):
+            out.append((7 * len(ids + out) + sum(ids + out)) % 50)
+        return out
+
+    # greedy (the step reproduces the prefix), forced off-greedy (it does not), one token
+    prompts, conts = [[3, 4, 5], [9, 1], [2, 2, 2, 2]], [greedy([3, 4, 5], 4), [4, 4], [1]]
+    eng = VllmEngine(model=str(target))
+    try:
+        ref = eng.score(prompts, conts, 3)
+    finally:
+        eng.close()
+    assert [int(n) for n in log.read_text().split()] == [2, 1]  # 7 + 4 tokens, then 5
+    for path in ("decode", "verify"):
+        log.write_text("")
+        args = {"score_path": path, "score_spec": "mtp-k2"}
+        eng = VllmEngine(model=str(target), draft=str(draft), engine_args=args)
+        try:
+            got = eng.score(prompts, conts, 3)
+        finally:
+            eng.close()
+        assert [int(n) for n in log.read_text().split()] == [2]  # the 1-token one is not run
+        for r, g, c in zip(ref, got, conts):
+            n = len(c)
+            if n < 2:
+                assert (g.topk_ids == -1).all()
+                continue
+            # the last position is known only where the first step reproduced the prefix
+            assert (g.topk_ids[: n - 2] == -1).all()
+            assert (g.topk_ids[n - 2] == r.topk_ids[n - 2]).all()
+            if c == conts[0]:
+                assert (g.topk_ids[n - 1] == r.topk_ids[n - 1]).all()
+                np.testing.assert_allclose(g.token_logprobs[n - 1], r.token_logprobs[n - 1],
+                                           atol=1e-6)
+            else:
+                assert (g.topk_ids[n - 1] == -1).all()
+
+
+def test_verify_path_needs_a_spec_config(dirs):
+    with pytest.raises(EngineUsageError, match="score_spec"):
+        VllmEngine(model=str(dirs[0]), engine_args={"score_path": "verify"})
+    with pytest.raises(EngineUsageError, match="score_path"):
+        VllmEngine(model=str(dirs[0]), engine_args={"score_path": "sideways"})

@@ -75,10 +75,20 @@ class Engine(ABC):
               top_k: int) -> list[Scored]:
         """Teacher-forced scores of each continuation after its prompt (non-speculative)."""
 
-    def attribution_variants(self) -> dict[str, dict[str, str]]:
+    def attribution_variants(self, configs: Sequence[SpecConfig] = ()) -> dict[str, dict[str, str]]:
         """Alternative kernel-path knob settings (label -> engine args overriding this
-        engine's) to re-score a divergent prefix with; empty when the engine has none."""
+        engine's) to re-score a divergent prefix with; empty when the engine has none.
+        ``configs``: the speculative configs of the run (an engine may offer their verify
+        path as a variant)."""
         return {}
+
+    @classmethod
+    def attribution_server_args(cls, label: str, url: str) -> dict[str, str]:
+        """Engine args that re-score on a second server started with other kernel settings
+        (``--attribute-with LABEL=URL``); only engines that talk to servers take one."""
+        raise EngineUsageError(f"--attribute-with {label}={url}: the {cls.name} engine does not "
+                               "talk to a server; use --engine openai, or let the engine's own "
+                               "attribution variants run")
 
     def default_k(self, method: str) -> int | None:
         """K to use for ``method`` when the user names none (e.g. block_size - 1 for dflash)."""

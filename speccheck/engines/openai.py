@@ -168,6 +168,35 @@ def scored_from_prompt_logprobs(prompt_logprobs: list, full: Sequence[int], star
     return Scored(topk_ids=ids, topk_logprobs=lps, token_logprobs=tok)
 
 
+def server_kernels(info: dict) -> dict:
+    """vLLM's ``/server_info?config_format=json`` -> the kernel switches speccheck records."""
+    cfg = info.get("vllm_config") or {}
+    env = info.get("vllm_env") or {}
+    if not isinstance(cfg, dict):
+        return {}
+    att = cfg.get("attention_config") or {}
+    comp = cfg.get("compilation_config") or {}
+    model = cfg.get("model_config") or {}
+    spec = cfg.get("speculative_config") or {}
+    add = cfg.get("additional_config") or {}
+    out = {
+        "attention_backend_requested": att.get("backend") or "auto",
+        "gdn_prefill_backend_requested": (add.get("gdn_prefill_backend") if isinstance(add, dict)
+                                          else None) or "auto",
+        "cudagraph_mode": comp.get("cudagraph_mode"),
+        "compilation_mode": comp.get("mode"),
+        "enforce_eager": model.get("enforce_eager"),
+        "speculative_method": spec.get("method") if isinstance(spec, dict) else None,
+        "draft_attention_backend_requested": (spec.get("attention_backend")
+                                              if isinstance(spec, dict) else None),
+    }
+    for name in ("VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE", "VLLM_GDN_DECODE_KERNEL",
+                 "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_BATCH_INVARIANT"):
+        if name in env:
+            out[name] = env[name]
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def _error_message(r: httpx.Response) -> str:
     """The server's own words: vLLM's {"error": {"message"}}, older {"message"}, FastAPI's
     {"detail"}, or the raw text (trimmed)."""
@@ -241,6 +270,15 @@ class OpenAIEngine(Engine):
 
     def __repr__(self) -> str:
         return f"OpenAIEngine(base_url={self._shown!r}, served_model={self._served!r})"
+
+    @classmethod
+    def attribution_server_args(cls, label: str, url: str) -> dict[str, str]:
+        """``--attribute-with LABEL=URL``: re-score on that server (prompt_logprobs), which
+        serves the same model started with other kernel settings (e.g. ``--enforce-eager``)."""
+        if not url.startswith(("http://", "https://")):
+            raise EngineUsageError(f"--attribute-with {label}={url}: {url!r} is not an http(s) "
+                                   "URL; give e.g. http://127.0.0.1:8001")
+        return {"base_url": url.rstrip("/"), "score_base_url": url.rstrip("/")}
 
     def _number(self, key: str, default: float) -> float:
         v = self.engine_args.get(key)
@@ -330,8 +368,25 @@ class OpenAIEngine(Engine):
             version = self._json("GET", "/version")
         except EngineUsageError:  # not every OpenAI-compatible server has /version
             version = {}
-        self._info = {"model": entry, "version": version}
+        self._info = {"model": entry, "version": version, "kernels": self._server_kernels()}
         return self._info
+
+    def _server_kernels(self) -> dict | None:
+        """The kernel settings a vLLM server reports on ``/server_info`` (vLLM 0.26-0.28: only
+        when started with ``VLLM_SERVER_DEV_MODE=1``; None otherwise). These are the API
+        server's copy of the config: requested backends ("auto" unresolved) and the CUDA
+        graph mode after enforce_eager, not what the engine core resolved later."""
+        try:
+            r = self._client.get(self.base_url + "/server_info",
+                                 params={"config_format": "json"})
+        except httpx.TransportError:
+            return None
+        if r.status_code != 200:
+            return None
+        try:
+            return server_kernels(r.json())
+        except (ValueError, AttributeError, TypeError):
+            return None
 
     def _metrics(self) -> dict:
         try:
@@ -376,6 +431,8 @@ class OpenAIEngine(Engine):
             "tokenizer": self._tokenizer_path or "server",
             "tokenizer_hash": self._tokenizer_hash(),
         }
+        if info.get("kernels"):
+            ident["server_kernels"] = info["kernels"]
         served_by = info["version"].get("speccheck")
         if served_by:  # speccheck serve: the engine behind it says which kernels ran
             ident["server_engine"] = served_by.get("engine_identity")

@@ -136,46 +136,161 @@ def nvidia_smi_driver() -> str | None:
         return None
 
 
+def probe_model_runner(worker: Any) -> dict:
+    """Runs inside vLLM's worker (``LLM.collective_rpc``): the kernels each layer was built
+    with, read from the live model, not from the arguments. vLLM 0.26: every attention and
+    GDN layer registers in ``compilation_config.static_forward_context``; an attention layer
+    holds its resolved backend class (``attn_backend``, ``get_name()``: FLASH_ATTN,
+    TRITON_ATTN, FLASHINFER, ...); a Qwen GDN layer holds ``gdn_prefill_backend`` (the
+    active one: flashinfer | triton | cutedsl) and ``enable_packed_recurrent_decode``. The
+    drafter's attention layers are named in ``model_runner.drafter._draft_attn_layer_names``.
+    ``cudagraph_mode`` is read after the runner resolved it (it may lower the mode to what
+    the backends support)."""
+    runner = worker.model_runner
+    cfg = runner.vllm_config
+    cc = cfg.compilation_config
+    drafter = getattr(runner, "drafter", None)
+    draft_names = set(getattr(drafter, "_draft_attn_layer_names", None) or ())
+    layers: dict[str, dict] = {}
+    for name, layer in cc.static_forward_context.items():
+        if hasattr(layer, "gdn_prefill_backend"):
+            layers[name] = {"kind": "gdn", "prefill": str(layer.gdn_prefill_backend),
+                            "packed_decode": bool(getattr(layer, "enable_packed_recurrent_decode",
+                                                          False)),
+                            # vLLM >= 0.28 only (VLLM_GDN_DECODE_KERNEL, after its fallback)
+                            "decode_kernel": getattr(layer, "gdn_decode_kernel", None)}
+        elif hasattr(getattr(layer, "attn_backend", None), "get_name"):
+            layers[name] = {"kind": "attention", "backend": str(layer.attn_backend.get_name()),
+                            "draft": name in draft_names}
+    mode = getattr(cc, "mode", None)
+    out = {"layers": layers, "cudagraph_mode": str(cc.cudagraph_mode),
+           "compilation_mode": str(getattr(mode, "name", mode)),
+           "cudagraph_capture_sizes": [int(x) for x in (cc.cudagraph_capture_sizes or [])],
+           "enforce_eager": bool(cfg.model_config.enforce_eager),
+           "model_runner": f"{type(runner).__module__}.{type(runner).__name__}"}
+    try:
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+        out["flash_attn_version"] = get_flash_attn_version()
+    except Exception:  # noqa: BLE001 - not every build has FA
+        pass
+    return out
+
+
+def kernel_paths(probe: dict, speculative: bool) -> dict:
+    """The probe of ``probe_model_runner`` -> identity keys naming the kernels that compute a
+    position: target and drafter attention backends, the GDN prefill kernel, the GDN kernel
+    of one-token decode and of the spec verify step (vLLM 0.26 ``qwen_gdn_linear_attn.py``:
+    decode uses ``fused_recurrent_gated_delta_rule_packed_decode`` when packed decode is on
+    and the batch is decode-only without spec tokens, else ``fused_sigmoid_gating_delta_rule_
+    update``, which is also the verify kernel), CUDA graph and torch.compile modes."""
+    layers = list((probe.get("layers") or {}).values())
+
+    def joined(values) -> str | None:
+        v = sorted(set(values))
+        return "+".join(v) if v else None
+
+    gdn = [x for x in layers if x["kind"] == "gdn"]
+    packed = {x["packed_decode"] for x in gdn}
+    # vLLM >= 0.28: VLLM_GDN_DECODE_KERNEL=cuda runs verify batches (K+1 <= 8, num_v_heads =
+    # 8 num_k_heads) through the CUDA kernel fused_gdn_decode_post_conv_mtp
+    cuda_verify = any(x.get("decode_kernel") == "cuda" for x in gdn)
+    out = {
+        "attention_backend": joined(x["backend"] for x in layers
+                                    if x["kind"] == "attention" and not x.get("draft")),
+        "draft_attention_backend": joined(x["backend"] for x in layers
+                                          if x["kind"] == "attention" and x.get("draft")),
+        "gdn_prefill_backend": joined(x["prefill"] for x in gdn),
+        "gdn_decode_kernel": None if not gdn else (
+            "fla_packed_recurrent_decode" if packed == {True} else
+            "fused_sigmoid_gating_delta_rule_update" if packed == {False} else "mixed"),
+        "gdn_verify_kernel": None if not (gdn and speculative) else (
+            "fused_gdn_decode_post_conv_mtp (cuda) where eligible, else "
+            "fused_sigmoid_gating_delta_rule_update" if cuda_verify
+            else "fused_sigmoid_gating_delta_rule_update"),
+        "gdn_decode_kernel_setting": joined(x["decode_kernel"] for x in gdn
+                                            if x.get("decode_kernel")),
+        "cudagraph_mode": probe.get("cudagraph_mode"),
+        "compilation_mode": probe.get("compilation_mode"),
+        "enforce_eager": probe.get("enforce_eager"),
+        "gdn_layers": len(gdn),
+        "attention_layers": sum(1 for x in layers if x["kind"] == "attention"),
+    }
+    if probe.get("flash_attn_version") is not None:
+        out["flash_attn_version"] = probe["flash_attn_version"]
+    return out
+
+
 def _engine_choices(llm: Any) -> dict:
-    """Attention and GDN prefill backends as vLLM resolved them (best effort: internal API)."""
+    """The kernels vLLM chose, read back from the running model (``probe_model_runner``);
+    the requested settings are kept next to them (``*_requested``)."""
     out: dict[str, Any] = {}
     try:
         cfg = llm.llm_engine.vllm_config
     except Exception:  # noqa: BLE001
         return out
+    spec = getattr(cfg, "speculative_config", None)
     try:
         backend = cfg.attention_config.backend
-        out["attention_backend"] = getattr(backend, "name", None) if backend else "auto"
+        out["attention_backend_requested"] = getattr(backend, "name", None) if backend else "auto"
     except Exception:  # noqa: BLE001
         pass
+    add = getattr(cfg, "additional_config", None)
+    out["gdn_prefill_backend_requested"] = (
+        str(add.get("gdn_prefill_backend", "auto")) if isinstance(add, dict) else "auto")
     try:
-        from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
-            _resolve_gdn_prefill_backend,
-        )
-        requested, active = _resolve_gdn_prefill_backend(cfg)
-        out["gdn_prefill_backend"] = active
-        out["gdn_prefill_backend_requested"] = requested
-    except Exception as e:  # noqa: BLE001
-        out["gdn_prefill_backend_error"] = repr(e)[:200]
+        probe = llm.collective_rpc(probe_model_runner)[0]
+        out.update(kernel_paths(probe, spec is not None))
+        out["kernels_read_back"] = True
+    except Exception as e:  # noqa: BLE001 - recorded: the identity then says it is unknown
+        out["kernels_read_back"] = False
+        out["kernel_probe_error"] = repr(e)[:300]
     try:
-        spec = cfg.speculative_config
         if spec is not None:
-            ab = getattr(spec, "attention_backend", None)
-            out["draft_attention_backend"] = getattr(ab, "name", None) if ab else "auto"
             out["speculative_method"] = spec.method
             out["num_speculative_tokens"] = spec.num_speculative_tokens
     except Exception:  # noqa: BLE001
         pass
     try:
         out["dtype"] = str(cfg.model_config.dtype).replace("torch.", "")
-        out["enforce_eager"] = bool(cfg.model_config.enforce_eager)
+        out.setdefault("enforce_eager", bool(cfg.model_config.enforce_eager))
         out["prefix_caching"] = bool(cfg.cache_config.enable_prefix_caching)
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        import importlib.util
+        out["flashinfer_available"] = importlib.util.find_spec("flashinfer") is not None
     except Exception:  # noqa: BLE001
         pass
     return out
 
 
 # ---------------------------------------------------------------- serving requests
+
+def scheduler_budget(llm: Any) -> int | None:
+    """Tokens the scheduler puts in one step (``max_num_batched_tokens``), None if unknown."""
+    try:
+        return int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def token_budget_groups(lengths: list[int], budget: int | None) -> list[list[int]]:
+    """Consecutive indices grouped so that each group's total length fits the budget (a
+    sequence longer than the budget alone); one group when the budget is unknown."""
+    if not lengths:
+        return []
+    if not budget:
+        return [list(range(len(lengths)))]
+    groups: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(lengths):
+        if groups[-1] and used + n > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += n
+    return groups
+
 
 class UsageProblem(Exception):
     """The request itself is wrong (e.g. an unknown LLM(...) argument): exit code 2."""
@@ -248,13 +363,21 @@ class Worker:
                     result["requests"].append(row)
                     self.capture(op, row, llm)
         elif op == "score":
-            sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=int(req["top_k"]),
-                                detokenize=False, **extra)
-            for ids in prompts:
-                out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
-                row = {"output": request_output_to_dict(out)}
-                result["requests"].append(row)
-                self.capture(op, row, llm)
+            # all sequences in as few LLM.generate calls as the scheduler's token budget
+            # allows, so none is split into chunked-prefill pieces by the batch around it
+            if req.get("path", "prefill") == "prefill":
+                sp = SamplingParams(temperature=0.0, max_tokens=1,
+                                    prompt_logprobs=int(req["top_k"]), detokenize=False, **extra)
+            else:  # "steps": the last two positions generated (prefill, then decode/verify)
+                sp = SamplingParams(temperature=0.0, max_tokens=2, logprobs=int(req["top_k"]),
+                                    detokenize=False, **extra)
+            for group in token_budget_groups([len(p) for p in prompts], scheduler_budget(llm)):
+                outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in group], sp,
+                                    use_tqdm=False)
+                for out in outs:
+                    row = {"output": request_output_to_dict(out)}
+                    result["requests"].append(row)
+                    self.capture(op, row, llm)
         else:
             raise UsageProblem(f"unknown op {op!r}")
         result["runtime"] = runtime_facts(llm)

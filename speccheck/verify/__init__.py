@@ -2,7 +2,10 @@
 
 See DESIGN.md, "What 'agree' means (verify/)".
 """
-from speccheck.verify.acceptance import Acceptance, acceptance_of, acceptance_summary
+from speccheck.verify.acceptance import (Acceptance, acceptance_mismatches, acceptance_of,
+                                         acceptance_summary, counter_problems,
+                                         tokens_per_iteration_views)
+from speccheck.verify.boundaries import Boundary, boundary_divergence, stop_tokens
 from speccheck.verify.divergence import (END, Divergence, find_divergences,
                                          teacher_forced_agreement, teacher_forced_divergences)
 from speccheck.verify.logprobs import (DeltaSummary, DriftTest, FlipBudget, abs_deltas,
@@ -16,7 +19,9 @@ from speccheck.verify.streams import (DeterminismResult, PrefixAgreement, determ
                                       unique_completions)
 
 __all__ = [
-    "Acceptance", "acceptance_of", "acceptance_summary",
+    "Acceptance", "acceptance_mismatches", "acceptance_of", "acceptance_summary",
+    "counter_problems", "tokens_per_iteration_views",
+    "Boundary", "boundary_divergence", "stop_tokens",
     "END", "Divergence", "find_divergences", "teacher_forced_agreement", "teacher_forced_divergences",
     "DeltaSummary", "DriftTest", "FlipBudget", "abs_deltas", "drift_test", "flip_budget",
     "ks_greater", "rank_test_greater", "summarize",

@@ -52,3 +52,77 @@ def acceptance_of(counters) -> Acceptance:
     ``accepted_tokens`` and ``accepted_per_pos`` attributes (e.g. ``types.SpecCounters``)."""
     return acceptance_summary(counters.drafts, counters.draft_tokens, counters.accepted_tokens,
                               counters.accepted_per_pos)
+
+
+def counter_problems(drafts: int, draft_tokens: int, accepted_tokens: int,
+                     accepted_per_pos: Sequence[int], k: int | None,
+                     emitted: int | None = None, iterations: int | None = None,
+                     requests: int = 1) -> list[str]:
+    """What is impossible about one set of spec counters ([] when nothing is): counters are
+    evidence, not truth, so they must agree with each other and with what was observed.
+
+    - every counter ≥ 0; accepted ≤ draft tokens; no draft tokens without drafts;
+    - accepted = Σ accepted per position; per-position counts non-increasing (a token at
+      position i+1 is accepted only after the one at i) and none above drafts;
+    - with ``k`` (a config's fixed K): drafts × K = draft tokens, nothing accepted past K;
+    - with ``emitted`` (Σ over ``requests`` of generated tokens − 1: the first token comes
+      from prefill): every verify step emits its accepted tokens + 1, so
+      ``expected = iterations + accepted`` (``drafts + accepted`` when ``iterations`` is
+      None: every step drafted), and ``0 ≤ expected − emitted ≤ K × requests`` — an output
+      cut at max_tokens or end-of-sequence loses at most K accepted tokens of its last step.
+    """
+    drafts, draft_tokens, accepted_tokens = int(drafts), int(draft_tokens), int(accepted_tokens)
+    per = [int(x) for x in accepted_per_pos]
+    problems = []
+    if min([drafts, draft_tokens, accepted_tokens, *per]) < 0 or (iterations is not None and iterations < 0):
+        problems.append("a counter is negative")
+    if accepted_tokens > draft_tokens:
+        problems.append(f"accepted tokens {accepted_tokens} > draft tokens {draft_tokens}")
+    if drafts == 0 and draft_tokens > 0:
+        problems.append(f"{draft_tokens} draft tokens with 0 drafts")
+    if per and sum(per) != accepted_tokens:
+        problems.append(f"accepted tokens {accepted_tokens} != {sum(per)}, the sum accepted per "
+                        f"position {per}")
+    if any(b > a for a, b in zip(per, per[1:])):
+        problems.append(f"accepted per position {per} increases (position i+1 accepted more "
+                        "often than position i)")
+    if any(x > drafts for x in per):
+        problems.append(f"accepted per position {per} has an entry above drafts {drafts}")
+    if k is not None:
+        if drafts * k != draft_tokens:
+            problems.append(f"drafts {drafts} x K {k} = {drafts * k} != draft tokens {draft_tokens}")
+        if any(per[k:]):
+            problems.append(f"accepted per position {per} accepts past position K = {k}")
+    if iterations is not None and iterations < drafts:
+        problems.append(f"{drafts} drafts in only {iterations} verify steps")
+    if emitted is not None:
+        steps = iterations if iterations is not None else drafts
+        expected = steps + accepted_tokens
+        slack = (k if k is not None else max(len(per), 1)) * max(int(requests), 1)
+        if not 0 <= expected - int(emitted) <= slack:
+            what = f"{iterations} steps" if iterations is not None else f"{drafts} drafting steps"
+            problems.append(
+                f"{what} + {accepted_tokens} accepted = {expected} tokens after the first, but "
+                f"{int(emitted)} were emitted (allowed: up to {slack} fewer, cut at a stop)")
+    return problems
+
+
+def tokens_per_iteration_views(drafts: int, accepted_tokens: int, accepted_per_pos: Sequence[int],
+                               emitted: int, iterations: int | None) -> dict[str, float | None]:
+    """The same figure three ways, for failure messages: from the accepted counter, from
+    the per-position counters, and from the tokens actually emitted (after the first) per
+    verify step (per drafting step when the engine does not count steps)."""
+    steps = iterations if iterations is not None else drafts
+    return {"counters": 1 + accepted_tokens / drafts if drafts else None,
+            "per-position rates": 1 + sum(int(x) for x in accepted_per_pos) / drafts if drafts else None,
+            "emitted tokens": emitted / steps if steps else None}
+
+
+def acceptance_mismatches(runs: Sequence[Sequence[tuple | None]]) -> list[tuple[int, int]]:
+    """Acceptance determinism: runs × prompts of counter tuples (None: none reported);
+    ``(run index, prompt index)`` of every prompt whose counters differ from run 0's.
+    Greedy output can repeat token for token while near-ties flip accept/reject run to run:
+    performance nondeterminism, reported apart from output determinism."""
+    runs = [list(r) for r in runs]
+    return [(ri, pi) for ri, run in enumerate(runs[1:], start=1)
+            for pi, (ref, got) in enumerate(zip(runs[0], run)) if ref != got]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -240,7 +241,7 @@ class ReferenceEngine(Engine):
             raise EngineError(f"reference engine failed on prompt {names}: {e}") from e
         return [Completion(p.id, list(ids), g.token_ids, g.logprobs, g.topk_ids, g.topk_logprobs,
                            self.detokenize(g.token_ids), g.finish_reason, g.ttft_s, g.decode_s,
-                           g.spec)
+                           replace(g.spec, iterations=g.iterations) if g.spec else None)
                 for p, ids, g in zip(prompts, prompt_ids, gens)]
 
     def score(self, prompt_ids: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
@@ -251,7 +252,7 @@ class ReferenceEngine(Engine):
             out.append(Scored(ids, lps, tok))
         return out
 
-    def attribution_variants(self) -> dict[str, dict[str, str]]:
+    def attribution_variants(self, configs=()) -> dict[str, dict[str, str]]:
         """Other kernel paths for the same network: GDN all-recurrent / all-chunked,
         attention all-single / all-multi, and fp32 (each only if it differs from now)."""
         a = self.args

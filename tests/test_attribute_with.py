@@ -1,0 +1,127 @@
+"""`--attribute-with LABEL=URL` for the openai engine, for real over HTTP: the matrix runs
+against `speccheck serve` (baseline, then MTP on the same port), and the divergences are
+re-scored on two further `speccheck serve` processes started with other kernel knobs."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from speccheck.cli import main
+from speccheck.engines.openai import parse_metrics
+from speccheck.serve import running_server
+from speccheck.store import Store
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_process(*engine_args: str):
+    """`speccheck serve` (baseline) in a process of its own, with --engine-arg knobs."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "speccheck.cli", "serve", "--port", str(port)]
+    for a in engine_args:
+        cmd += ["--engine-arg", a]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"speccheck serve did not start: {proc.stderr.read()[-2000:]}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()  # the process this test started
+        proc.wait(timeout=30)
+
+
+def _served(url: str) -> int:
+    return parse_metrics(httpx.get(url + "/metrics").text)["requests"]
+
+
+def test_attribute_with_second_servers_over_http(tmp_path):
+    # the baseline server computes in fp32, the MTP server in bf16: they disagree at close
+    # calls, and the attribution servers (bf16 and fp32 prefill) say which side each takes
+    store = str(tmp_path / "store")
+    port = _free_port()
+    cli = CliRunner()
+    with serve_process() as bf16, serve_process("dtype=fp32") as fp32:
+        for method, k, knobs in (("baseline", None, {"dtype": "fp32"}), ("mtp", 2, {})):
+            with running_server(method, k, engine_args=knobs, port=port) as url:
+                before = {u: _served(u) for u in (bf16, fp32)}
+                args = ["run", "--engine", "openai", "--base-url", url, "--method", method,
+                        "--corpus", "smoke", "--store", store, "--concurrent", "0",
+                        "--repeats", "1", "--attribute-with", f"bf16={bf16}",
+                        "--attribute-with", f"fp32={fp32}"]
+                res = cli.invoke(main, args + (["--k", str(k)] if k else []))
+                assert res.exit_code == 0, res.output
+        suite = Store(store).latest()
+        items = suite.load_attribution("mtp-k2")
+        assert items is not None
+        assert items, "bf16 MTP against an fp32 baseline diverged nowhere on smoke"
+        # one prompt_logprobs request per divergence on each attribution server
+        for u in (bf16, fp32):
+            assert _served(u) - before[u] == len(items)
+    for it in items:
+        assert set(it["paths"]) == {"bf16", "fp32"}
+        assert it["reproduces_spec"] == sorted(l for l, t in it["paths"].items()
+                                               if t == it["spec_token"])
+    # the report names the path per divergence, as on the reference engine
+    report = cli.invoke(main, ["diff", "--store", store])
+    for it in items:  # each path's token at the divergent position
+        assert f"bf16→{it['paths']['bf16']}" in report.output, report.output
+        assert f"fp32→{it['paths']['fp32']}" in report.output
+    # the second servers are not part of the suite's identity
+    assert "attribute_with" not in json.dumps(suite.meta)
+
+
+def test_attribute_with_is_refused_where_it_cannot_work():
+    cli = CliRunner()
+    res = cli.invoke(main, ["run", "--engine", "reference", "--corpus", "smoke",
+                            "--attribute-with", "eager=http://127.0.0.1:9"])
+    assert res.exit_code == 2 and "does not talk to a server" in res.output
+    res = cli.invoke(main, ["run", "--engine", "openai", "--method", "baseline",
+                            "--attribute-with", "eager=localhost:8001"])
+    assert res.exit_code == 2 and "not an http(s) URL" in res.output
+    res = cli.invoke(main, ["run", "--engine", "openai", "--method", "baseline",
+                            "--attribute-with", "eager"])
+    assert res.exit_code == 2 and "LABEL=URL" in res.output
+
+
+def test_server_info_kernel_settings_are_recorded():
+    """vLLM's /server_info (VLLM_SERVER_DEV_MODE=1), shaped as vLLM 0.26 dumps VllmConfig."""
+    from speccheck.engines.openai import server_kernels
+
+    info = {"vllm_config": {
+        "attention_config": {"backend": None},
+        "compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE", "mode": 3},
+        "model_config": {"enforce_eager": False},
+        "additional_config": {"gdn_prefill_backend": "triton"},
+        "speculative_config": {"method": "mtp", "attention_backend": None}},
+        "vllm_env": {"VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE": False, "VLLM_API_KEY_X": "no"}}
+    k = server_kernels(info)
+    assert k["attention_backend_requested"] == "auto"
+    assert k["gdn_prefill_backend_requested"] == "triton"
+    assert k["cudagraph_mode"] == "FULL_AND_PIECEWISE" and k["enforce_eager"] is False
+    assert k["VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE"] is False
+    assert not any("KEY" in name for name in k)
+    assert server_kernels({"vllm_config": "text form"}) == {}
