@@ -210,7 +210,7 @@ def logprobs_table(result: SuiteResult) -> list[str]:
     out = ["## Reported logprobs against the baseline", "",
            f"Kernel-path noise (baseline decode vs prefill path, {k.n} positions): median "
            f"{k.median:.4f} / p99 {k.p99:.4f} / max {k.max:.4f} nats.", "",
-           "| config | positions | |Δ| median | p99 | max | ratio | KS D+ | rank-test p | golden ratio | flips "
+           "| config | positions | \\|Δ\\| median | p99 | max | ratio | KS D+ | rank-test p | golden ratio | flips "
            "(expected, allowed) | verdict |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         lc = r.logprobs
