@@ -864,7 +864,7 @@ def _concurrent_check(t: Together, p: Policy, noise_missing: str | None = None) 
            + (f"more than one completion for {len(t.split)} prompt(s) ({split})" if t.split
               else "1 completion each"))
     if t.baseline_not_invariant:
-        msg += f"; the baseline splits too: {NOT_INVARIANT}"
+        msg += f"; the baseline is not batch-invariant either: {NOT_INVARIANT}"
     elif t.of_baseline and t.not_invariant:
         msg += f"; {NOT_INVARIANT}"
     if t.split:
