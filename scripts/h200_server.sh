@@ -41,7 +41,7 @@ serve() {  # serve PORT LOG [extra args...]
     --served-model-name speccheck-ckpt --host 127.0.0.1 --port "$port" --dtype bfloat16 \
     --attention-backend TRITON_ATTN --additional-config '{"gdn_prefill_backend": "triton"}' \
     --enforce-eager --no-enable-prefix-caching --kv-cache-memory-bytes 4000000000 \
-    --gpu-memory-utilization 0.2 --max-logprobs 20 "$@" > "$log" 2>&1 < /dev/null &
+    --language-model-only --gpu-memory-utilization 0.2 --max-logprobs 20 "$@" > "$log" 2>&1 < /dev/null &
 }
 
 wait_up() {  # wait_up PORT SECONDS

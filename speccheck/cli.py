@@ -1,9 +1,16 @@
 """`speccheck` command line: run, diff, gate, report, golden record|check, sweep, corpus,
-export-reference, serve. Exit codes: 0 pass, 1 gate failed, 2 bad input or usage, 3 engine failure."""
+selftest, export-reference, serve. Exit codes: 0 pass, 1 gate failed, 2 bad input or usage, 3 engine
+failure, 4 internal error (a bug: the traceback is saved to a file the message names), 130
+interrupted (Ctrl-C)."""
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import click
@@ -11,15 +18,41 @@ import click
 from speccheck.config import MatrixError, build_matrix
 from speccheck.corpus import CorpusError, list_corpora, load_corpus
 from speccheck.engines import EngineError, EngineUsageError, engine_class
-from speccheck.gate import EXIT_ENGINE, EXIT_USAGE, exit_code, gate_text, write_junit
+from speccheck.gate import (EXIT_ENGINE, EXIT_FAIL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PASS, EXIT_USAGE,
+                            exit_code, gate_text, plan_note,
+                            write_junit)
 from speccheck.policy import PolicyError, load_policy
 from speccheck.store import Store, StoreError
 
 USAGE_ERRORS = (CorpusError, MatrixError, PolicyError, StoreError, EngineUsageError)
 
 
+EXIT_CODES_HELP = ("Exit codes: 0 pass, 1 gate failed, 2 bad input or usage, 3 engine failure, "
+                   "4 internal error (traceback saved to a file the message names), 130 interrupted.")
+
+#: OS errors that are the user's environment, not a bug: a read-only or full disk, a
+#: permission, a path that is not a directory. They name the path and exit 2.
+_ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
+                       errno.EISDIR, errno.ENOENT, errno.ENAMETOOLONG, errno.EEXIST, errno.ENOTEMPTY}
+
+
+def save_traceback() -> Path | None:
+    """Write the current exception's traceback where the user can attach it to a report."""
+    text = f"speccheck {' '.join(sys.argv[1:])}\n\n{traceback.format_exc()}"
+    name = f"speccheck-crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    for folder in (Path(tempfile.gettempdir()), Path.cwd()):
+        try:
+            path = folder / name
+            path.write_text(text)
+            return path
+        except OSError:
+            continue
+    return None
+
+
 class SpeccheckGroup(click.Group):
-    """Turns every known error into a one-paragraph message and the documented exit code."""
+    """Turns every known error into a one-paragraph message and the documented exit code;
+    anything else is a bug in speccheck: one line, the traceback in a file, exit 4."""
 
     def invoke(self, ctx: click.Context):
         from speccheck.golden import GoldenMismatch
@@ -32,6 +65,28 @@ class SpeccheckGroup(click.Group):
         except EngineError as e:
             click.echo(f"speccheck: engine failure: {e}", err=True)
             sys.exit(EXIT_ENGINE)
+        except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            click.echo("\nspeccheck: interrupted; runs already stored are kept (a re-run resumes).", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except OSError as e:
+            if e.errno not in _ENVIRONMENT_ERRNOS:
+                self._internal_error(e)
+            where = e.filename or "?"
+            click.echo(f"speccheck: error: cannot use {where}: {e.strerror or e} (check the path given "
+                       "with --store / --out / --golden, its permissions and free space).", err=True)
+            sys.exit(EXIT_USAGE)
+        except Exception as e:  # noqa: BLE001 - the top-level guard
+            self._internal_error(e)
+
+    @staticmethod
+    def _internal_error(e: BaseException):
+        path = save_traceback()
+        where = f"the traceback is in {path}" if path else "the traceback could not be saved"
+        click.echo(f"speccheck: internal error ({type(e).__name__}: {e}); this is a bug in speccheck, "
+                   f"not in your model or input: {where}; please report it with that file.", err=True)
+        sys.exit(EXIT_INTERNAL)
 
 
 def _engine_args(items: tuple[str, ...]) -> dict[str, str]:
@@ -53,6 +108,14 @@ def _settings(items: tuple[str, ...]) -> dict[str, str]:
         out[key.strip()] = value
     return out
 
+
+ENGINE_ARG_HELP = (
+    "Engine option key=value (repeatable). reference: dtype=bf16|fp32, gdn_prefill/gdn_decode/"
+    "gdn_verify=chunked|recurrent, attn_prefill/attn_decode/attn_verify=single|multi, "
+    "device=auto|cpu|cuda, threads=N, batch=N, fault=NAME (planted bug). vllm: keyword arguments "
+    "of vllm.LLM (e.g. attention_backend, gpu_memory_utilization, max_model_len, dtype), "
+    "speculative_config as JSON. openai: base_url, served_model, api_key_env, timeout, retries, "
+    "backoff, tokenizer, score_base_url.")
 
 store_option = click.option("--store", "store_dir", default=".speccheck", show_default=True,
                             type=click.Path(file_okay=False), help="Store directory.")
@@ -77,7 +140,7 @@ run_options = [
     click.option("--engine", default="reference", show_default=True, help="reference | vllm | openai"),
     click.option("--model", default=None, help="Model path (engine-specific; reference: shipped weights)."),
     click.option("--draft", default=None, help="External drafter path (dflash)."),
-    click.option("--method", "methods", multiple=True, help="baseline | mtp | dflash | ... (repeatable)."),
+    click.option("--method", "methods", multiple=True, help="baseline | mtp | dflash | dflash2 | ... (repeatable)."),
     click.option("--k", "k", default=None, help="K values: 7, 1-12 or 1,3,7."),
     click.option("--config", "configs", multiple=True, help="Config by name, e.g. mtp-k3 (repeatable)."),
     click.option("--corpus", default="default", show_default=True,
@@ -85,20 +148,26 @@ run_options = [
     click.option("--max-tokens", "max_tokens", default=None, type=click.IntRange(1, 32768),
                  help="max_tokens for corpora whose prompts carry none, e.g. Spec-Bench's "
                       "question.jsonl (default 128)."),
-    click.option("--repeats", default=2, show_default=True, type=click.IntRange(1, 100)),
-    click.option("--top-k", "top_k", default=5, show_default=True, type=click.IntRange(2, 20)),
-    click.option("--engine-arg", "engine_args", multiple=True, help="Engine option key=value (repeatable)."),
+    click.option("--repeats", default=2, show_default=True, type=click.IntRange(1, 100),
+                 help="Runs per config (the last in a fresh process); determinism needs 2."),
+    click.option("--top-k", "top_k", default=5, show_default=True, type=click.IntRange(2, 20),
+                 help="Logprobs kept per position (the margin needs 2)."),
+    click.option("--engine-arg", "engine_args", multiple=True, help=ENGINE_ARG_HELP),
     click.option("--no-attribution", is_flag=True, help="Skip kernel-path attribution of divergences."),
     click.option("--concurrent", default=2, show_default=True, type=click.IntRange(0, 64),
                  help="Also run each config on the whole corpus at once, every prompt N times: "
                       "batch-composition invariance and N identical concurrent requests (0: off)."),
-    click.option("--base-url", default=None, help="openai engine: server URL (e.g. http://127.0.0.1:8000)."),
+    click.option("--base-url", default=None,
+                 help="openai engine: server URL, with or without /v1 (default $OPENAI_BASE_URL, "
+                      "else http://127.0.0.1:8000)."),
     click.option("--served-model", default=None, help="openai engine: the server's model name."),
     click.option("--api-key-env", default=None,
                  help="openai engine: env var holding the API key (default OPENAI_API_KEY)."),
     click.option("--attribute-with", "attribute_with", multiple=True, metavar="LABEL=URL",
                  help="openai engine: attribute divergences by re-scoring them on a second "
                       "server started with other kernel settings (repeatable)."),
+    click.option("--ignore-eos", is_flag=True,
+                 help="Decode every prompt's full max_tokens past end-of-sequence (a new suite)."),
 ]
 
 
@@ -120,22 +189,31 @@ def _attribute_with(items: tuple[str, ...], cls) -> dict[str, str]:
 
 def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args,
           no_attribution=False, base_url=None, served_model=None, api_key_env=None, concurrent=0,
-          attribute_with=(), max_tokens=None):
+          attribute_with=(), max_tokens=None, ignore_eos=False):
     from speccheck.runner import RunPlan
+
+    from speccheck.engines import ENGINES
 
     args = _engine_args(engine_args)
     server = {"base_url": base_url, "served_model": served_model, "api_key_env": api_key_env}
     args.update({key: v for key, v in server.items() if v is not None})
+    # cheap errors first, before an engine (and torch) loads: the corpus, the engine's name,
+    # the matrix's syntax
+    load_corpus(corpus)
+    if engine not in ENGINES:
+        raise EngineUsageError(f"unknown engine {engine!r} (option --engine): choose one of {', '.join(ENGINES)}")
+    build_matrix(methods, k, configs, offered=None, engine=engine)
     cls = engine_class(engine)
     if cls.serves_one_config and not (methods or configs):
         raise MatrixError(f"the {engine} engine runs the one config its server runs: say which with "
                           "--method baseline, or e.g. --method mtp --k 7 (run the baseline first, "
                           "against a server without speculative decoding, into the same --store).")
     default_k = {}
-    if "dflash" in methods:
+    block_methods = [m for m in ("dflash", "dflash2") if m in methods]
+    if block_methods:  # K hint = the drafter's block_size - 1
         probe = cls(model=model, engine_args=args, draft=draft)
         try:
-            default_k["dflash"] = probe.default_k("dflash")
+            default_k.update({m: probe.default_k(m) for m in block_methods})
         finally:
             probe.close()
     matrix = build_matrix(methods, k, configs, offered=cls.methods, engine=engine,
@@ -143,7 +221,7 @@ def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, eng
     return RunPlan(engine=engine, model=model, draft=draft, engine_args=args, corpus=corpus,
                    configs=matrix, repeats=repeats, top_k=top_k, attribute=not no_attribution,
                    concurrent=concurrent, attribute_with=_attribute_with(attribute_with, cls),
-                   max_tokens=max_tokens)
+                   max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
 def _suite(store_dir: str, suite_id: str | None):
@@ -161,9 +239,35 @@ def _detok_for(suite):
         from speccheck.engines import make_engine
 
         engine = make_engine("reference", meta.get("model"), meta.get("engine_args"), meta.get("draft"))
-        return engine.detokenize
+        return bytes_shown(engine.detokenize, engine.token_bytes)
     except Exception:  # noqa: BLE001 - evidence without decoded text is still evidence
         return None
+
+
+def bytes_shown(detokenize, token_bytes):
+    """A detokenizer that shows bytes which are not whole UTF-8 characters as ``<0xE3>``
+    (a byte-level token often holds a third of a CJK character) instead of '\ufffd'."""
+    def detok(ids) -> str:
+        text = detokenize(ids)
+        if "\ufffd" not in text:
+            return text
+        parts = [token_bytes(int(t)) for t in ids]
+        if any(p is None for p in parts):
+            return text
+        raw, out, i = b"".join(parts), [], 0
+        while i < len(raw):
+            for n in (1, 2, 3, 4):
+                try:
+                    out.append(raw[i:i + n].decode("utf-8"))
+                    i += n
+                    break
+                except UnicodeDecodeError:
+                    continue
+            else:
+                out.append(f"<0x{raw[i]:02X}>")
+                i += 1
+        return "".join(out)
+    return detok
 
 
 def _evaluate(store_dir, suite_id, policy_file, settings, configs=None, golden_dir="golden"):
@@ -179,7 +283,7 @@ def _evaluate(store_dir, suite_id, policy_file, settings, configs=None, golden_d
     return suite, evaluate_suite(suite, policy, configs, gold, detok, gold_noise), detok
 
 
-@click.group(cls=SpeccheckGroup)
+@click.group(cls=SpeccheckGroup, epilog=EXIT_CODES_HELP)
 @click.version_option(package_name="speccheck")
 def main() -> None:
     """Correctness and determinism gate for speculative decoding."""
@@ -189,18 +293,21 @@ def main() -> None:
 @_apply(run_options)
 @store_option
 def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, top_k, engine_args,
-        no_attribution, concurrent, base_url, served_model, api_key_env, attribute_with, store_dir):
+        no_attribution, concurrent, base_url, served_model, api_key_env, attribute_with, ignore_eos,
+        store_dir):
     """Run the matrix (baseline always included) into the store; resumes finished runs."""
     from speccheck.runner import run_suite
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     plan = _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args, no_attribution,
-                 base_url, served_model, api_key_env, concurrent, attribute_with, max_tokens)
+                 base_url, served_model, api_key_env, concurrent, attribute_with, max_tokens, ignore_eos)
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
+                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
+                  transient=True) as bar:
         task = bar.add_task("starting", total=None)
 
         def progress(done: int, total: int, what: str) -> None:
@@ -217,35 +324,54 @@ def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, 
 
 
 def _select(suite, methods, k, configs) -> list[str] | None:
+    if k and not methods:
+        raise MatrixError(f"--k {k}: say which method it applies to (e.g. --method mtp --k {k}), "
+                          "or name configs with --config.")
+    from speccheck.evaluate import judged_configs
+
     if not methods and not configs:
         return None
     wanted = {c.name for c in build_matrix(methods, k, configs, offered=None)} if (k or configs) else None
-    names = [n for n in suite.configs()
+    names = [n for n in judged_configs(suite)
              if n == "baseline" or (wanted is not None and n in wanted)
              or (wanted is None and n.split("-k")[0] in methods)]
     return names
 
 
 @main.command()
-@click.option("--method", "methods", multiple=True)
-@click.option("--k", "k", default=None)
-@click.option("--config", "configs", multiple=True)
-@click.option("--against", type=click.Choice(["baseline", "golden"]), default="baseline", show_default=True)
+@click.option("--method", "methods", multiple=True, help="Method(s) to show besides the baseline (repeatable).")
+@click.option("--k", "k", default=None, help="K values of --method to show: 7, 1-12 or 1,3,7.")
+@click.option("--config", "configs", multiple=True, help="Config by name, e.g. mtp-k3 (repeatable).")
+@click.option("--against", type=click.Choice(["baseline", "golden"]), default="baseline", show_default=True,
+              help="Also compare today's baseline with the golden (golden).")
 @click.option("--json", "as_json", is_flag=True, help="Print the same figures as JSON.")
-@click.option("--run", "run_missing", is_flag=True, help="Run what is missing first (reference engine defaults).")
+@click.option("--run", "run_missing", is_flag=True,
+              help="Run what is missing first (reference engine, --corpus); LATEST is not moved.")
+@click.option("--corpus", default=None, help="With --run: the corpus to run (default: the last suite's, or default).")
 @suite_option
 @store_option
 @golden_option
 @_apply(policy_options)
-def diff(methods, k, configs, against, as_json, run_missing, suite, store_dir, golden_dir, policy_file, settings):
+def diff(methods, k, configs, against, as_json, run_missing, corpus, suite, store_dir, golden_dir, policy_file,
+         settings):
     """Compare spec configs with the baseline: determinism, agreement, divergences, acceptance."""
     from speccheck.report import diff_text
 
+    if corpus and not run_missing:
+        raise MatrixError("--corpus applies with --run (diff reads the stored suite; pick it with --suite).")
     if run_missing:
         from speccheck.runner import run_suite
 
-        plan = _plan("reference", None, None, methods, k, configs, "default", 2, 5, (), concurrent=2)
-        run_suite(plan, Store(store_dir), log=lambda m: click.echo(m, err=True))
+        store = Store(store_dir)
+        latest = store.root / "LATEST"
+        previous = latest.read_text() if latest.exists() else None
+        if corpus is None:
+            corpus = store.latest().meta["corpus"] if previous else "default"
+        plan = _plan("reference", None, None, methods, k, configs, corpus, 2, 5, (), concurrent=2)
+        ran = run_suite(plan, store, log=lambda m: click.echo(m, err=True))
+        if previous is not None and previous.strip() != ran.id:
+            store.set_latest(previous.strip())  # diff looks; only `run` moves LATEST
+        suite = ran.id
     s = _suite(store_dir, suite)
     names = _select(s, methods, k, configs)
     if names is not None and len(names) <= 1 and (methods or configs):
@@ -257,22 +383,49 @@ def diff(methods, k, configs, against, as_json, run_missing, suite, store_dir, g
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1, default=str, ensure_ascii=False))
     else:
-        click.echo(diff_text(result, detok))
+        click.echo(diff_text(result, detok) + (f"\n{plan_note(result)}" if plan_note(result) else ""))
+
+
+def _demanded(suite, methods, k, configs) -> tuple[list[str], list[str]]:
+    """Configs named on the command line: (names, methods named without --k that have no
+    config stored or planned). A method without --k means every K of it stored or planned."""
+    from speccheck.evaluate import judged_configs
+
+    names = [c.name for c in build_matrix(methods if k is not None else (), k, configs, offered=None,
+                                          include_baseline=False)] if (k is not None or configs) else []
+    unmet = []
+    for m in methods if k is None else ():
+        have = [n for n in judged_configs(suite) if n == m or n.startswith(f"{m}-k")]
+        names += have
+        unmet += [] if have else [m]
+    return names, unmet
 
 
 @main.command()
+@click.option("--method", "methods", multiple=True,
+              help="Demand configs of this method (with --k; repeatable): absent ones fail.")
+@click.option("--k", "k", default=None, help="K values of --method: 7, 1-12 or 1,3,7.")
+@click.option("--config", "configs", multiple=True, help="Demand a config by name, e.g. mtp-k3 (repeatable).")
 @suite_option
 @store_option
 @golden_option
 @_apply(policy_options)
 @click.option("--junit", default=None, type=click.Path(dir_okay=False), help="Write JUnit XML here.")
-def gate(suite, store_dir, golden_dir, policy_file, settings, junit):
-    """Apply the policy to every config in the store: exit 0 pass, 1 fail, 3 engine failure."""
-    _, result, _ = _evaluate(store_dir, suite, policy_file, settings, golden_dir=golden_dir)
-    click.echo(gate_text(result))
+def gate(methods, k, configs, suite, store_dir, golden_dir, policy_file, settings, junit):
+    """Apply the policy to every config stored, planned (by `run`) or demanded here: exit 0
+    pass, 1 fail, 3 engine failure. A planned or demanded config that is missing fails."""
+    from speccheck.evaluate import judged_configs
+
+    s = _suite(store_dir, suite)
+    demanded, unmet = _demanded(s, methods, k, configs)
+    names = judged_configs(s, demanded) if demanded else None
+    _, result, _ = _evaluate(store_dir, s.id, policy_file, settings, names, golden_dir=golden_dir)
+    unmet = [f"--method {m}: demanded, but suite {s.id} stores and plans no {m} config; run one: "
+             f"`{s.run_command('--method', m)}`" for m in unmet]
+    click.echo(gate_text(result, unmet))
     if junit:
         write_junit(result, Path(junit))
-    sys.exit(exit_code(result))
+    sys.exit(exit_code(result) or (EXIT_FAIL if unmet else EXIT_PASS))
 
 
 @main.command()
@@ -281,25 +434,34 @@ def gate(suite, store_dir, golden_dir, policy_file, settings, junit):
 @golden_option
 @_apply(policy_options)
 @click.option("--out", default=None, type=click.Path(file_okay=False),
-              help="Directory for report.md and report.json (default: the suite directory).")
-def report(suite, store_dir, golden_dir, policy_file, settings, out):
-    """Write a Markdown report (the seed article's tables) and a JSON summary."""
-    from speccheck.report import write_report
+              help="Directory for report.md, report.json and report.html (default: the suite directory).")
+@click.option("--html", "html_file", default=None, type=click.Path(dir_okay=False),
+              help="Write the HTML report here instead of report.html in the --out directory.")
+def report(suite, store_dir, golden_dir, policy_file, settings, out, html_file):
+    """Write a Markdown report (the seed article's tables), a JSON summary and a self-contained
+    HTML report (verdict, K-sweep and margin plots, every check and divergence)."""
+    from speccheck.report import method_table, write_report
 
     s, result, detok = _evaluate(store_dir, suite, policy_file, settings, golden_dir=golden_dir)
-    md, js = write_report(result, Path(out) if out else s.root, detok)
-    click.echo(f"wrote {md}\nwrote {js}")
+    paths = write_report(result, Path(out) if out else s.root, detok, Path(html_file) if html_file else None)
+    click.echo(method_table(result) + "\n")
+    click.echo("\n".join(f"wrote {p}" for p in paths))
+    for line in (m for r in result.configs for m in r.missing):
+        click.echo(f"FAIL  {line}")
+    if plan_note(result):
+        click.echo(plan_note(result))
 
 
 @main.command()
-@click.option("--method", "methods", multiple=True, required=True)
-@click.option("--k", "k", default="1-10", show_default=True)
-@click.option("--engine", default="reference", show_default=True)
-@click.option("--model", default=None)
-@click.option("--draft", default=None)
-@click.option("--corpus", default="default", show_default=True)
-@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 100))
-@click.option("--engine-arg", "engine_args", multiple=True)
+@click.option("--method", "methods", multiple=True, required=True, help="Method(s) to sweep, e.g. dflash.")
+@click.option("--k", "k", default="1-10", show_default=True, help="K values: 7, 1-12 or 1,3,7.")
+@click.option("--engine", default="reference", show_default=True, help="reference | vllm | openai")
+@click.option("--model", default=None, help="Model path (engine-specific; reference: shipped weights).")
+@click.option("--draft", default=None, help="External drafter path (dflash).")
+@click.option("--corpus", default="default", show_default=True, help="Built-in corpus name or a file path.")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 100),
+              help="Runs per config (2 or more also gates determinism).")
+@click.option("--engine-arg", "engine_args", multiple=True, help=ENGINE_ARG_HELP)
 @store_option
 @_apply(policy_options)
 def sweep(methods, k, engine, model, draft, corpus, repeats, engine_args, store_dir, policy_file, settings):
@@ -313,8 +475,10 @@ def sweep(methods, k, engine, model, draft, corpus, repeats, engine_args, store_
         settings = ("require_deterministic=false", *settings)
     _, result, _ = _evaluate(store_dir, suite.id, policy_file, settings, [c.name for c in plan.configs])
     click.echo(sweep_table(result))
-    for method, name in best_configs(result).items():
-        click.echo(f"best {method}: {name}")
+    best = best_configs(result)
+    for method in dict.fromkeys(c.method for c in plan.configs if not c.is_baseline):
+        click.echo(f"best {method}: {best[method]}" if method in best else
+                   f"best {method}: none (no passing {method} config is faster than the baseline)")
 
 
 @main.group()
@@ -327,12 +491,13 @@ def golden() -> None:
 @store_option
 @golden_option
 @_apply(policy_options)
-def golden_record(suite, store_dir, golden_dir, policy_file, settings):
-    """Record the store's baseline and per-config acceptance as the golden."""
+@click.option("--force", is_flag=True, help="Overwrite an existing golden (the refusal shows what would change).")
+def golden_record(suite, store_dir, golden_dir, policy_file, settings, force):
+    """Record the store's baseline and per-config acceptance as the golden (the suite must pass the gate)."""
     from speccheck import golden as g
 
     s, result, _ = _evaluate(store_dir, suite, policy_file, settings, golden_dir=golden_dir)
-    path = g.record(s, result, Path(golden_dir))
+    path = g.record(s, result, Path(golden_dir), force=force)
     click.echo(f"recorded golden {path} ({len(result.configs)} configs' acceptance)")
 
 
@@ -360,6 +525,8 @@ def _golden_check_print(s, result, golden_dir, policy_file, settings) -> bool:
         click.echo(f"    kernel-path noise {'DRIFTED' if t.drifted else 'as recorded'}: |Δ| median "
                    f"{t.spec.median:.4f} / p90 {t.spec.p90:.4f} nats vs golden {t.reference.median:.4f} / "
                    f"{t.reference.p90:.4f} (ratio {t.ratio:.2f}, KS D+ {t.ks:.3f}, rank-test p {t.p:.2g})")
+    if chk.why():
+        click.echo(f"    {chk.why()}")
     for r in result.configs:
         if r.acceptance is not None and r.config in chk.acceptance:
             click.echo(f"    {r.config}: {r.acceptance.tokens_per_iter:.2f} tokens/iter "
@@ -373,15 +540,23 @@ def _golden_check_print(s, result, golden_dir, policy_file, settings) -> bool:
 @golden_option
 @_apply(policy_options)
 def golden_check(suite, store_dir, golden_dir, policy_file, settings):
-    """Compare today's baseline with the golden; only classified near-ties may differ."""
+    """Compare today's baseline with the golden; only classified near-ties may differ. A
+    planned run missing from the suite fails the check too."""
     s, result, _ = _evaluate(store_dir, suite, policy_file, settings, golden_dir=golden_dir)
-    ok = _golden_check_print(s, result, golden_dir, policy_file, settings)
+    missing = [m for r in result.configs for m in r.missing]
+    for line in missing:
+        click.echo(f"FAIL  {line}")
+    if s.is_complete("baseline", 0):
+        ok = _golden_check_print(s, result, golden_dir, policy_file, settings) and not missing
+    else:
+        click.echo(f"FAIL  suite {s.id} holds no complete baseline r0 to compare with the golden")
+        ok = False
     click.echo("golden check: PASS" if ok else "golden check: FAIL")
     sys.exit(0 if ok else 1)
 
 
 @main.command()
-@click.option("--config", "config_name", default="baseline", show_default=True)
+@click.option("--config", "config_name", default="baseline", show_default=True, help="Config to compare.")
 @suite_option
 @store_option
 @click.option("--with-store", "other_store", required=True, type=click.Path(file_okay=False),
@@ -395,6 +570,11 @@ def compare(config_name, suite, store_dir, other_store, other_suite, policy_file
     from speccheck.verify import calibrate_thresholds
 
     a, b = _suite(store_dir, suite), _suite(other_store, other_suite)
+    for side, opt in ((a, "--store"), (b, "--with-store")):
+        if not side.is_complete(config_name, 0):
+            raise MatrixError(f"--config {config_name}: suite {side.id} ({opt}) holds no complete run of it "
+                              f"(stored: {', '.join(side.configs()) or 'none'}); run it there first with "
+                              f"`speccheck run --config {config_name}`.")
     if a.meta.get("corpus_hash") != b.meta.get("corpus_hash"):
         raise StoreError(f"suites {a.id} and {b.id} ran different corpora (hash {a.meta.get('corpus_hash')} "
                          f"vs {b.meta.get('corpus_hash')}); compare runs of the same corpus.")
@@ -431,7 +611,8 @@ def corpus_show(name):
     click.echo(f"{c.name}  {c.path}  hash {c.hash}")
     for p in c.prompts:
         text = p.as_text().replace("\n", " ")
-        click.echo(f"  {p.id:24} {p.category:14} max_tokens={p.max_tokens:<5} {text[:70]}")
+        flag = " ignore_eos" if p.ignore_eos else ""
+        click.echo(f"  {p.id:24} {p.category:14} max_tokens={p.max_tokens:<5}{flag} {text[:70]}")
 
 
 @main.group()
@@ -441,10 +622,11 @@ def kernels() -> None:
 
 @kernels.command("gdn")
 @click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda")
-@click.option("--positions", default=8192, show_default=True, type=click.IntRange(1, 1 << 20))
-@click.option("--heads", default=4, show_default=True, type=click.IntRange(1, 256))
-@click.option("--head-dim", default=64, show_default=True, type=click.IntRange(1, 512))
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--positions", default=8192, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Sequence length of the synthetic inputs.")
+@click.option("--heads", default=4, show_default=True, type=click.IntRange(1, 256), help="GDN heads.")
+@click.option("--head-dim", default=64, show_default=True, type=click.IntRange(1, 512), help="Key/value head dim.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic inputs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def kernels_gdn(device, positions, heads, head_dim, seed, as_json):
     """Every gated-delta-rule kernel here (reference recurrent/chunked; on CUDA the FLA kernels
@@ -455,11 +637,17 @@ def kernels_gdn(device, positions, heads, head_dim, seed, as_json):
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.split(":")[0] not in ("cpu", "cuda"):
+        raise click.BadParameter(f"{device!r}: use auto, cpu or cuda (cuda:N)", param_hint="--device")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise click.UsageError("--device cuda: CUDA is not available here; use --device cpu")
     inputs = make_inputs(positions, heads, head_dim, head_dim, seed, device)
     missing: list[str] = []
-    results = compare(inputs, gdn_kernels(device, missing))
+    impls = gdn_kernels(device, missing)
+    cpu_eta = f"; about {186 * positions * heads / (8192 * 4):.0f} s on 2 CPU cores" if device == "cpu" else ""
+    click.echo(f"kernels gdn: fp64 reference, then {len(impls)} kernel(s) x 3 timed repeats on {positions} "
+               f"positions x {heads} heads ({device}{cpu_eta}) ...", err=True)
+    results = compare(inputs, impls)
     if as_json:
         click.echo(json.dumps({"device": device, "positions": positions, "heads": heads,
                                "head_dim": head_dim, "seed": seed,
@@ -476,6 +664,43 @@ def kernels_gdn(device, positions, heads, head_dim, seed, as_json):
             click.echo(f"not here: {why}")
 
 
+@main.command()
+@click.option("--method", default="mtp", show_default=True,
+              help="Method for the faults that are not method-specific (any the reference engine offers).")
+@click.option("--corpus", default="selftest", show_default=True, help="Built-in corpus name or a file path.")
+@click.option("--fault", "faults", multiple=True, help="Only this planted fault (repeatable).")
+@click.option("--store", "store_dir", default=None, type=click.Path(file_okay=False),
+              help="Keep the runs in this store (default: a temporary directory).")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def selftest(method, corpus, faults, store_dir, as_json):
+    """Plant every reference-engine fault and show which check catches it: exit 1 when one is
+    missed or the clean engine fails a check."""
+    from speccheck.selftest import run_selftest, selftest_text
+
+    result = run_selftest(method, corpus, store_dir, list(faults) or None,
+                          log=lambda m: click.echo(m, err=True))
+    click.echo(json.dumps(result.to_dict(), indent=1, ensure_ascii=False) if as_json
+               else selftest_text(result))
+    sys.exit(0 if result.passed else 1)
+
+
+@main.command()
+@click.option("--engine", default="reference", show_default=True, help="reference | vllm | openai")
+@click.option("--model", default=None, help="Checkpoint directory to size the KV cache and weights for.")
+@click.option("--k", "k", default=7, show_default=True, type=click.IntRange(0, 32), help="K to size for.")
+@click.option("--base-url", default=None, help="A server to check (with or without /v1).")
+@click.option("--api-key-env", default=None, help="Env var holding the server's API key (default OPENAI_API_KEY).")
+def doctor(engine, model, k, base_url, api_key_env):
+    """What this machine can run: GPU, driver, torch/vLLM, the GDN and attention backends, WSL2,
+    GPU memory vs the model's KV cache, a server; each finding with its fix (exit 1 if any FAIL)."""
+    from speccheck.doctor import FAIL, diagnose
+
+    findings = diagnose(engine, model, base_url, api_key_env, k)
+    for f in findings:
+        click.echo(f.line())
+    sys.exit(1 if any(f.status == FAIL for f in findings) else 0)
+
+
 @main.command("export-reference")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--model", default=None, help="Reference weights dir (default: the shipped ones).")
@@ -488,19 +713,19 @@ def export_reference_cmd(out_dir, model):
 
 
 @main.command()
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=int)
-@click.option("--method", default="baseline", show_default=True)
-@click.option("--k", "k", default=None, type=int)
-@click.option("--model", default=None)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
+@click.option("--method", default="baseline", show_default=True, help="What the server runs: baseline | mtp | dflash.")
+@click.option("--k", "k", default=None, type=int, help="K for --method mtp/dflash.")
+@click.option("--model", default=None, help="Reference weights dir (default: the shipped ones).")
 @click.option("--api-key-env", default=None, help="Require this env var's value as Bearer key.")
-@click.option("--engine-arg", "engine_args", multiple=True)
+@click.option("--engine-arg", "engine_args", multiple=True, help=ENGINE_ARG_HELP)
 def serve(host, port, method, k, model, api_key_env, engine_args):
     """OpenAI-compatible server (vLLM's endpoints and metric names) in front of the reference engine."""
     from speccheck.serve import serve as serve_forever
 
     if method != "baseline":
-        build_matrix([method], str(k) if k is not None else None, offered=("mtp", "dflash"))
+        build_matrix([method], str(k) if k is not None else None, offered=("mtp", "dflash", "dflash2"))
     serve_forever(host=host, port=port, method=method, k=k or 0, api_key_env=api_key_env,
                   engine_args=_engine_args(engine_args), model=model)
 

@@ -6,8 +6,10 @@ from typing import Sequence
 
 from speccheck.types import K_MAX, SpecConfig
 
-#: what `speccheck run` covers with no --method/--config: baseline + MTP K=1..7 + drafter at K=7
-DEFAULT_MATRIX = ("baseline",) + tuple(f"mtp-k{k}" for k in range(1, 8)) + ("dflash-k7",)
+#: what `speccheck run` covers with no --method/--config: baseline + MTP K=1..7 + the block
+#: drafters (DFlash, DFlash2) at K=7 = block_size - 1 (the seed article's comparison)
+DEFAULT_MATRIX = ("baseline",) + tuple(f"mtp-k{k}" for k in range(1, 8)) + ("dflash-k7",
+                                                                           "dflash2-k7")
 DEFAULT_K = {"mtp": list(range(1, 8))}
 
 
@@ -34,15 +36,20 @@ def parse_k(spec: str) -> list[int]:
     return sorted(set(ks))
 
 
-def check_method(method: str, offered: Sequence[str] | None, engine: str) -> None:
+def check_method(method: str, offered: Sequence[str] | None, engine: str, option: str | None = None) -> None:
+    """``option`` names what the user wrote (e.g. ``--config 'turbo-k3'``), so the error
+    blames that, not an option they never used."""
     if method == "baseline" or offered is None or method in offered:
         return
-    raise MatrixError(f"--method {method!r}: the {engine} engine offers "
-                      f"{', '.join(('baseline',) + tuple(offered))}; pick one of those.")
+    configs = ", ".join(f"{m}-kN" for m in offered)
+    what = option or f"--method {method!r}"
+    raise MatrixError(f"{what}: the {engine} engine has no method {method!r}; it offers "
+                      f"{', '.join(('baseline',) + tuple(offered))}"
+                      + (f" (configs baseline, {configs})" if option else "") + "; pick one of those.")
 
 
 def build_matrix(methods: Sequence[str] = (), k: str | None = None, configs: Sequence[str] = (),
-                 offered: Sequence[str] | None = ("mtp", "dflash"), engine: str = "reference",
+                 offered: Sequence[str] | None = ("mtp", "dflash", "dflash2"), engine: str = "reference",
                  default_k: dict[str, int | None] | None = None, draft: str | None = None,
                  include_baseline: bool = True) -> list[SpecConfig]:
     """The configs to run, baseline first. With nothing asked for: DEFAULT_MATRIX."""
@@ -66,7 +73,8 @@ def build_matrix(methods: Sequence[str] = (), k: str | None = None, configs: Seq
             cfg = SpecConfig.from_name(name, draft)
         except ValueError as e:
             raise MatrixError(f"--config {name!r}: {e}") from None
-        check_method(cfg.method, offered, engine)
+        check_method(cfg.method, offered, engine, None if name in names[len(configs):] or name == "baseline"
+                     else f"--config {name!r}")
         if cfg.is_baseline:
             cfg = SpecConfig()
         if cfg not in out:

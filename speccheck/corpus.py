@@ -5,14 +5,17 @@ A corpus is a plain-text file of prompts: JSONL (one JSON object per line) or TO
 installed as the package ``speccheck.corpora``, so they resolve wherever speccheck is installed.
 
 Each prompt has ``id``, ``category``, ``max_tokens`` and exactly one of ``text`` (a string) or
-``messages`` (a list of ``{"role", "content"}``). Anything else is an error, reported with the
+``messages`` (a list of ``{"role", "content"}``), and optionally ``ignore_eos`` (true: decode
+the full ``max_tokens`` past end-of-sequence). Anything else is an error, reported with the
 file and line so that the user can fix it.
 
 The corpus hash is the sha256 of a canonical JSON rendering of the validated prompts in file
 order (sorted keys, no insignificant whitespace, UTF-8). It therefore changes when any prompt's
-id, category, max_tokens, text or messages change, or when prompts are reordered, and does *not*
-change with the file's formatting (key order, spacing, blank lines, comments, JSONL vs TOML) or
-its name or location: a stored run is tied to what was asked, not to how the file was written.
+id, category, max_tokens, text, messages or ignore_eos change, or when prompts are reordered
+(``ignore_eos`` enters only where it is true, so corpora without it keep their hash), and does
+*not* change with the file's formatting (key order, spacing, blank lines, comments, JSONL vs
+TOML) or its name or location: a stored run is tied to what was asked, not to how the file
+was written.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ DEFAULT_MAX_TOKENS = 128
 #: Spec-Bench's data/spec_bench/question.jsonl (and MT-bench's): these fields, first turn used
 SPEC_BENCH_FIELDS = {"question_id", "category", "turns"}
 SUFFIXES = (".jsonl", ".toml")
-_FIELDS = {"id", "category", "max_tokens", "text", "messages"}
+_FIELDS = {"id", "category", "max_tokens", "text", "messages", "ignore_eos"}
 _ROLES = {"system", "user", "assistant"}
 _PACKAGE = "speccheck.corpora"
 
@@ -100,11 +103,20 @@ def load_corpus(name_or_path: str | os.PathLike, max_tokens: int | None = None) 
                        or os.path.isfile(spec))
     if looks_like_path:
         path = Path(spec)
+        if path.is_dir():
+            raise CorpusError(f"corpus path {spec} is a directory; give the path of a .jsonl or "
+                              f".toml file inside it, or one of the built-in corpora: "
+                              f"{', '.join(list_corpora())}.")
         if not path.is_file():
             raise CorpusError(f"corpus file {spec} does not exist; give the path of a .jsonl or "
                               f".toml file, or one of the built-in corpora: "
                               f"{', '.join(list_corpora())}.")
-        return _load_file(path.stem, str(path), path.read_bytes(), max_tokens)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise CorpusError(f"corpus file {spec}: cannot read it ({e.strerror or e}); check its "
+                              "permissions.") from None
+        return _load_file(path.stem, str(path), data, max_tokens)
     for suffix in SUFFIXES:
         entry = _builtin_dir().joinpath(spec + suffix)
         if entry.is_file():
@@ -127,12 +139,14 @@ def _prompt_dict(p: Prompt) -> dict:
         d["text"] = p.text
     else:
         d["messages"] = [dict(m) for m in p.messages or ()]
+    if p.ignore_eos:  # only when set: corpora without it keep their hash
+        d["ignore_eos"] = True
     return d
 
 
 def _load_file(name: str, path: str, data: bytes, max_tokens: int | None = None) -> Corpus:
     try:
-        content = data.decode("utf-8")
+        content = data.decode("utf-8-sig")  # a byte-order mark (Windows editors) is not content
     except UnicodeDecodeError as e:
         raise CorpusError(f"{path}: not UTF-8 text ({e}); save the corpus as UTF-8.") from None
     if path.endswith(".toml"):
@@ -197,7 +211,7 @@ def _to_prompt(path: str, line: int, rec: dict) -> Prompt:
     unknown = set(rec) - _FIELDS
     if unknown:
         raise CorpusError(f"{where}: unknown field(s) {sorted(unknown)}; a prompt has only "
-                          f"id, category, max_tokens and text or messages.")
+                          f"id, category, max_tokens, text or messages, and optionally ignore_eos.")
     for key in ("id", "category", "max_tokens"):
         if key not in rec:
             raise CorpusError(f"{where}: missing field {key!r}; every prompt needs id, category, "
@@ -212,6 +226,10 @@ def _to_prompt(path: str, line: int, rec: dict) -> Prompt:
             or not 1 <= max_tokens <= MAX_TOKENS_LIMIT):
         raise CorpusError(f"{where}: prompt {pid!r}: bad max_tokens {max_tokens!r}; use a whole "
                           f"number from 1 to {MAX_TOKENS_LIMIT}.")
+    ignore_eos = rec.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise CorpusError(f"{where}: prompt {pid!r}: 'ignore_eos' must be true or false, got "
+                          f"{ignore_eos!r}.")
     has_text, has_messages = "text" in rec, "messages" in rec
     if has_text == has_messages:
         raise CorpusError(f"{where}: prompt {pid!r}: give exactly one of 'text' or 'messages' "
@@ -220,7 +238,7 @@ def _to_prompt(path: str, line: int, rec: dict) -> Prompt:
         text = rec["text"]
         if not isinstance(text, str) or not text.strip():
             raise CorpusError(f"{where}: prompt {pid!r} is empty; give it a non-empty 'text'.")
-        return Prompt(pid, category, max_tokens, text=text)
+        return Prompt(pid, category, max_tokens, text=text, ignore_eos=ignore_eos)
     messages = rec["messages"]
     if not isinstance(messages, list) or not messages:
         raise CorpusError(f"{where}: prompt {pid!r} is empty; 'messages' must be a non-empty "
@@ -235,7 +253,7 @@ def _to_prompt(path: str, line: int, rec: dict) -> Prompt:
         if not m["content"].strip():
             raise CorpusError(f"{where}: prompt {pid!r}, message {i} is empty; give it content.")
         out.append({"role": m["role"], "content": m["content"]})
-    return Prompt(pid, category, max_tokens, messages=tuple(out))
+    return Prompt(pid, category, max_tokens, messages=tuple(out), ignore_eos=ignore_eos)
 
 
 def _spec_bench_prompt(path: str, line: int, rec: dict, max_tokens: int) -> Prompt:

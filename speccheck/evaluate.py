@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from speccheck.policy import Policy
-from speccheck.store import Suite
+from speccheck.store import Suite, config_sort_key
 from speccheck.types import Completion, RunRecord, SpecConfig
 from speccheck.verify import (
     END,
@@ -147,6 +147,8 @@ class ConfigResult:
     #: spec counters identical run to run (None: fewer than 2 runs with counters)
     acceptance_identical: bool | None = None
     acceptance_nondeterminism: list[str] = field(default_factory=list)
+    prompt_ids: list[str] = field(default_factory=list)  # the prompts compared with the baseline
+    missing: list[str] = field(default_factory=list)  # planned or demanded, not stored
 
     @property
     def verdict(self) -> str:
@@ -175,6 +177,7 @@ class SuiteResult:
     configs: list[ConfigResult]
     #: why path noise was not measured (tau then comes from the policy floors); None when it was
     noise_missing: str | None = None
+    plan: dict | None = None  # what `speccheck run` recorded it would store (None: older suite)
 
     @property
     def passed(self) -> bool:
@@ -194,7 +197,7 @@ class SuiteResult:
         return {"suite": self.suite, "meta": self.meta, "identity": self.identity,
                 "noise": self.noise, "noise_missing": self.noise_missing,
                 "tau_tie": self.tau_tie, "tau_low": self.tau_low, "policy": self.policy,
-                "passed": self.passed,
+                "plan": self.plan, "passed": self.passed,
                 "configs": [c.to_dict() for c in self.configs]}
 
 
@@ -489,7 +492,8 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
         nondeterminism=nondet, prompts=0, prompts_exact=0, prefix_agreement=None,
         token_agreement=None, text_similarity=None, divergences=[], tf_divergences=[],
         class_counts={}, attribution=suite.load_attribution(name) or [], acceptance=None,
-        golden_tokens_per_iter=None, speed=Speed(None, None, None, None), together=all_at_once)
+        golden_tokens_per_iter=None, speed=Speed(None, None, None, None), together=all_at_once,
+        missing=suite.missing(name))
 
     warm, cold, ttft = speed_of(ok)
     result.speed = Speed(warm, cold, ttft, warm / base_speed if warm and base_speed else None)
@@ -509,6 +513,7 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
         stops = stop_tokens((c.token_ids, c.finish_reason) for r in base_ok for c in r.completions)
         free = compare_runs(base_ok[0], run0, tau_tie, tau_low, noise, detok, stops)
         result.prompts, result.prompts_exact = free.prompts, free.exact
+        result.prompt_ids = [c.prompt_id for c in run0.completions if c.prompt_id in base]
         result.divergences = free.divergences
         result.boundaries = free.boundaries
         result.prefix_agreement = free.prefix_agreement
@@ -631,8 +636,8 @@ def _fmt_div(d: Divergence) -> str:
 
 
 def _checks(r: ConfigResult, p: Policy, is_baseline: bool) -> list[Check]:
-    checks = [Check("ran", not r.failed_runs,
-                    "all runs completed" if not r.failed_runs else "engine failure: " + "; ".join(r.failed_runs))]
+    ran = (["engine failure: " + "; ".join(r.failed_runs)] if r.failed_runs else []) + r.missing
+    checks = [Check("ran", not ran, "\n".join(ran) or "all planned runs completed")]
     if r.identical_runs is None:
         checks.append(Check("deterministic", not p.require_deterministic, "fewer than 2 stored runs to compare",
                             skipped=not p.require_deterministic))
@@ -882,11 +887,16 @@ def _x(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def judged_configs(suite: Suite, demanded: Sequence[str] = ()) -> list[str]:
+    """Every config a verdict covers: stored, planned, or demanded on the command line."""
+    return sorted({*suite.configs(), *suite.planned_configs(), *demanded}, key=config_sort_key)
+
+
 def evaluate_suite(suite: Suite, policy: Policy, configs: Sequence[str] | None = None,
                    golden_acceptance: dict | None = None, detok=None,
                    golden_noise: dict | None = None) -> SuiteResult:
     """``golden_noise``: {config: |Δ| sample} recorded with the golden (golden.golden_noise)."""
-    names = list(configs) if configs is not None else suite.configs()
+    names = list(configs) if configs is not None else judged_configs(suite)
     base_records = list(suite.records("baseline"))
     noise, noise_missing = measure_noise(suite)
     kernel = kernel_noise_sample(suite)
@@ -899,4 +909,4 @@ def evaluate_suite(suite: Suite, policy: Policy, configs: Sequence[str] | None =
                                golden_acceptance, detok, base_speed, noise_missing, kernel,
                                golden_noise, base_variant) for n in names]
     return SuiteResult(suite.id, suite.meta, identity, noise, tau_tie, tau_low, policy.to_dict(), results,
-                       noise_missing)
+                       noise_missing, suite.load_plan())

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Sequence
 
 from speccheck.evaluate import SuiteResult
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ENGINE = 0, 1, 2, 3
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ENGINE, EXIT_INTERNAL = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130  # Ctrl-C, the shell convention (128 + SIGINT)
 
 
 def exit_code(result: SuiteResult) -> int:
@@ -15,16 +17,31 @@ def exit_code(result: SuiteResult) -> int:
     return EXIT_PASS if result.passed else EXIT_FAIL
 
 
-def gate_text(result: SuiteResult) -> str:
-    lines = []
+def plan_note(result: SuiteResult) -> str | None:
+    """Said wherever a suite is judged that recorded no plan (stored by an older speccheck)."""
+    if result.plan is not None:
+        return None
+    return (f"note: suite {result.suite} has no recorded plan (stored before speccheck recorded "
+            "what `run` was asked for): only the configs stored are judged, a config that never "
+            "ran cannot be missed; demand configs with --method/--k/--config.")
+
+
+def gate_text(result: SuiteResult, unmet: Sequence[str] = ()) -> str:
+    """One line per config and per failed check; ``unmet``: demands no config answers (each
+    fails the gate)."""
+    lines = [f"FAIL  {u}" for u in unmet]
     for r in result.configs:
         failed = [c for c in r.checks if not c.passed and not c.skipped]
         lines.append(f"{'PASS' if not failed else 'FAIL'}  {r.config}")
         for c in failed:
             lines.append(f"      {c.name} failed for config {r.config}: {c.message}")
+    note = plan_note(result)
+    if note:
+        lines.append(note)
     n_fail = sum(1 for r in result.configs if r.verdict != "pass")
-    lines.append(f"gate: {'PASS' if result.passed else 'FAIL'} — {len(result.configs) - n_fail} of "
-                 f"{len(result.configs)} configs pass (suite {result.suite})")
+    verdict = "PASS" if result.passed and not unmet else "FAIL"
+    lines.append(f"gate: {verdict} — {len(result.configs) - n_fail} of {len(result.configs)} configs "
+                 f"pass (suite {result.suite})")
     return "\n".join(lines)
 
 

@@ -31,10 +31,24 @@ def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") or "default"
 
 
+#: engine args that reach a server, not the numerics: they are not part of a golden's key
+_NOT_NUMERICS = ("base_url", "served_model", "api_key_env")
+#: identity keys that change numerics (a golden recorded under other ones is another golden)
+NUMERICS_KEYS = ("dtype", "knobs", "fault", "kernel_knobs", "batch")
+#: identity keys that explain near-tie flips between machines (kernels, SIMD, library builds)
+PLATFORM_KEYS = ("device", "cpu_capability", "threads", "torch", "gpu", "cuda", "vllm_version",
+                 "server_version", "driver")
+
+
 def golden_dir(root: Path, identity: dict, meta: dict) -> Path:
+    """``golden/<engine>/<model>/<corpus>[+<engine args>]``: engine args (dtype, kernel knobs,
+    planted faults) change the numerics, so a golden made with them never lands where the
+    default one lives."""
     model = identity.get("model_id") or meta.get("model") or "default"
+    args = {k: v for k, v in (meta.get("engine_args") or {}).items() if k not in _NOT_NUMERICS}
+    variant = ("+" + ",".join(f"{k}={v}" for k, v in sorted(args.items()))) if args else ""
     return Path(root) / _slug(identity.get("engine") or meta["engine"]) / _slug(Path(str(model)).name) \
-        / _slug(meta["corpus"])
+        / _slug(meta["corpus"] + variant)
 
 
 def _fingerprint(identity: dict, corpus_hash: str) -> dict:
@@ -42,12 +56,45 @@ def _fingerprint(identity: dict, corpus_hash: str) -> dict:
             "corpus_hash": corpus_hash}
 
 
-def record(suite: Suite, result: SuiteResult, root: Path) -> Path:
-    """Write the suite's baseline (first repeat) and every config's acceptance as the golden."""
+def _numerics(identity: dict) -> dict:
+    return {k: identity[k] for k in NUMERICS_KEYS if k in identity}
+
+
+def identity_changes(old: dict, new: dict, keys) -> list[str]:
+    """``key: old -> new`` for each of ``keys`` that differs between two identities."""
+    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in keys
+            if (k in old or k in new) and old.get(k) != new.get(k)]
+
+
+def record(suite: Suite, result: SuiteResult, root: Path, force: bool = False) -> Path:
+    """Write the suite's baseline (first repeat) and every config's acceptance as the golden.
+    Refuses a suite whose gate fails, and an existing golden unless ``force``."""
+    missing = [m for r in result.configs for m in r.missing]
+    if missing:
+        raise GoldenMismatch(f"suite {suite.id} is incomplete, so it cannot be recorded as golden: "
+                             + "; ".join(missing))
     base = suite.load_run("baseline", 0)
     if base.status != "ok":
         raise GoldenMismatch("the baseline run failed; nothing to record as golden.")
+    if not result.passed:
+        failing = [r.config for r in result.configs if r.verdict != "pass"]
+        raise GoldenMismatch(f"suite {suite.id} fails the gate ({', '.join(failing)}); a golden must be a "
+                             "run you trust: fix what `speccheck gate` reports, then record.")
     target = golden_dir(root, base.identity, suite.meta)
+    if (target / "golden.json").exists() and not force:
+        old = json.loads((target / "golden.json").read_text())
+        old_base = read_run(target / "baseline")
+        changed = [c.prompt_id for c in base.completions
+                   if c.prompt_id not in old_base.by_prompt()
+                   or c.token_ids.tolist() != old_base.by_prompt()[c.prompt_id].token_ids.tolist()]
+        ident = identity_changes(old.get("identity", {}), base.identity,
+                                 ("model_hash", "tokenizer_hash", *NUMERICS_KEYS, *PLATFORM_KEYS))
+        raise GoldenMismatch(
+            f"a golden exists at {target} (recorded from suite {old.get('suite')}); recording would change "
+            f"{len(changed)} of {len(base.completions)} baseline outputs"
+            + (f" ({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''})" if changed else "")
+            + (f" and the identity ({'; '.join(ident)})" if ident else "")
+            + ". Pass --force to overwrite it (then commit the change), or --golden DIR to record elsewhere.")
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(suite.run_dir("baseline", 0), tmp / "baseline")
@@ -60,6 +107,7 @@ def record(suite: Suite, result: SuiteResult, root: Path) -> Path:
     np.savez(tmp / NOISE_FILE, **{k: v.astype(np.float32) for k, v in samples.items()})
     meta = {"suite": suite.id, "engine": suite.meta["engine"], "corpus": suite.meta["corpus"],
             "identity": base.identity, "fingerprint": _fingerprint(base.identity, base.corpus_hash),
+            "numerics": _numerics(base.identity),
             "noise": result.noise, "acceptance": acceptance,
             "logprob_noise": {k: summarize(v).to_dict() for k, v in samples.items()}}
     (tmp / "golden.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
@@ -74,12 +122,26 @@ class GoldenCheck:
     path: Path
     comparison: Comparison
     acceptance: dict[str, float]
+    #: platform identity keys that differ from the golden's (why near-ties may flip)
+    platform_changes: tuple[str, ...] = ()
     #: today's kernel-path noise against the golden's (None: the golden has no noise sample)
     noise_drift: DriftTest | None = None
 
     @property
     def passed(self) -> bool:
         return self.comparison.passed and not (self.noise_drift and self.noise_drift.drifted)
+
+    def why(self) -> str | None:
+        """One line on why near-tie-only differences are expected (or None: nothing differs)."""
+        cmp = self.comparison
+        if not cmp.divergences or cmp.high:
+            return None
+        if self.platform_changes:
+            return (f"expected: only near-ties differ, and this machine is not the golden's "
+                    f"({'; '.join(self.platform_changes)}): other SIMD kernels or library builds round "
+                    "differently, which flips only near-tied argmaxes.")
+        return ("only near-ties differ, on the golden's own platform as recorded; kernel choice "
+                "(e.g. autotuning or thread count) can still flip near-tied argmaxes.")
 
 
 def load_golden(suite: Suite, root: Path) -> tuple[Path, dict, RunRecord]:
@@ -97,6 +159,13 @@ def check(suite: Suite, root: Path, noise: float, policy, detok=None) -> GoldenC
     today = suite.load_run("baseline", 0)
     want, have = meta["fingerprint"], _fingerprint(today.identity, today.corpus_hash)
     differ = [k for k in want if want[k] != have[k]]
+    numerics = identity_changes(meta.get("numerics") or {}, _numerics(today.identity),
+                                (meta.get("numerics") or {}).keys())
+    if numerics and not differ:
+        raise GoldenMismatch(
+            f"golden {path} was recorded with other numerics ({'; '.join(numerics)}); a golden of one "
+            "dtype / kernel path / fault is not evidence about another: record one for these settings "
+            "with `speccheck golden record`.")
     if differ:
         raise GoldenMismatch(
             f"golden {path} was recorded for another {', '.join(d.replace('_hash', '') for d in differ)} "
@@ -108,7 +177,8 @@ def check(suite: Suite, root: Path, noise: float, policy, detok=None) -> GoldenC
     samples = _noise_samples(path)
     drift = (drift_test(kernel_noise_sample(suite), samples[KERNEL_PATH], policy.max_logprob_drift,
                         policy.logprob_drift_alpha) if KERNEL_PATH in samples else None)
-    return GoldenCheck(path, compare_runs(gold, today, tau_tie, tau_low, noise, detok), acceptance, drift)
+    return GoldenCheck(path, compare_runs(gold, today, tau_tie, tau_low, noise, detok), acceptance,
+                       tuple(identity_changes(gold.identity, today.identity, PLATFORM_KEYS)), drift)
 
 
 def _noise_samples(path: Path) -> dict[str, np.ndarray]:

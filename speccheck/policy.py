@@ -3,6 +3,7 @@
 override them, in that order."""
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -93,23 +94,50 @@ class Policy:
             key = key.replace("-", "_")
             if key not in known:
                 raise PolicyError(f"{source}: unknown policy key {key!r}; known keys: {', '.join(known)}.")
-            default = getattr(self, key)
-            try:
-                if isinstance(default, bool):
-                    if isinstance(value, str):
-                        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                            raise ValueError(value)
-                        value = value.lower() in ("true", "1", "yes")
-                    clean[key] = bool(value)
-                else:
-                    clean[key] = type(default)(value)
-            except (TypeError, ValueError):
-                raise PolicyError(f"{source}: policy key {key!r} wants a {type(default).__name__}, "
-                                  f"got {value!r}.") from None
-        return replace(self, **clean)
+            clean[key] = _coerce(key, getattr(self, key), value, source)
+        policy = replace(self, **clean)
+        for low, high in (("tie_floor", "low_floor"), ("tie_noise_multiple", "low_noise_multiple")):
+            if getattr(policy, low) > getattr(policy, high):
+                raise PolicyError(f"{source}: {low} ({getattr(policy, low)}) must not exceed {high} "
+                                  f"({getattr(policy, high)}): a near-tie is the narrower class.")
+        return policy
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+#: the range each numeric key accepts (inclusive); shares are fractions, not percent
+SHARES = ("min_token_agreement", "min_prefix_agreement", "min_text_similarity", "max_acceptance_drop")
+_RANGES: dict[str, tuple[float, float]] = {key: (0.0, 1.0) for key in SHARES}
+
+
+def _coerce(key: str, default: object, value: object, source: str) -> object:
+    """``value`` as the type of ``default``, in range: a NaN or a negative threshold would
+    quietly turn a check off, an int is not a bool, 2.5 is not a count."""
+    kind = type(default).__name__
+    lo, hi = _RANGES.get(key, (0.0, math.inf))
+    where = f"{source}: policy key {key!r}"
+    span = f"in [{lo:g}, {hi:g}]" if hi < math.inf else f">= {lo:g}"
+    if isinstance(default, bool):
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        if isinstance(value, bool):
+            return value
+        raise PolicyError(f"{where} wants true or false, got {value!r}.")
+    if isinstance(value, bool):
+        raise PolicyError(f"{where} wants a {kind} {span}, got the boolean {value!r}.")
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise PolicyError(f"{where} wants a {kind} {span}, got {value!r}.") from None
+    if not math.isfinite(number):
+        raise PolicyError(f"{where} wants a finite {kind} {span}, got {value!r}.")
+    if isinstance(default, int) and number != int(number):
+        raise PolicyError(f"{where} wants a whole number >= {lo:g}, got {value!r}.")
+    if not lo <= number <= hi:
+        scale = " (a fraction: 0.98, not 98)" if hi == 1.0 else ""
+        raise PolicyError(f"{where} must be {span}{scale}, got {value!r}.")
+    return int(number) if isinstance(default, int) else number
 
 
 def _read_toml(path: Path) -> dict:

@@ -9,6 +9,9 @@ To use the tests in your own repository, import them into a test module::
 """
 from __future__ import annotations
 
+import contextlib
+import time
+
 from pathlib import Path
 
 import pytest
@@ -29,7 +32,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--spec-draft", default=None, help="external drafter path (dflash)")
     g.addoption("--spec-method", action="append", default=[], help="method (repeatable)")
     g.addoption("--spec-k", default=None, help="K values: 7, 1-12 or 1,3,7")
-    g.addoption("--spec-corpus", default="default", help="corpus name or file")
+    g.addoption("--spec-config", action="append", default=[], help="config by name, e.g. mtp-k3 "
+                "(repeatable)")
+    g.addoption("--spec-corpus", default=None,
+                help="corpus name or file (default: the ini value spec_corpus, else 'default')")
     g.addoption("--spec-store", default=".speccheck", help="store directory")
     g.addoption("--spec-golden", default="golden", help="golden directory")
     g.addoption("--spec-repeats", default=2, type=int, help="repeats per config")
@@ -38,6 +44,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--spec-concurrent", default=2, type=int,
                 help="also run the corpus all at once, each prompt N times (batch invariance, "
                      "identical concurrent requests); 0: off")
+    g.addoption("--spec-ignore-eos", action="store_true",
+                help="decode every prompt's full max_tokens past end-of-sequence")
+    parser.addini("spec_corpus", default="default",
+                  help="speccheck: the corpus `pytest -m spec` runs unless --spec-corpus says")
+
+
+def _corpus(config: pytest.Config) -> str:
+    return config.getoption("--spec-corpus") or config.getini("spec_corpus")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -49,15 +63,31 @@ def _plan(config: pytest.Config):
 
     o = config.getoption
     return plan_from_options(o("--spec-engine"), o("--spec-model"), o("--spec-draft"),
-                             tuple(o("--spec-method")), o("--spec-k"), (), o("--spec-corpus"),
-                             o("--spec-repeats"), 5, tuple(o("--spec-engine-arg")),
-                             concurrent=o("--spec-concurrent"))
+                             tuple(o("--spec-method")), o("--spec-k"), tuple(o("--spec-config")),
+                             _corpus(config), o("--spec-repeats"), 5,
+                             tuple(o("--spec-engine-arg")), concurrent=o("--spec-concurrent"),
+                             ignore_eos=o("--spec-ignore-eos"))
+
+
+def _config_names(config: pytest.Config) -> list[str]:
+    """The configs the options demand, and every config an earlier run planned in the same
+    suite: a planned config the store misses fails its tests instead of going unseen."""
+    from speccheck.runner import plan_suite_id
+    from speccheck.store import Store, StoreError, config_sort_key
+
+    plan = _plan(config)
+    names = {c.name for c in plan.configs}
+    try:
+        names |= set(Store(config.getoption("--spec-store")).suite(plan_suite_id(plan)).planned_configs())
+    except StoreError:  # no such suite yet: nothing planned before
+        pass
+    return sorted(names, key=config_sort_key)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "spec_config" not in metafunc.fixturenames:
         return
-    names = [c.name for c in _plan(metafunc.config).configs]
+    names = _config_names(metafunc.config)
     if metafunc.function.__name__ not in _ALL_CONFIGS:
         names = [n for n in names if n != "baseline"]
     metafunc.parametrize("spec_config", names, ids=names)
@@ -75,15 +105,25 @@ def spec_result(request: pytest.FixtureRequest):
     cfg = request.config
     plan = _plan(cfg)
     reporter = cfg.pluginmanager.get_plugin("terminalreporter")
+    capman = cfg.pluginmanager.get_plugin("capturemanager")
+    started = time.perf_counter()
 
     def log(msg: str) -> None:
-        if reporter is not None:
+        if reporter is None:
+            return
+        # the session fixture runs under output capture: lift it, or progress shows only with -s
+        with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
             reporter.write_line(f"speccheck: {msg}")
 
-    suite = run_suite(plan, Store(cfg.getoption("--spec-store")), log=log)
+    def progress(done: int, total: int, what: str) -> None:
+        spent = time.perf_counter() - started
+        eta = f", about {spent / done * (total - done):.0f} s left" if 0 < done < total else ""
+        log(f"[{done}/{total}] {what}{eta}")
+
+    suite = run_suite(plan, Store(cfg.getoption("--spec-store")), log=log, progress=progress)
     policy = load_policy(cfg.getoption("--spec-policy"))
     golden = Path(cfg.getoption("--spec-golden"))
-    result = evaluate_suite(suite, policy, [c.name for c in plan.configs], golden_acceptance(suite, golden),
+    result = evaluate_suite(suite, policy, _config_names(cfg), golden_acceptance(suite, golden),
                             golden_noise=golden_noise(suite, golden))
     return suite, result, policy, golden
 

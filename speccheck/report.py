@@ -149,12 +149,52 @@ def sweep_table(result: SuiteResult) -> str:
     return "\n".join(rows)
 
 
+#: the methods the seed article compares side by side, and the K it compares them at
+COMPARED_METHODS = ("mtp", "dflash", "dflash2")
+COMPARED_K = 7
+
+
+def compared_configs(result: SuiteResult) -> list[ConfigResult]:
+    """Baseline, then per method (MTP, DFlash, DFlash2, then any other) its config at K=7 when
+    the suite ran one, else its config with the highest tokens/iteration."""
+    by_method: dict[str, list[ConfigResult]] = {}
+    base = []
+    for r in result.configs:
+        cfg = SpecConfig.from_name(r.config)
+        (base if cfg.is_baseline else by_method.setdefault(cfg.method, [])).append(r)
+    order = [m for m in COMPARED_METHODS if m in by_method] + \
+        [m for m in by_method if m not in COMPARED_METHODS]
+    rows = list(base)
+    for m in order:
+        rs = by_method[m]
+        at_k = [r for r in rs if SpecConfig.from_name(r.config).k == COMPARED_K]
+        rows.append(at_k[0] if at_k else max(rs, key=lambda r: (
+            r.acceptance.tokens_per_iter if r.acceptance else 0.0)))
+    return rows
+
+
+def method_table(result: SuiteResult) -> str:
+    """The seed article's side-by-side table (MTP vs DFlash vs DFlash2), Markdown."""
+    rows = ["| method | K | decode tok/s (warm) | speedup | tokens / iteration (τ) | agreement "
+            "| determinism |", "|---|---:|---:|---:|---:|---:|---|"]
+    for r in compared_configs(result):
+        cfg = SpecConfig.from_name(r.config)
+        tpi = "1.00" if cfg.is_baseline else _num(r.acceptance and r.acceptance.tokens_per_iter, "{:.2f}")
+        rows.append(f"| {cfg.method} | {cfg.k or '-'} | {_num(r.speed.warm_tok_s)} | "
+                    f"{'1.00x' if cfg.is_baseline else _num(r.speed.speedup, '{:.2f}x')} | {tpi} | "
+                    f"{'-' if cfg.is_baseline else _pct(r.token_agreement)} | {determinism_str(r)} |")
+    return "\n".join(rows)
+
+
 def best_configs(result: SuiteResult) -> dict[str, str]:
-    """Per method, the passing config with the highest warm tok/s."""
+    """Per method, the passing config with the highest warm tok/s, if it beats the baseline
+    measured in the same suite (a config slower than no speculation is nobody's best)."""
     best: dict[str, ConfigResult] = {}
     for r in result.configs:
         cfg = SpecConfig.from_name(r.config)
         if cfg.is_baseline or r.verdict != "pass" or r.speed.warm_tok_s is None:
+            continue
+        if r.speed.speedup is None or r.speed.speedup <= 1.0:
             continue
         if cfg.method not in best or r.speed.warm_tok_s > best[cfg.method].speed.warm_tok_s:
             best[cfg.method] = r
@@ -172,7 +212,8 @@ def markdown_report(result: SuiteResult, detok=None) -> str:
             lines.append(f"| {key} | `{ident[key]}` |")
     lines += [f"| corpus | {result.meta.get('corpus')} (`{str(result.meta.get('corpus_hash'))[:16]}`) |",
               f"| path noise | {noise_str(result).removeprefix('path noise ')} |",
-              "", "## Configs", "", sweep_table(result), ""]
+              "", "## Configs", "", sweep_table(result), "",
+              "## MTP vs DFlash vs DFlash2", "", method_table(result), ""]
     best = best_configs(result)
     if best:
         lines += ["Best passing config per method (warm tok/s): "
@@ -236,9 +277,12 @@ def split_lines(result: SuiteResult, detok=None) -> list[str]:
     return (["## Concurrent splits", ""] + out) if out else []
 
 
-def write_report(result: SuiteResult, out_dir: Path, detok=None) -> tuple[Path, Path]:
+def write_report(result: SuiteResult, out_dir: Path, detok=None, html: Path | None = None) -> tuple[Path, ...]:
+    """report.md, report.json and the HTML report (``html``, default report.html beside them)."""
+    from speccheck.report_html import write_html
+
     out_dir.mkdir(parents=True, exist_ok=True)
     md, js = out_dir / "report.md", out_dir / "report.json"
     md.write_text(markdown_report(result, detok))
     js.write_text(json.dumps(result.to_dict(), indent=1, default=str, ensure_ascii=False))
-    return md, js
+    return md, js, write_html(result, html or out_dir / "report.html", detok)

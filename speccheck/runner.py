@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -22,7 +22,7 @@ import numpy as np
 from speccheck import __version__
 from speccheck.corpus import Corpus, load_corpus
 from speccheck.engines import Engine, EngineError, EngineUsageError, make_engine
-from speccheck.store import Store, Suite, suite_id
+from speccheck.store import Store, StoreError, Suite, suite_id
 from speccheck.types import RunRecord, SpecConfig
 from speccheck.verify import first_divergence
 
@@ -50,11 +50,41 @@ class RunPlan:
     attribute_with: dict[str, str] = field(default_factory=dict)
     #: max_tokens of prompts from corpora that carry none (Spec-Bench's question.jsonl)
     max_tokens: int | None = None
+    #: decode every prompt's full max_tokens past end-of-sequence (part of the suite identity)
+    ignore_eos: bool = False
 
     def suite_meta(self, corpus: Corpus) -> dict:
         return {"engine": self.engine, "model": self.model, "draft": self.draft,
                 "engine_args": self.engine_args, "corpus": corpus.name, "corpus_hash": corpus.hash,
-                "top_k": self.top_k, "speccheck_version": __version__}
+                "ignore_eos": self.ignore_eos, "top_k": self.top_k, "speccheck_version": __version__}
+
+    def load_corpus(self) -> Corpus:
+        """The corpus; with ``ignore_eos`` every prompt decodes its full budget."""
+        corpus = load_corpus(self.corpus, self.max_tokens)
+        if not self.ignore_eos:
+            return corpus
+        return replace(corpus, prompts=[replace(p, ignore_eos=True) for p in corpus.prompts])
+
+    def run_args(self) -> list[str]:
+        """The `speccheck run` options that name this plan's suite (to resume it)."""
+        args = ["--engine", self.engine]
+        args += ["--model", self.model] if self.model else []
+        args += ["--draft", self.draft] if self.draft else []
+        for key, value in sorted(self.engine_args.items()):
+            args += ["--engine-arg", f"{key}={value}"]
+        args += ["--corpus", self.corpus]
+        args += ["--max-tokens", str(self.max_tokens)] if self.max_tokens else []
+        args += ["--ignore-eos"] if self.ignore_eos else []
+        args += ["--top-k", str(self.top_k)] if self.top_k != 5 else []
+        return args
+
+    def planned(self) -> dict[str, dict]:
+        """What each config must leave in the store (recorded before any engine starts)."""
+        want = {"repeats": self.repeats,
+                "fresh_process_repeat": self.fresh_process_repeat and self.repeats > 1,
+                "concurrent": self.concurrent, "rescore": self.rescore}
+        return {c.name: {**want, "attribute": self.attribute and not c.is_baseline}
+                for c in self.configs}
 
 
 Log = Callable[[str], None]
@@ -64,9 +94,15 @@ def _print(msg: str) -> None:
     print(msg, flush=True)
 
 
+def plan_suite_id(plan: RunPlan, corpus: Corpus | None = None) -> str:
+    """The id of the suite this plan runs in (its corpus loaded unless given)."""
+    corpus = corpus or plan.load_corpus()
+    return suite_id(plan.engine, plan.model, plan.draft, plan.engine_args, corpus.name, corpus.hash,
+                    plan.ignore_eos)
+
+
 def open_suite(plan: RunPlan, store: Store, corpus: Corpus) -> Suite:
-    sid = suite_id(plan.engine, plan.model, plan.draft, plan.engine_args, corpus.name, corpus.hash)
-    return store.suite(sid, plan.suite_meta(corpus))
+    return store.suite(plan_suite_id(plan, corpus), plan.suite_meta(corpus))
 
 
 def weights_fingerprint(identity: dict) -> tuple:
@@ -76,12 +112,30 @@ def weights_fingerprint(identity: dict) -> tuple:
 
 def tokenized_inputs(suite: Suite, engine: Engine, corpus: Corpus) -> dict[str, np.ndarray]:
     """Prompts are tokenised once per suite and stored, so every config sees identical input."""
-    inputs = suite.load_inputs()
+    try:
+        inputs = suite.load_inputs()
+    except StoreError:  # damaged: tokenise again
+        inputs = None
     if inputs is None or set(inputs) != {p.id for p in corpus.prompts}:
         suite.write_inputs({p.id: engine.tokenize(p) for p in corpus.prompts})
         inputs = suite.load_inputs()
     assert inputs is not None
     return inputs
+
+
+def check_context(engine: Engine, corpus: Corpus) -> None:
+    """Every prompt plus its max_tokens must fit the model's positions, checked before any run
+    (an 8192-position model given a 20k-token prompt would otherwise run for many minutes)."""
+    limit = engine.max_positions()
+    if not limit:
+        return
+    for p in corpus.prompts:
+        n = len(engine.tokenize(p))
+        if n + p.max_tokens > limit:
+            raise EngineUsageError(
+                f"{corpus.path}: prompt {p.id!r} is {n} tokens + max_tokens {p.max_tokens} = "
+                f"{n + p.max_tokens} positions, more than the {limit} the model holds; shorten the "
+                f"prompt or lower its max_tokens to at most {max(limit - n, 0)}.")
 
 
 def run_one(engine: Engine, suite: Suite, corpus: Corpus, inputs: dict[str, np.ndarray],
@@ -123,7 +177,9 @@ def _summary_line(record: RunRecord) -> str:
     dec = sum(c.decode_s for c in record.completions)
     spec = record.spec_total()
     tpi = f"  {1 + spec.accepted_tokens / spec.drafts:.2f} tok/iter" if spec and spec.drafts else ""
-    fresh = "  [fresh process]" if record.fresh_process else ""
+    # against a server only the client is new: the server keeps its state across repeats
+    fresh = ("  [new client, same server]" if record.identity.get("base_url") else "  [fresh process]") \
+        if record.fresh_process else ""
     rate = f"{n / dec:7.1f} tok/s" if dec > 0 else "      - tok/s"
     if record.copies:
         return (f"{record.config.name:>12} all at once: {len(record.completions)} requests "
@@ -134,12 +190,39 @@ def _summary_line(record: RunRecord) -> str:
 
 def run_suite(plan: RunPlan, store: Store, log: Log = _print,
               progress: Callable[[int, int, str], None] | None = None) -> Suite:
-    """Run every (config, repeat) not yet complete in the store, then rescore and attribute.
-    ``progress(done, total, what)`` is called before each run and once at the end."""
-    corpus = load_corpus(plan.corpus, plan.max_tokens)
-    suite = open_suite(plan, store, corpus)
-    store.set_latest(suite.id)
-    engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
+    """Under the store's writer lock (a second `run` on the store waits, then finds the work
+    done), run_suite_unlocked."""
+    with store.lock(notify=log):
+        return run_suite_unlocked(plan, store, log, progress)
+
+
+def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
+                       progress: Callable[[int, int, str], None] | None = None) -> Suite:
+    """Record the plan in the suite, then run every (config, repeat) not yet complete in the
+    store, then rescore and attribute. ``progress(done, total, what)`` is called before each
+    run and once at the end. The engine is made (its arguments checked) before anything is
+    written, and the plan is recorded before it generates anything."""
+    corpus = plan.load_corpus()
+
+    def open_planned() -> Suite:
+        suite = open_suite(plan, store, corpus)
+        store.set_latest(suite.id)
+        suite.extend_plan(plan.planned(), plan.run_args())
+        return suite
+
+    try:
+        engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
+    except EngineUsageError:
+        raise  # bad input: nothing written
+    except BaseException:
+        open_planned()  # a crash at engine start leaves the plan, so every verdict names what is missing
+        raise
+    try:
+        check_context(engine, corpus)
+        suite = open_planned()  # before any generation
+    except BaseException:
+        engine.close()
+        raise
     try:
         inputs = tokenized_inputs(suite, engine, corpus)
         current = weights_fingerprint(engine.identity())
@@ -171,10 +254,12 @@ def run_suite(plan: RunPlan, store: Store, log: Log = _print,
                                  fresh_process=engine.fresh_process_per_config)
             log(_summary_line(record))
         if progress:
-            progress(len(todo), len(todo), "rescoring")
+            progress(len(todo), len(todo), "rescoring teacher-forced")
         if plan.rescore:
             rescore_suite(engine, suite, [c.name for c in plan.configs], log)
         if plan.attribute:
+            if progress:
+                progress(len(todo), len(todo), "attributing divergences to kernel paths")
             spec_configs = [c for c in plan.configs if not c.is_baseline]
             variants = engine.attribution_variants(spec_configs)
             for label, url in plan.attribute_with.items():
@@ -192,7 +277,7 @@ def run_in_fresh_process(plan: RunPlan, store: Store, suite: Suite, config: Spec
     """One (config, repeat) in a new Python process: catches state that leaks across runs
     in-process (caches, allocator, JIT) and differences in process start-up."""
     request = {"plan": {**plan.__dict__, "configs": [config.to_dict()]}, "store": str(store.root),
-               "suite": suite.id, "repeat": repeat}
+               "suite": suite.id, "repeat": repeat, "parent": os.getpid()}
     proc = subprocess.run([sys.executable, "-m", "speccheck.runner", json.dumps(request)],
                           capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"})
     if proc.returncode == 2:
@@ -207,13 +292,29 @@ def run_in_fresh_process(plan: RunPlan, store: Store, suite: Suite, config: Spec
     return suite.load_run(config.name, repeat)
 
 
+def _exit_with_parent(parent: int | None) -> None:
+    """A worker whose parent died (kill -9, a closed terminal) stops instead of writing into a
+    store nobody watches: a daemon thread polls the parent pid."""
+    if not parent:
+        return
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="speccheck-parent-watch").start()
+
+
 def _worker_main(argv: Sequence[str]) -> int:
     request = json.loads(argv[0])
+    _exit_with_parent(request.get("parent"))
     p = request["plan"]
     plan = RunPlan(**{**p, "configs": [SpecConfig(**c) for c in p["configs"]]})
     store = Store(request["store"])
     suite = store.suite(request["suite"])
-    corpus = load_corpus(plan.corpus, plan.max_tokens)
+    corpus = plan.load_corpus()
     try:
         engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
     except EngineUsageError as e:
@@ -239,12 +340,12 @@ def rescore_suite(engine: Engine, suite: Suite, config_names: Sequence[str], log
     if not suite.is_complete("baseline", 0):
         return
     base = suite.load_run("baseline", 0).by_prompt()
-    base_scores = suite.load_rescore("baseline", 0)
+    base_scores = suite.load_rescore("baseline", 0) if suite.has_rescore("baseline", 0) else None
     if base_scores is None:
         base_scores = _score_record(engine, list(base.values()))
         suite.write_rescore("baseline", 0, list(base_scores), list(base_scores.values()))
     for name in config_names:
-        if name == "baseline" or not suite.is_complete(name, 0) or suite.load_rescore(name, 0) is not None:
+        if name == "baseline" or not suite.is_complete(name, 0) or suite.has_rescore(name, 0):
             continue
         comps = suite.load_run(name, 0).completions
         differ = [c for c in comps if c.prompt_id not in base
@@ -275,7 +376,7 @@ def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: S
     base = suite.load_run("baseline", 0).by_prompt()
     todo: dict[str, list[dict]] = {}
     for name in config_names:
-        if not suite.is_complete(name, 0) or suite.load_attribution(name) is not None:
+        if not suite.is_complete(name, 0) or suite.has_attribution(name):
             continue
         items = []
         for c in suite.load_run(name, 0).completions:
@@ -292,9 +393,13 @@ def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: S
     if not todo:
         return
     all_items = [it for items in todo.values() for it in items]
-    for label, args in variants.items():
+    started = time.perf_counter()
+    for i, (label, args) in enumerate(variants.items()):
         if not all_items:
             break
+        eta = (f", about {(time.perf_counter() - started) / i * (len(variants) - i):.0f} s left" if i else "")
+        log(f"attribution: kernel path {i + 1}/{len(variants)} ({label}) on {len(all_items)} divergent "
+            f"prefix(es){eta}")
         try:
             engine = make_engine(plan.engine, plan.model, {**plan.engine_args, **args}, plan.draft)
             try:

@@ -13,7 +13,7 @@ Endpoints (shapes as in vLLM's ``entrypoints/openai`` protocol):
   GET  /v1/models              the one served model
   POST /v1/completions         greedy only (temperature 0); token-id or text prompt(s),
                                ``logprobs``, ``prompt_logprobs``, ``return_tokens_as_token_ids``,
-                               ``return_token_ids``, ``max_tokens``
+                               ``return_token_ids``, ``max_tokens``, ``ignore_eos``
   POST /tokenize, /detokenize  vLLM's extensions
 
 Requests run one at a time (a lock) so results and timings do not depend on concurrency.
@@ -206,7 +206,8 @@ class ServeState:
     def _complete_one(self, index: int, ids: list[int], req: dict) -> tuple[dict, int]:
         k_out = req["logprobs"]
         width = max(2, k_out or 0)
-        prompt = Prompt(id=f"request-{index}", category="serve", max_tokens=req["max_tokens"])
+        prompt = Prompt(id=f"request-{index}", category="serve", max_tokens=req["max_tokens"],
+                        ignore_eos=req["ignore_eos"])
         c = self.engine.generate([prompt], [ids], self.config, width)[0]
         self.metrics.observe(len(ids), c)
         as_ids = bool(req["return_tokens_as_token_ids"])
@@ -308,6 +309,10 @@ def _parse_completion_request(body: dict) -> dict:
                               0 <= v <= MAX_LOGPROBS):
             raise bad(f"`{field}` must be an integer in 0..{MAX_LOGPROBS}", field)
         out[field] = v
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad("`ignore_eos` must be true or false", "ignore_eos")
+    out["ignore_eos"] = ignore_eos
     out["return_tokens_as_token_ids"] = bool(body.get("return_tokens_as_token_ids"))
     out["return_token_ids"] = bool(body.get("return_token_ids"))
     return out

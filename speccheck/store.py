@@ -4,28 +4,41 @@ Layout::
 
     <store>/LATEST                         suite id of the last `speccheck run`
     <store>/suites/<suite>/suite.json      what the suite is: engine, model, engine args, corpus + hash
+    <store>/suites/<suite>/plan.json       what `speccheck run` was asked to store (Suite.missing)
     <store>/suites/<suite>/inputs.npz      the prompts' token ids, tokenised once for every config
     <store>/suites/<suite>/runs/<config>/r<i>/manifest.json + arrays.npz
     <store>/suites/<suite>/rescore/<config>-r<i>.npz   baseline's teacher-forced scores of that run
     <store>/suites/<suite>/attribution/<config>.json   kernel-path attribution of its divergences
 
-A run directory is complete iff its manifest says ``"complete": true``; it is written in a
-temporary sibling and renamed into place, so a crash never leaves a half run that looks
-finished. Arrays are plain ``.npz`` read with ``allow_pickle=False``; nothing is unpickled.
-A suite is keyed by what produced it (engine, model, draft, engine args, corpus), so runs
-with a planted fault or another kernel knob never mix with clean ones.
+A run directory is complete iff its manifest says ``"complete": true`` and the files it lists
+(size and sha256) are there unchanged; it is written in a temporary sibling and renamed into
+place, so a crash never leaves a half run that looks finished. Every other stored file has a
+``<file>.sha256`` sidecar, checked on every read; stores written before sums existed still load.
+Arrays are plain ``.npz`` read with ``allow_pickle=False``; nothing is unpickled. Writers take
+the store lock (``<store>/lock``: the holder's pid, released by the kernel when it dies).
+A suite is keyed by what produced it (engine, model, draft, engine args, corpus, ignore_eos),
+so runs with a planted fault or another kernel knob never mix with clean ones.
+
+The plan is written before any engine starts and only ever extended, so a run that dies
+(crash, OOM, a killed CI job) leaves a suite that says what is missing: every verdict fails
+a planned config that is not complete. Suites stored before plans were recorded have none.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import tempfile
+import time
+import zipfile
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -39,49 +52,185 @@ class StoreError(ValueError):
 
 
 def suite_id(engine: str, model: str | None, draft: str | None, engine_args: dict,
-             corpus: str, corpus_hash: str) -> str:
-    """A readable, stable directory name for everything that makes runs comparable."""
-    key = json.dumps([engine, model, draft, sorted(engine_args.items()), corpus, corpus_hash])
+             corpus: str, corpus_hash: str, ignore_eos: bool = False) -> str:
+    """A readable, stable directory name for everything that makes runs comparable
+    (``ignore_eos`` enters the key only when set, so older suites keep their ids)."""
+    key = json.dumps([engine, model, draft, sorted(engine_args.items()), corpus, corpus_hash]
+                     + (["ignore_eos"] if ignore_eos else []))
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     model_slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model).name if model else "default")[:40]
     return f"{engine}-{model_slug}-{corpus}-{digest}"
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def share_mode(path: Path, directory: bool = False) -> None:
+    """mkstemp/mkdtemp create 0600/0700; stored files are shared like any file the user
+    writes (a vLLM container running as another user, a CI cache), as the umask says."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+
+
+_SUMS: dict[tuple, dict] = {}  # (path, mtime_ns, size, inode) -> sum: each file hashed once per process
+
+
+def file_sum(path: Path) -> dict:
+    """Size and sha256 of a stored file, as manifests and sidecars list them."""
+    st = path.stat()
+    key = (str(path), st.st_mtime_ns, st.st_size, st.st_ino)
+    if key not in _SUMS:
+        _SUMS[key] = _hash_file(path)
+    return dict(_SUMS[key])
+
+
+def _hash_file(path: Path) -> dict:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _atomic_write_bytes(path: Path, write: Callable, mode: str = "wb", sidecar: bool = True) -> None:
+    """Temp file, its sum in the sidecar, then rename: a crash leaves the old file or the new,
+    and never a temp file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, mode) as f:
+            write(f)
+        share_mode(tmp)
+        if sidecar:
+            _write_sidecar(path, file_sum(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_sidecar(path: Path, sums: dict) -> None:
+    side = _sidecar(path)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{side.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(sums))
+        share_mode(Path(name))
+        os.replace(name, side)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+
+
+def _atomic_write_text(path: Path, text: str, sidecar: bool = True) -> None:
+    _atomic_write_bytes(path, lambda f: f.write(text.encode()), sidecar=sidecar)
 
 
 def _atomic_write_npz(path: Path, **arrays: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".npz")
-    with os.fdopen(fd, "wb") as f:
-        np.savez(f, **arrays)
-    os.replace(tmp, path)
+    _atomic_write_bytes(path, lambda f: np.savez(f, **arrays))
 
 
-def _load_npz(path: Path) -> dict[str, np.ndarray]:
+#: how to redo a damaged file; set per suite (see Suite.redo_hint) so messages name the command
+_REDO_DEFAULT = "delete it and `speccheck run` again with the same options to redo just that part"
+
+
+def verify_file(path: Path, want: dict | None, redo: str = _REDO_DEFAULT) -> None:
+    """A stored file must still have the size and sha256 recorded when it was written
+    (``want`` None: written before sums existed, accepted as it is)."""
+    if want is None:
+        return
+    try:
+        have = file_sum(path)
+    except OSError as e:
+        raise StoreError(f"{path}: missing or unreadable ({e.strerror or e}); {redo}.") from None
+    if have != {"size": want.get("size"), "sha256": want.get("sha256")}:
+        raise StoreError(f"{path}: changed since it was written (size {have['size']} vs {want.get('size')}, "
+                         f"sha256 {have['sha256'][:12]} vs {str(want.get('sha256'))[:12]}): the store is "
+                         f"damaged; {redo}.")
+
+
+def _sidecar_sum(path: Path, redo: str) -> dict | None:
+    side = _sidecar(path)
+    if not side.exists():
+        return None
+    data = _load_json(side, redo)
+    if not isinstance(data, dict) or not isinstance(data.get("size"), int) or not isinstance(data.get("sha256"), str):
+        raise StoreError(f"{side}: not a size/sha256 record; {redo}.")
+    return data
+
+
+def _load_npz(path: Path, redo: str = _REDO_DEFAULT, keys: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    verify_file(path, _sidecar_sum(path, redo), redo)
     try:
         with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError) as e:
-        raise StoreError(
-            f"{path}: cannot read stored arrays ({e}). The file is corrupted or not a speccheck "
-            "store; delete that run directory and `speccheck run` again to redo just that run."
-        ) from None
+            out = {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError, RuntimeError) as e:
+        raise StoreError(f"{path}: cannot read stored arrays ({type(e).__name__}: {e}); the file is "
+                         f"corrupted or not a speccheck store: {redo}.") from None
+    missing = [k for k in keys if k not in out]
+    if missing:
+        raise StoreError(f"{path}: stored arrays lack {', '.join(missing)}; the file is damaged: {redo}.")
+    return out
 
 
-def _load_json(path: Path) -> dict:
+def _load_json(path: Path, redo: str = _REDO_DEFAULT):
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise StoreError(
-            f"{path}: cannot read JSON ({e}). Delete that run directory and `speccheck run` again "
-            "to redo just that run; nothing else in the store is affected."
-        ) from None
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StoreError(f"{path}: cannot read JSON ({e}); {redo}; nothing else in the store is "
+                         "affected.") from None
+
+
+def _load_checked_json(path: Path, redo: str = _REDO_DEFAULT):
+    verify_file(path, _sidecar_sum(path, redo), redo)
+    return _load_json(path, redo)
+
+
+#: what a run manifest must hold (key -> accepted types); anything else is a damaged store
+_MANIFEST_SCHEMA = {"format": (int,), "complete": (bool,), "config": (dict,), "identity": (dict,),
+                    "corpus": (str,), "corpus_hash": (str,), "repeat": (int,), "fresh_process": (bool,),
+                    "status": (str,), "error": (str, type(None)), "completions": (list,)}
+_COMPLETION_SCHEMA = {"prompt_id": (str,), "text": (str,), "finish_reason": (str,),
+                      "ttft_s": (int, float), "decode_s": (int, float), "spec": (dict, type(None))}
+_RUN_ARRAYS = ("prompt_ids", "prompt_offsets", "token_ids", "offsets", "logprobs", "topk_ids", "topk_logprobs")
+
+
+def _schema_problem(m, schema: dict, what: str) -> str | None:
+    if not isinstance(m, dict):
+        return f"{what} is not a JSON object"
+    for key, types in schema.items():
+        if key not in m:
+            return f"{what} lacks {key!r}"
+        if not isinstance(m[key], types) or (bool not in types and isinstance(m[key], bool)):
+            return f"{what}: {key!r} is {type(m[key]).__name__}, not {'/'.join(t.__name__ for t in types)}"
+    return None
+
+
+def manifest_problem(m) -> str | None:
+    """Why a run manifest cannot be used (None: it can)."""
+    problem = _schema_problem(m, _MANIFEST_SCHEMA, "the manifest")
+    if problem:
+        return problem
+    cfg = m["config"]
+    if not isinstance(cfg.get("method"), str) or not isinstance(cfg.get("k"), int):
+        return "the manifest's config lacks method/k"
+    for i, c in enumerate(m["completions"]):
+        problem = _schema_problem(c, _COMPLETION_SCHEMA, f"completion {i}")
+        if problem:
+            return problem
+    files = m.get("files")
+    if files is not None and not (isinstance(files, dict) and all(
+            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+            for v in files.values())):
+        return "the manifest's file list is malformed"
+    return None
 
 
 def _ragged(arrays: list[np.ndarray], dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -110,32 +259,50 @@ def _counters(d: dict | None) -> SpecCounters | None:
     return SpecCounters(**{k: v for k, v in d.items() if k in known})
 
 
-def read_run(d: Path) -> RunRecord:
-    """One stored run directory (manifest.json + arrays.npz) as a RunRecord."""
-    m = _load_json(d / "manifest.json")
-    if m.get("format") != FORMAT_VERSION:
+def read_manifest(d: Path, redo: str = _REDO_DEFAULT) -> dict:
+    """A run's manifest, schema-checked, and its listed files verified (size and sha256)."""
+    m = _load_json(d / "manifest.json", redo)
+    if isinstance(m, dict) and m.get("format") != FORMAT_VERSION:
         raise StoreError(f"{d}: store format {m.get('format')} is not {FORMAT_VERSION}; "
                          "re-run with this speccheck version into a fresh --store.")
+    problem = manifest_problem(m)
+    if problem:
+        raise StoreError(f"{d / 'manifest.json'}: {problem}; the store is damaged: {redo}.")
+    for name, want in (m.get("files") or {}).items():
+        verify_file(d / name, want, redo)
+    return m
+
+
+def read_run(d: Path, redo: str = _REDO_DEFAULT) -> RunRecord:
+    """One stored run directory (manifest.json + arrays.npz) as a RunRecord."""
+    m = read_manifest(d, redo)
     comps: list[Completion] = []
-    if m["completions"]:
-        a = _load_npz(d / "arrays.npz")
-        pids = _unragged(a["prompt_ids"], a["prompt_offsets"])
-        off = a["offsets"]
-        for i, meta in enumerate(m["completions"]):
-            sl = slice(off[i], off[i + 1])
-            comps.append(Completion(
-                prompt_id=meta["prompt_id"], prompt_ids=pids[i], token_ids=a["token_ids"][sl],
-                logprobs=a["logprobs"][sl], topk_ids=a["topk_ids"][sl],
-                topk_logprobs=a["topk_logprobs"][sl], text=meta["text"],
-                finish_reason=meta["finish_reason"], ttft_s=meta["ttft_s"],
-                decode_s=meta["decode_s"],
-                spec=_counters(meta["spec"])))
-    cfg = m["config"]
-    return RunRecord(
-        config=SpecConfig(cfg["method"], cfg["k"], cfg.get("draft")), identity=m["identity"],
-        corpus=m["corpus"], corpus_hash=m["corpus_hash"], repeat=m["repeat"],
-        fresh_process=m["fresh_process"], status=m["status"], error=m["error"],
-        completions=comps, wall_s=m.get("wall_s", 0.0), copies=m.get("copies", 0))
+    try:
+        if m["completions"]:
+            a = _load_npz(d / "arrays.npz", redo, _RUN_ARRAYS)
+            pids = _unragged(a["prompt_ids"], a["prompt_offsets"])
+            off = a["offsets"]
+            n = len(m["completions"])
+            if len(off) != n + 1 or len(pids) != n or off[-1] != len(a["token_ids"]) or np.any(np.diff(off) < 0):
+                raise ValueError("array offsets do not match the manifest's completions")
+            for i, meta in enumerate(m["completions"]):
+                sl = slice(off[i], off[i + 1])
+                comps.append(Completion(
+                    prompt_id=meta["prompt_id"], prompt_ids=pids[i], token_ids=a["token_ids"][sl],
+                    logprobs=a["logprobs"][sl], topk_ids=a["topk_ids"][sl],
+                    topk_logprobs=a["topk_logprobs"][sl], text=meta["text"],
+                    finish_reason=meta["finish_reason"], ttft_s=meta["ttft_s"],
+                    decode_s=meta["decode_s"],
+                    spec=_counters(meta["spec"])))
+        cfg = m["config"]
+        return RunRecord(
+            config=SpecConfig(cfg["method"], cfg["k"], cfg.get("draft")), identity=m["identity"],
+            corpus=m["corpus"], corpus_hash=m["corpus_hash"], repeat=m["repeat"],
+            fresh_process=m["fresh_process"], status=m["status"], error=m["error"],
+            completions=comps, wall_s=m.get("wall_s", 0.0), copies=m.get("copies", 0))
+    except (KeyError, IndexError, ValueError, TypeError) as e:
+        raise StoreError(f"{d}: the stored run is inconsistent ({type(e).__name__}: {e}); the store is "
+                         f"damaged: {redo}.") from None
 
 
 @dataclass
@@ -150,7 +317,35 @@ class Suite:
 
     @property
     def meta(self) -> dict:
-        return _load_json(self.root / "suite.json")
+        m = _load_checked_json(self.root / "suite.json", "run `speccheck run` again into a fresh --store")
+        if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("engine", "corpus", "corpus_hash")):
+            raise StoreError(f"{self.root / 'suite.json'}: lacks engine/corpus/corpus_hash; the suite is "
+                             "damaged: run `speccheck run` again into a fresh --store.")
+        return m
+
+    def redo_hint(self, config_name: str | None = None, what: str = "that part") -> str:
+        """The command that redoes just one damaged part of this suite (a damaged part counts as
+        not stored, so `run` redoes it and nothing else)."""
+        try:
+            m = self.meta
+        except StoreError:
+            return _REDO_DEFAULT
+        store = self.root.parent.parent
+        cmd = ["speccheck", "run", "--store", str(store), "--engine", m["engine"]]
+        for opt in ("model", "draft"):
+            if m.get(opt):
+                cmd += [f"--{opt}", str(m[opt])]
+        from speccheck.corpus import list_corpora
+
+        corpus = m["corpus"] if m["corpus"] in list_corpora() else f"<your {m['corpus']} corpus file>"
+        cmd += ["--corpus", corpus, "--config", config_name or "baseline"]
+        cmd += [a for k, v in sorted((m.get("engine_args") or {}).items())
+                for a in ("--engine-arg", f"{k}={v}")
+                if k not in ("base_url", "served_model", "api_key_env")]
+        for k in ("base_url", "served_model", "api_key_env"):
+            if (m.get("engine_args") or {}).get(k):
+                cmd += [f"--{k.replace('_', '-')}", str(m["engine_args"][k])]
+        return f"`{shlex.join(cmd)}` redoes just {what}"
 
     # --- runs -----------------------------------------------------------------------------
     def run_dir(self, config_name: str, repeat: int) -> Path:
@@ -158,13 +353,20 @@ class Suite:
         return self.root / "runs" / config_name / ("together" if repeat < 0 else f"r{repeat}")
 
     def is_complete(self, config_name: str, repeat: int) -> bool:
-        manifest = self.run_dir(config_name, repeat) / "manifest.json"
-        if not manifest.exists():
+        """Stored, finished, and intact: a damaged run counts as not stored, so `run` redoes it."""
+        d = self.run_dir(config_name, repeat)
+        if not (d / "manifest.json").exists():
             return False
-        return bool(_load_json(manifest).get("complete"))
+        try:
+            return bool(read_manifest(d)["complete"])
+        except StoreError:
+            return False
 
     def run_identity(self, config_name: str, repeat: int) -> dict:
-        return _load_json(self.run_dir(config_name, repeat) / "manifest.json").get("identity") or {}
+        return read_manifest(self.run_dir(config_name, repeat), self._redo_run(config_name, repeat))["identity"]
+
+    def _redo_run(self, config_name: str, repeat: int) -> str:
+        return self.redo_hint(config_name, f"that run ({config_name} " + ("all at once" if repeat < 0 else f"r{repeat}") + ")")
 
     def write_run(self, record: RunRecord) -> Path:
         """Write one run atomically: temp directory, then rename over any old (failed) one.
@@ -175,6 +377,16 @@ class Suite:
             (self.root / "attribution" / f"{record.config.name}.json").unlink(missing_ok=True)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+        try:
+            self._fill_run_dir(tmp, record)
+            share_mode(tmp, directory=True)
+            _replace_dir(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
+
+    @staticmethod
+    def _fill_run_dir(tmp: Path, record: RunRecord) -> None:
         comps = record.completions
         arrays: dict[str, np.ndarray] = {}
         if comps:
@@ -185,6 +397,7 @@ class Suite:
             arrays["topk_ids"], _ = _ragged([_width(c.topk_ids, k) for c in comps], np.int32)
             arrays["topk_logprobs"], _ = _ragged([_width(c.topk_logprobs, k) for c in comps], np.float32)
         np.savez(tmp / "arrays.npz", **arrays)
+        share_mode(tmp / "arrays.npz")
         manifest = {
             "format": FORMAT_VERSION,
             "complete": record.status == "ok",
@@ -204,24 +417,18 @@ class Suite:
                  "spec": c.spec.to_dict() if c.spec else None}
                 for c in comps
             ],
+            "files": {"arrays.npz": file_sum(tmp / "arrays.npz")},
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False))
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-        return final
+        share_mode(tmp / "manifest.json")
 
     def load_run(self, config_name: str, repeat: int) -> RunRecord:
-        return read_run(self.run_dir(config_name, repeat))
+        return read_run(self.run_dir(config_name, repeat), self._redo_run(config_name, repeat))
 
     def load_together(self, config_name: str) -> RunRecord | None:
         """The config's run of the whole corpus at once, if one is stored."""
         d = self.run_dir(config_name, -1)
-        return read_run(d) if (d / "manifest.json").exists() else None
+        return read_run(d, self._redo_run(config_name, -1)) if (d / "manifest.json").exists() else None
 
     def configs(self) -> list[str]:
         """Config names with at least one stored run, baseline first, then by method and K."""
@@ -249,8 +456,12 @@ class Suite:
         path = self.root / "inputs.npz"
         if not path.exists():
             return None
-        a = _load_npz(path)
-        return dict(zip(a["ids"].tolist(), _unragged(a["flat"], a["offsets"])))
+        redo = self.redo_hint("baseline", "the tokenised prompts")
+        a = _load_npz(path, redo, ("ids", "flat", "offsets"))
+        off = a["offsets"]
+        if len(off) != len(a["ids"]) + 1 or (len(off) and off[-1] != len(a["flat"])):
+            raise StoreError(f"{path}: the tokenised prompts are inconsistent; {redo}.")
+        return dict(zip(a["ids"].tolist(), _unragged(a["flat"], off)))
 
     def rescore_path(self, config_name: str, repeat: int) -> Path:
         return self.root / "rescore" / f"{config_name}-r{repeat}.npz"
@@ -267,11 +478,103 @@ class Suite:
         path = self.rescore_path(config_name, repeat)
         if not path.exists():
             return None
-        a = _load_npz(path)
+        redo = self.redo_hint(config_name, f"its rescoring")
+        a = _load_npz(path, redo, ("ids", "topk_ids", "topk_logprobs", "token_logprobs", "offsets"))
         off = a["offsets"]
-        return {pid: Scored(a["topk_ids"][off[i]:off[i + 1]], a["topk_logprobs"][off[i]:off[i + 1]],
-                            a["token_logprobs"][off[i]:off[i + 1]])
-                for i, pid in enumerate(a["ids"].tolist())}
+        try:
+            if len(off) != len(a["ids"]) + 1 or off[-1] != len(a["token_logprobs"]):
+                raise ValueError("offsets do not match")
+            return {pid: Scored(a["topk_ids"][off[i]:off[i + 1]], a["topk_logprobs"][off[i]:off[i + 1]],
+                                a["token_logprobs"][off[i]:off[i + 1]])
+                    for i, pid in enumerate(a["ids"].tolist())}
+        except (ValueError, IndexError) as e:
+            raise StoreError(f"{path}: the stored scores are inconsistent ({e}); {redo}.") from None
+
+    def has_rescore(self, config_name: str, repeat: int) -> bool:
+        """Stored and intact (a damaged rescoring counts as missing, so `run` redoes it)."""
+        try:
+            return self.load_rescore(config_name, repeat) is not None
+        except StoreError:
+            return False
+
+    # --- the plan: what `speccheck run` was asked to store here -----------------------------
+    def load_plan(self) -> dict | None:
+        """The recorded plan, or None for a suite stored before plans were recorded."""
+        path = self.root / "plan.json"
+        return _load_json(path) if path.exists() else None
+
+    def extend_plan(self, configs: dict[str, dict], run_args: list[str]) -> dict:
+        """Add configs to the plan (written atomically, before any engine starts). A config
+        planned again keeps the larger demand: most repeats, the newest all-at-once copies,
+        rescoring and attribution if either run asked for them. ``run_args`` are the
+        `speccheck run` options that name this suite (engine, model, corpus, ...)."""
+        plan = self.load_plan() or {"format": 1, "configs": {}}
+        for name, want in configs.items():
+            old = plan["configs"].get(name)
+            if old is not None:
+                want = {"repeats": max(old["repeats"], want["repeats"]),
+                        "fresh_process_repeat": old["fresh_process_repeat"] or want["fresh_process_repeat"],
+                        "concurrent": want["concurrent"] or old["concurrent"],
+                        "rescore": old["rescore"] or want["rescore"],
+                        "attribute": old["attribute"] or want["attribute"]}
+            plan["configs"][name] = want
+        plan["configs"] = dict(sorted(plan["configs"].items(), key=lambda kv: config_sort_key(kv[0])))
+        plan["run_args"] = run_args
+        if plan != self.load_plan():  # a resume with nothing new writes nothing
+            _atomic_write_text(self.root / "plan.json", json.dumps(plan, indent=1))
+        return plan
+
+    def planned_configs(self) -> list[str]:
+        plan = self.load_plan()
+        return list(plan["configs"]) if plan else []
+
+    def run_command(self, *options: str) -> str:
+        """`speccheck run` into this suite with these options (as the plan recorded it)."""
+        run_args = (self.load_plan() or {}).get("run_args", [])
+        return shlex.join(["speccheck", "run", *run_args, *options, "--store", str(self.root.parent.parent)])
+
+    def resume_command(self, config_name: str) -> str:
+        """The `speccheck run` that stores what the plan asks of this config (it resumes:
+        complete runs are skipped)."""
+        want = (self.load_plan() or {}).get("configs", {}).get(config_name)
+        options = ["--config", config_name]
+        if want is not None:
+            options += ["--repeats", str(want["repeats"]), "--concurrent", str(want["concurrent"])]
+            options += [] if want["attribute"] else ["--no-attribution"]
+        return self.run_command(*options)
+
+    def missing(self, config_name: str) -> list[str]:
+        """What is not stored of this config: every run, rescoring and attribution the plan
+        asked for; a config with no stored run at all is missing whether planned or not (it
+        was demanded, or its one run was cut short). Empty when complete. Failed runs are not missing (they say why)."""
+        want = (self.load_plan() or {}).get("configs", {}).get(config_name)
+        resume = f"re-run `{self.resume_command(config_name)}` to resume"
+        if not self.repeats(config_name) and not (self.run_dir(config_name, -1) / "manifest.json").exists():
+            if want is None:
+                return [f"{config_name} is not stored in suite {self.id}; run "
+                        f"`{self.resume_command(config_name)}`"]
+            return [f"{config_name} was planned but is not stored: the run died or was stopped "
+                    f"before it; {resume}"]
+        if want is None:
+            return []
+        gaps = [f"{config_name} r{r}" for r in range(want["repeats"])
+                if not (self.run_dir(config_name, r) / "manifest.json").exists()]
+        if want["concurrent"]:
+            together = self.run_dir(config_name, -1) / "manifest.json"
+            if not together.exists() or _load_json(together).get("copies") != want["concurrent"]:
+                gaps.append(f"{config_name} all at once (x{want['concurrent']})")
+        ok = [r for r in range(want["repeats"]) if self.is_complete(config_name, r)]
+        if (want["fresh_process_repeat"] and want["repeats"] > 1 and len(ok) == want["repeats"]
+                and not any(_load_json(self.run_dir(config_name, r) / "manifest.json").get("fresh_process")
+                            for r in ok)):
+            gaps.append(f"the fresh-process repeat of {config_name} (every stored repeat ran in "
+                        "one process)")
+        if want["rescore"] and self.is_complete(config_name, 0) and self.load_rescore(config_name, 0) is None:
+            gaps.append(f"teacher-forced rescoring of {config_name} r0 (never finished)")
+        if (want["attribute"] and config_name != "baseline" and self.is_complete(config_name, 0)
+                and self.load_attribution(config_name) is None):
+            gaps.append(f"kernel-path attribution of {config_name} (never finished)")
+        return [f"planned but not stored: {', '.join(gaps)}; {resume}"] if gaps else []
 
     def write_attribution(self, config_name: str, data: list[dict]) -> None:
         _atomic_write_text(self.root / "attribution" / f"{config_name}.json",
@@ -279,13 +582,53 @@ class Suite:
 
     def load_attribution(self, config_name: str) -> list[dict] | None:
         path = self.root / "attribution" / f"{config_name}.json"
-        return _load_json(path) if path.exists() else None
+        if not path.exists():
+            return None
+        redo = self.redo_hint(config_name, "its attribution")
+        data = _load_checked_json(path, redo)
+        if not isinstance(data, list) or not all(
+                isinstance(d, dict) and isinstance(d.get("prompt_id"), str) and isinstance(d.get("position"), int)
+                and isinstance(d.get("paths", {}), dict) for d in data):
+            raise StoreError(f"{path}: not a list of attributed divergences (prompt_id, position, paths); {redo}.")
+        return data
+
+    def has_attribution(self, config_name: str) -> bool:
+        try:
+            return self.load_attribution(config_name) is not None
+        except StoreError:
+            return False
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Rename a finished temp directory over ``final``; another writer's directory there
+    (a race the store lock normally prevents) is moved aside and removed, never merged."""
+    for _ in range(20):
+        old = None
+        if final.exists():
+            old = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.old-"))
+            try:
+                os.replace(final, old / "run")
+            except FileNotFoundError:
+                pass
+        try:
+            tmp.rename(final)
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        finally:
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+    raise StoreError(f"{final}: another writer keeps replacing this run; run one `speccheck run` per store.")
 
 
 def config_sort_key(name: str) -> tuple:
     if name == "baseline":
         return (0, "", 0)
-    cfg = SpecConfig.from_name(name)
+    try:
+        cfg = SpecConfig.from_name(name)
+    except ValueError:
+        return (2, name, 0)
     return (1, cfg.method, cfg.k)
 
 
@@ -304,6 +647,7 @@ class Store:
                     raise StoreError(f"{s.root}: suite exists with another corpus hash")
             else:
                 _atomic_write_text(s.root / "suite.json", json.dumps(meta, indent=1))
+                share_mode(s.root, directory=True)
         elif not (s.root / "suite.json").exists():
             raise StoreError(
                 f"no suite {sid!r} in store {self.root} (option --store / --suite). "
@@ -315,7 +659,50 @@ class Store:
         return sorted(p.name for p in d.iterdir() if (p / "suite.json").exists()) if d.exists() else []
 
     def set_latest(self, sid: str) -> None:
-        _atomic_write_text(self.root / "LATEST", sid + "\n")
+        path = self.root / "LATEST"
+        if path.exists() and path.read_text().strip() == sid:
+            return  # nothing to write: a resume with nothing to do works on a read-only store
+        _atomic_write_text(path, sid + "\n", sidecar=False)
+
+    @contextlib.contextmanager
+    def lock(self, wait: bool = True, notify: Callable[[str], None] | None = None):
+        """Exclusive writer lock on the store: ``<store>/lock`` holds the holder's pid and is
+        flock()ed, so the kernel releases it when the holder dies (a stale lock is recovered by
+        the next writer). A second writer waits (``wait``) or refuses at once. On a store this
+        process cannot write, nothing is locked: nothing can be written there either."""
+        import fcntl
+
+        path = self.root / "lock"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
+        except OSError as e:
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and self.root.is_dir():
+                yield
+                return
+            raise StoreError(f"--store {self.root}: cannot create the store there ({e.strerror or e}); "
+                             "give a writable directory with --store.") from None
+        try:
+            told = False
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                    if not wait:
+                        raise StoreError(f"store {self.root} is in use by another speccheck (pid {holder}); "
+                                         "wait for it to finish or use another --store.") from None
+                    if notify and not told:
+                        notify(f"store {self.root} is in use by another speccheck (pid {holder}); waiting "
+                               "for it to finish (Ctrl-C to stop)")
+                        told = True
+                    time.sleep(0.2)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
 
     def latest(self) -> Suite:
         """The suite of the last `speccheck run` into this store."""
@@ -324,4 +711,11 @@ class Store:
             raise StoreError(
                 f"store {self.root} holds no runs (option --store). Run `speccheck run` first, or "
                 "point --store at the directory a run wrote.")
-        return self.suite(path.read_text().strip())
+        try:
+            sid = path.read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise StoreError(f"{path}: unreadable ({e}); name the suite with --suite.") from None
+        if not sid or "/" in sid or sid.startswith("."):
+            raise StoreError(f"{path}: does not name a suite; name one with --suite "
+                             f"(suites there: {', '.join(self.suite_ids()) or 'none'}).")
+        return self.suite(sid)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-METHODS_BUILTIN = ("baseline", "mtp", "dflash")
+METHODS_BUILTIN = ("baseline", "mtp", "dflash", "dflash2")
 K_MAX = 32
 
 
@@ -23,6 +23,9 @@ class Prompt:
     max_tokens: int
     text: str | None = None
     messages: tuple[dict, ...] | None = None  # chat form: ({"role":..., "content":...}, ...)
+    #: decode the full max_tokens even past end-of-sequence, so a prompt whose first token
+    #: would be EOS still yields tokens to compare (vLLM's ``ignore_eos``)
+    ignore_eos: bool = False
 
     def as_text(self) -> str:
         """The prompt as one plain string (chat messages joined in a simple template)."""

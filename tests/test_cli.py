@@ -1,6 +1,7 @@
 """The command line as a user meets it: bad input gets one clear paragraph and exit 2, and
 loses nothing already stored; a small real run on the reference engine goes end to end."""
 import json
+import re
 import subprocess
 import sys
 
@@ -71,6 +72,8 @@ def test_end_to_end_smoke_run_diff_gate_report(tmp_path):
     assert g.exit_code in (0, 1) and "gate:" in g.output and (tmp_path / "j.xml").exists()
     rep = runner.invoke(main, ["report", "--store", st, "--out", str(tmp_path / "rep")])
     assert rep.exit_code == 0 and "| mtp-k2 | 2 |" in (tmp_path / "rep" / "report.md").read_text()
+    page = (tmp_path / "rep" / "report.html").read_text()  # the HTML report beside it
+    assert "data-config='mtp-k2'" in page and "class=\"plot line\"" in page
 
     # golden: record, check passes; a golden of another model is refused with exit 2
     gold = str(tmp_path / "golden")
@@ -95,7 +98,8 @@ def test_sweep_prints_the_k_table_and_best_k(tmp_path):
     assert r.exit_code == 0, r.output
     rows = [line for line in r.output.splitlines() if line.startswith("| mtp-k")]
     assert [row.split("|")[1].strip() for row in rows] == ["mtp-k1", "mtp-k2"]
-    assert "best mtp: mtp-k" in r.output
+    # which K wins is a measurement (and none may beat the baseline on a loaded machine)
+    assert re.search(r"best mtp: (mtp-k[12]\b|none)", r.output), r.output
 
 
 def test_runs_made_with_other_weights_are_redone(tmp_path):

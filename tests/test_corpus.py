@@ -1,6 +1,7 @@
 """Corpus loading: built-ins load, bad files fail with file + line, the hash tracks content."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
@@ -83,6 +84,10 @@ def test_chat_prompt_becomes_template_text(tmp_path):
     ({"id": "b", "category": "chat", "max_tokens": 8,
       "messages": [{"role": "robot", "content": "y"}]}, "message 0"),
     ('[1, 2]', "expected a JSON object"),
+    ({"id": "b", "category": "chat", "max_tokens": 8, "text": "x", "ignore_eos": "yes"},
+     "'ignore_eos' must be true or false"),
+    ({"id": "b", "category": "chat", "max_tokens": 8, "text": "x", "ignore_eos": 1},
+     "'ignore_eos' must be true or false"),
 ])
 def test_bad_prompt_names_file_and_line(tmp_path, bad_line, message):
     # the bad record sits on line 3, after a good prompt and a blank line
@@ -130,7 +135,7 @@ def test_hash_is_stable_and_ignores_formatting(tmp_path):
 
 
 @pytest.mark.parametrize("change", [
-    {"text": "hello!"}, {"max_tokens": 9}, {"category": "code"}, {"id": "z"},
+    {"text": "hello!"}, {"max_tokens": 9}, {"category": "code"}, {"id": "z"}, {"ignore_eos": True},
 ])
 def test_hash_changes_when_a_prompt_changes(tmp_path, change):
     before = load_corpus(write_jsonl(tmp_path / "x.jsonl", [GOOD, {**GOOD, "id": "b"}]))
@@ -172,6 +177,23 @@ def test_toml_error_names_the_prompt_table_line(tmp_path):
                     '[[prompt]]\nid = "b"\ncategory = "chat"\nmax_tokens = -1\ntext = "y"\n')
     with pytest.raises(CorpusError, match=r"t\.toml:7: .*bad max_tokens"):
         load_corpus(toml)
+
+
+def test_ignore_eos_is_read_and_false_keeps_the_hash(tmp_path):
+    """ignore_eos enters the hash only where it is true: corpora that do not use it (or say
+    false) keep the hash they had before the field existed (pinned here by its value)."""
+    plain = load_corpus(write_jsonl(tmp_path / "x.jsonl", [GOOD]))
+    false = load_corpus(write_jsonl(tmp_path / "y.jsonl", [{**GOOD, "ignore_eos": False}]))
+    true = load_corpus(write_jsonl(tmp_path / "z.jsonl", [{**GOOD, "ignore_eos": True}]))
+    assert plain.hash == false.hash == hashlib.sha256(json.dumps(
+        [GOOD], sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()).hexdigest()
+    assert true.hash != plain.hash
+    assert [p.ignore_eos for p in (plain.prompts[0], false.prompts[0], true.prompts[0])] == [
+        False, False, True]
+    toml = tmp_path / "t.toml"
+    toml.write_text('[[prompt]]\nid = "a"\ncategory = "chat"\nmax_tokens = 8\ntext = "hello"\n'
+                    'ignore_eos = true\n')
+    assert load_corpus(toml).hash == true.hash
 
 
 def test_hash_matches_helper():
@@ -259,3 +281,20 @@ def test_spec_bench_bad_lines_name_file_and_line(tmp_path, bad, msg):
     with pytest.raises(CorpusError, match=msg) as e:
         load_corpus(str(path))
     assert f"{path}:2" in str(e.value)
+
+
+def test_default_corpus_decodes_its_full_budget_in_the_reference_golden():
+    """Every default prompt yields max_tokens compared tokens on the reference engine: the
+    committed golden baseline (recorded from this very corpus: same hash) shows no prompt
+    stopping early, the long OCR prompts included."""
+    from pathlib import Path
+
+    from speccheck.store import read_run
+
+    corpus = load_corpus("default")
+    gold = Path(__file__).parents[1] / "golden" / "reference" / "speccheck-reference-qwen3_5-tiny" / "default"
+    assert json.loads((gold / "golden.json").read_text())["fingerprint"]["corpus_hash"] == corpus.hash
+    base = read_run(gold / "baseline").by_prompt()
+    assert set(base) == {p.id for p in corpus.prompts}
+    short = {p.id: base[p.id].n_tokens for p in corpus.prompts if base[p.id].n_tokens != p.max_tokens}
+    assert not short, f"prompts stopping before max_tokens: {short}"

@@ -1,9 +1,17 @@
-"""The gate's self-test: each planted spec-decode bug of the reference engine makes
-`speccheck gate` fail, naming the check that caught it; the clean engine passes."""
+"""The gate's self-test: each planted spec-decode bug of the reference engine makes the gate
+fail, naming the check that caught it; the clean engine passes.
+
+`speccheck selftest` runs every fault against the check named for it in
+speccheck/selftest.py (CASES); the four oldest faults also go through the real
+`speccheck run` + `speccheck gate`, as a user would run them."""
+import json
+
 import pytest
 from click.testing import CliRunner
 
+import speccheck.selftest as st
 from speccheck.cli import main
+from speccheck.engines.reference.decode import FAULTS
 
 CAUGHT_BY = {
     "stale-state": "divergences_are_low_confidence",
@@ -18,15 +26,64 @@ CAUGHT_BY = {
 
 @pytest.mark.parametrize("fault", [None, *CAUGHT_BY])
 def test_gate_catches_planted_fault(tmp_path, fault):
-    st = str(tmp_path / "st")
+    st_dir = str(tmp_path / "st")
     args = ["--engine-arg", f"fault={fault}"] if fault else []
+    # one repeat where determinism is not the point (the all-at-once run is the batch fault's)
+    repeats = "2" if fault in (None, "nondeterministic") else "1"
+    policy = [] if repeats == "2" else ["--set", "require_deterministic=false"]
     runner = CliRunner()
-    r = runner.invoke(main, ["run", "--store", st, "--corpus", "smoke", "--config", "mtp-k3",
-                             "--no-attribution", *args])
+    r = runner.invoke(main, ["run", "--store", st_dir, "--corpus", "smoke", "--config", "mtp-k3",
+                             "--no-attribution", "--repeats", repeats, "--concurrent", "0", *args])
     assert r.exit_code == 0, r.output
-    g = runner.invoke(main, ["gate", "--store", st])
+    g = runner.invoke(main, ["gate", "--store", st_dir, *policy])
     if fault is None:
         assert g.exit_code == 0, g.output
     else:
         assert g.exit_code == 1, g.output
         assert f"{CAUGHT_BY[fault]} failed for config" in g.output
+
+
+def test_every_fault_names_the_check_that_must_catch_it():
+    cases = {c.fault for c in st.CASES}
+    assert set(FAULTS) <= cases, f"faults without a selftest case: {set(FAULTS) - cases}"
+    assert len(cases) == len(st.CASES)
+
+
+@pytest.fixture(scope="module")
+def selftest_result():
+    return st.run_selftest()
+
+
+def test_selftest_clean_engine_passes_every_check(selftest_result):
+    assert selftest_result.clean
+    for c in selftest_result.clean:
+        assert c.passed, f"clean engine, {c.config}: {c.error or c.messages}"
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_selftest_catches(selftest_result, fault):
+    row = next(r for r in selftest_result.rows if r.fault == fault)
+    assert row.caught, (f"{fault} ({row.config}) should fail {row.expected}; failed: "
+                        f"{row.failed or 'nothing'} {row.error or ''}")
+
+
+def test_selftest_table_and_exit_codes(selftest_result, tmp_path, monkeypatch):
+    """The table names every fault, its check and the verdict; the CLI exits 0 when every
+    fault is caught, 1 when one is missed (here: a case expecting the wrong check), 2 on a
+    method the engine does not offer."""
+    text = st.selftest_text(selftest_result)
+    for r in selftest_result.rows:
+        assert r.fault in text and r.expected in text
+    runner = CliRunner()
+    ok = runner.invoke(main, ["selftest", "--fault", "accept-top2", "--json"])
+    assert ok.exit_code == 0, ok.output
+    data = json.loads(ok.stdout)
+    assert data["passed"] and [f["fault"] for f in data["faults"]] == ["accept-top2"]
+    wrong = tuple(st.Case(c.fault, c.models, "deterministic") if c.fault == "accept-top2" else c
+                  for c in st.CASES)
+    monkeypatch.setattr(st, "CASES", wrong)
+    missed = runner.invoke(main, ["selftest", "--fault", "accept-top2"])
+    assert missed.exit_code == 1, missed.output
+    assert "MISSED" in missed.stdout and "selftest: FAIL" in missed.stdout
+    bad = runner.invoke(main, ["selftest", "--method", "eagle"])
+    assert bad.exit_code == 2 and "eagle" in bad.output

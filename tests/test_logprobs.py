@@ -118,7 +118,7 @@ def _suite(tmp_path, spec_noise=0.002, base_noise=0.002, wrong_rows=(), spec_fli
                 lp_chosen[list(wrong_rows)] -= 1.5  # a wrong logprob row: another distribution's value
             if p == "a":
                 lp[flips, 1] = lp[flips, 0] - 0.02  # the spec side was nearly undecided too
-            spec = SpecCounters(100, 300, 200, [90, 70, 40]) if name != "baseline" else None
+            spec = SpecCounters(133, 399, 266, [133, 100, 33]) if name != "baseline" else None  # 1 + 133 + 266 = N
             comps.append(Completion(p, [1, 2], t, lp_chosen, ids, lp, ttft_s=0.01, decode_s=0.1, spec=spec))
             ids, lp = _rows(t, np.random.default_rng(0), 0.0)
             if p == "a":

@@ -76,6 +76,22 @@ def test_reproduces_in_process_engine(config, ref, prompts):
     assert ident["server_engine"] == ref.identity()
 
 
+def test_ignore_eos_is_sent_to_the_server(ref):
+    """A prompt with ignore_eos goes to the server with vLLM's extra ``ignore_eos``
+    parameter: smoke-chat, which the reference model ends at once, decodes its full budget
+    through HTTP as in process; without the flag it still stops."""
+    chat = dataclasses.replace(load_corpus("smoke").get("smoke-chat"), max_tokens=8)
+    ids = ref.tokenize(chat)
+    with running_server("baseline", engine=ref) as url:
+        eng = _client(url)
+        stops, goes_on = eng.generate([chat, dataclasses.replace(chat, ignore_eos=True)],
+                                      [ids, ids], SpecConfig(), TOP_K)
+    want = ref.generate([dataclasses.replace(chat, ignore_eos=True)], [ids], SpecConfig(), TOP_K)[0]
+    assert stops.n_tokens == 1 and stops.finish_reason == "stop"
+    assert goes_on.n_tokens == 8 and goes_on.finish_reason == "length"
+    np.testing.assert_array_equal(goes_on.token_ids, want.token_ids)
+
+
 def test_score_matches_in_process(ref, prompts):
     """Rescoring through prompt_logprobs, on the server under test and on a separate
     baseline server (score_base_url), equals the in-process engine's score()."""

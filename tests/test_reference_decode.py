@@ -2,6 +2,8 @@
 rejections really happen, every planted fault changes what it says, the engine API."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -212,3 +214,27 @@ def test_identical_requests_in_one_batch_give_one_completion(config):
 def test_batch_arg_is_validated():
     with pytest.raises(EngineUsageError, match="batch"):
         ReferenceEngine(engine_args={"batch": "0"})
+
+
+@pytest.mark.parametrize("config", [SpecConfig(), SpecConfig("mtp", 3), SpecConfig("dflash", 7)])
+def test_ignore_eos_decodes_the_full_budget(equal_engine, config):
+    """A prompt whose first token is end-of-sequence (the default corpus's OCR invoice on
+    the reference model) stops at once; with ignore_eos it decodes its full budget, alone
+    and in a batch next to a prompt that does stop, and speculation stays lossless past EOS."""
+    eos = equal_engine.cfg.eos_token_id
+    ocr = dataclasses.replace(load_corpus("default").get("ocr-invoice"), max_tokens=12,
+                              ignore_eos=False)
+    ids = equal_engine.tokenize(ocr)
+    stops = equal_engine.generate([ocr], [ids], config, 5)[0]
+    assert stops.token_ids.tolist() == [eos] and stops.finish_reason == "stop"
+    goes_on = dataclasses.replace(ocr, ignore_eos=True)
+    alone = equal_engine.generate([goes_on], [ids], config, 5)[0]
+    assert alone.n_tokens == 12 and alone.finish_reason == "length" and alone.token_ids[0] == eos
+    batch = equal_engine.generate_together([ocr, goes_on], [ids, ids], config, 5)
+    assert batch[0].token_ids.tolist() == [eos]
+    assert batch[1].token_ids.tolist() == alone.token_ids.tolist()
+    if config.is_baseline:
+        return
+    base = equal_engine.generate([goes_on], [ids], SpecConfig(), 5)[0]
+    assert alone.token_ids.tolist() == base.token_ids.tolist()
+    assert alone.spec.drafts > 0

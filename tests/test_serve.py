@@ -3,13 +3,15 @@
 Each server is a real one on a free loopback port, in front of the real reference engine."""
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from speccheck.engines import EngineUsageError, make_engine
 from speccheck.serve import build_server, running_server
-from speccheck.types import Prompt
+from speccheck.types import Prompt, SpecConfig
 
 KEY_ENV = "SPECCHECK_TEST_SERVE_KEY"
 SECRET = "sk-serve-test-1234567890"
@@ -108,6 +110,26 @@ def test_rejects_what_it_cannot_honour(mtp_url, ids):
     assert wrong.status_code == 404
     assert wrong.json()["error"]["message"] == "The model `gpt-4` does not exist."
     assert httpx.get(mtp_url + "/v1/nothing").status_code == 404
+
+
+def test_ignore_eos_like_vllm(mtp_url, engine):
+    """vLLM's ``ignore_eos``: a prompt whose first token is end-of-sequence (smoke-chat on
+    the reference model) stops at once; with ignore_eos it runs to max_tokens, exactly as the
+    in-process engine decodes it. A non-boolean value is a 400, not silently ignored."""
+    from speccheck.corpus import load_corpus
+
+    chat = dataclasses.replace(load_corpus("smoke").get("smoke-chat"), max_tokens=6)
+    ids = engine.tokenize(chat)
+    stops = _complete(mtp_url, prompt=ids, return_token_ids=True).json()["choices"][0]
+    assert stops["finish_reason"] == "stop" and len(stops["token_ids"]) == 1
+    goes_on = _complete(mtp_url, prompt=ids, return_token_ids=True,
+                        ignore_eos=True).json()["choices"][0]
+    want = engine.generate([dataclasses.replace(chat, ignore_eos=True)], [ids],
+                           SpecConfig("mtp", 2), 5)[0]
+    assert goes_on["finish_reason"] == "length" and goes_on["token_ids"][0] == stops["token_ids"][0]
+    assert goes_on["token_ids"] == want.token_ids.tolist() and len(goes_on["token_ids"]) == 6
+    bad = _complete(mtp_url, prompt=ids, ignore_eos="yes")
+    assert bad.status_code == 400 and "ignore_eos" in bad.json()["error"]["message"]
 
 
 def test_tokenize_detokenize(mtp_url, engine, ids):

@@ -59,7 +59,7 @@ def test_configs_sorted_baseline_first(suite):
 def test_corrupted_arrays_give_clear_error(suite):
     suite.write_run(record())
     (suite.run_dir("mtp-k3", 0) / "arrays.npz").write_bytes(b"not a zip")
-    with pytest.raises(StoreError, match="arrays.npz.*corrupted"):
+    with pytest.raises(StoreError, match="arrays.npz.*damaged"):
         suite.load_run("mtp-k3", 0)
 
 

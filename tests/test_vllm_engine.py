@@ -687,3 +687,107 @@ def test_verify_path_needs_a_spec_config(dirs):
         VllmEngine(model=str(dirs[0]), engine_args={"score_path": "verify"})
     with pytest.raises(EngineUsageError, match="score_path"):
         VllmEngine(model=str(dirs[0]), engine_args={"score_path": "sideways"})
+
+
+# ---------------------------------------------------------------- DFlash2
+
+from speccheck.engines.vllm import DFLASH2_ENV, dflash2_problem  # noqa: E402
+
+
+@pytest.fixture
+def dflash2_draft(tmp_path):
+    d = tmp_path / "dflash2"
+    write_json(d, {"architectures": ["DFlash2DraftModel"],
+                   "dflash_config": {"block_size": 8, "mask_token_id": 5, "target_layer_ids": [1, 3],
+                                     "conv_kernel_size": 2, "conv_group_size": 16,
+                                     "selector_rank": 128, "selector_top_k": 16}})
+    return d
+
+
+def test_dflash2_maps_to_vllm_dflash_with_a_dflash2_draft(dflash2_draft):
+    """vLLM ≥ 0.28 has no method name 'dflash2': method dflash + a DFlash2DraftModel draft,
+    in the V2 model runner."""
+    assert speculative_config(SpecConfig("dflash2", 7), str(dflash2_draft),
+                              {"attention_backend": "TRITON_ATTN"}) == {
+        "method": "dflash", "model": str(dflash2_draft), "num_speculative_tokens": 7,
+        "attention_backend": "TRITON_ATTN"}
+    assert DFLASH2_ENV == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    for version in ("0.28.0", "0.28.1rc2.dev77+gac7509e2b", "0.29.0", "1.0.0"):
+        assert dflash2_problem(SpecConfig("dflash2", 7), str(dflash2_draft), version) is None
+    assert dflash2_problem(SpecConfig("dflash", 7), None, "0.26.0") is None
+    with pytest.raises(EngineUsageError, match="--draft"):
+        speculative_config(SpecConfig("dflash2", 7), None, {})
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.27.2rc1.dev77+gac7509e2b", "0.9.2"])
+def test_dflash2_refused_before_vllm_0_28(dflash2_draft, version):
+    msg = dflash2_problem(SpecConfig("dflash2", 7), str(dflash2_draft), version)
+    assert msg.startswith(f"DFlash2 needs vLLM ≥ 0.28; this is {version}")
+
+
+def test_dflash2_refuses_a_dflash_v1_draft(dirs):
+    msg = dflash2_problem(SpecConfig("dflash2", 7), str(dirs[1]), "0.28.0")
+    assert "DFlash2DraftModel" in msg and "DFlashDraftModel" in msg
+
+
+def test_dflash2_engine_refuses_on_old_vllm_before_starting_a_worker(dirs, dflash2_draft,
+                                                                     monkeypatch):
+    """The version check runs in generate() before any worker process starts (it would
+    otherwise load the draft as plain DFlash or fail deep inside vLLM)."""
+    import speccheck.engines.vllm as vmod
+
+    monkeypatch.setattr(vmod.metadata, "version",
+                        lambda dist: "0.26.0" if dist == "vllm" else "0")
+    eng = VllmEngine(model=str(dirs[0]), draft=str(dflash2_draft))
+    assert eng.default_k("dflash2") == 7
+    with pytest.raises(EngineUsageError, match="DFlash2 needs vLLM ≥ 0.28; this is 0.26.0"):
+        eng.generate([Prompt("a", "x", 4, text="a")], [[1, 2]], SpecConfig("dflash2", 7), 5)
+    assert eng._worker is None
+    eng.close()
+
+
+def test_dflash2_worker_env_has_the_v2_runner(dirs):
+    eng = VllmEngine(model=str(dirs[0]), engine_args={"env.VLLM_NO_USAGE_STATS": "1"})
+    assert eng._worker_env(DFLASH2_ENV)["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in eng._worker_env() or \
+        eng._worker_env()["VLLM_USE_V2_MODEL_RUNNER"] == __import__("os").environ.get(
+            "VLLM_USE_V2_MODEL_RUNNER")
+    override = VllmEngine(model=str(dirs[0]), engine_args={"env.VLLM_USE_V2_MODEL_RUNNER": "0"})
+    assert override._worker_env(DFLASH2_ENV)["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # user wins
+
+
+def test_dflash2_call_with_fake_vllm_runs_in_the_v2_runner(fake_vllm, dflash2_draft):
+    """With the fake vLLM (test double; vLLM not installed here, so its version is the
+    worker's business): a dflash2 call reaches LLM(...) as method dflash with the DFlash2
+    draft, its worker started with VLLM_USE_V2_MODEL_RUNNER=1 (recorded in the identity),
+    and a following dflash call does not reuse that worker."""
+    target, _ = fake_vllm
+    eng = VllmEngine(model=str(target), draft=str(dflash2_draft),
+                     engine_args={"worker": "per-config"})
+    try:
+        p, ids = [Prompt("a", "x", 6, text="a")], [[1, 2]]
+        eng.generate(p, ids, SpecConfig("dflash2", 7), 5)
+        ident = eng.identity()
+        assert ident["env"].get("VLLM_USE_V2_MODEL_RUNNER") == "1"
+        assert ident["notes"] == []
+        eng.generate(p, ids, SpecConfig("dflash", 7), 5)
+        assert eng.last_call_fresh_process
+    finally:
+        eng.close()
+
+
+def test_ignore_eos_decodes_the_full_budget_with_fake_vllm(fake_vllm):
+    """With the fake vLLM (test double), which like vLLM stops at any of stop_token_ids: a
+    prompt whose first token is end-of-sequence (id 2 in the fixture's config) stops at once,
+    and with ignore_eos decodes its full budget, one at a time and all at once."""
+    target, _ = fake_vllm
+    eng = VllmEngine(model=str(target))
+    try:
+        stops = Prompt("a", "x", 6, text="a")
+        goes_on = Prompt("b", "x", 6, text="a", ignore_eos=True)
+        for generate in (eng.generate, eng.generate_together):
+            out = generate([stops, goes_on], [[45], [45]], SpecConfig(), 5)
+            assert out[0].token_ids.tolist() == [2]
+            assert out[1].n_tokens == 6 and out[1].token_ids[0] == 2
+    finally:
+        eng.close()

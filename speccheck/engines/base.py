@@ -90,6 +90,15 @@ class Engine(ABC):
                                "talk to a server; use --engine openai, or let the engine's own "
                                "attribution variants run")
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The raw bytes a token stands for (byte-level tokenizers), so that a token holding
+        part of a UTF-8 character can be shown as ``<0xE3>`` instead of '\ufffd'; None: unknown."""
+        return None
+
+    def max_positions(self) -> int | None:
+        """Positions the model can hold (prompt + generated); None when the engine cannot tell."""
+        return None
+
     def default_k(self, method: str) -> int | None:
         """K to use for ``method`` when the user names none (e.g. block_size - 1 for dflash)."""
         return None

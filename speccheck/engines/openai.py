@@ -234,7 +234,8 @@ class OpenAIEngine(Engine):
                 f"unknown --engine-arg {', '.join(unknown)} for engine openai; it takes: "
                 + "; ".join(f"{k} ({v})" for k, v in ARGS.items()))
         a = self.engine_args
-        self.base_url = str(a.get("base_url") or DEFAULT_BASE_URL).rstrip("/")
+        # what every OpenAI client is given ends in /v1 (and OPENAI_BASE_URL usually does)
+        self.base_url = server_root(a.get("base_url") or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL)
         if not self.base_url.startswith(("http://", "https://")):
             raise EngineUsageError(f"--engine-arg base_url={self.base_url!r} is not an http(s) "
                                    "URL: give e.g. base_url=http://127.0.0.1:8000")
@@ -261,7 +262,7 @@ class OpenAIEngine(Engine):
         self._client = httpx.Client(headers=headers,
                                     timeout=httpx.Timeout(self.timeout,
                                                           connect=min(self.timeout, 10.0)))
-        self._score_url = str(a.get("score_base_url") or "").rstrip("/") or None
+        self._score_url = server_root(a["score_base_url"]) if a.get("score_base_url") else None
         if self._score_url and not self._score_url.startswith(("http://", "https://")):
             raise EngineUsageError(f"--engine-arg score_base_url={self._score_url!r} is not an "
                                    "http(s) URL")
@@ -469,6 +470,13 @@ class OpenAIEngine(Engine):
                                    "tokenizer=PATH/tokenizer.json.") from None
         return [int(t) for t in out["tokens"]]
 
+    def max_positions(self) -> int | None:
+        try:
+            n = self._server()["model"].get("max_model_len")
+        except Exception:  # noqa: BLE001 - unknown is allowed; the server will say
+            return None
+        return int(n) if isinstance(n, int) and n > 0 else None
+
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Prompt.as_text() through the server's tokenizer (vLLM /tokenize), or the local
         tokenizer.json: the same text every other engine tokenizes, chat prompts included."""
@@ -540,6 +548,8 @@ class OpenAIEngine(Engine):
                 "max_tokens": int(prompt.max_tokens), "temperature": 0,
                 "logprobs": int(top_k), "return_tokens_as_token_ids": True,
                 "return_token_ids": True}
+        if prompt.ignore_eos:  # vLLM's extra parameter; sent only when asked for
+            body["ignore_eos"] = True
         t0 = time.perf_counter()
         resp = self._json("POST", "/v1/completions", body)
         wall = time.perf_counter() - t0
@@ -603,6 +613,12 @@ def _metric_lines(text: str) -> str:
         if name in keep or name + "_total" in keep:
             out.append(line)
     return "".join(line + "\n" for line in out)
+
+
+def server_root(url: str) -> str:
+    """The server's root: ``http://host:8000/v1/`` and ``http://host:8000`` are one server."""
+    url = str(url).strip().rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
 def capture(base_url: str, out_path: str, text: str = "def fibonacci(n):\n    ",

@@ -24,6 +24,7 @@ Engine args (``--engine-arg key=value``):
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -134,11 +135,15 @@ def speculative_config(config: SpecConfig, draft: str | None, llm_kwargs: dict,
     """SpecConfig -> vLLM's ``speculative_config`` (None for the baseline)."""
     if config.is_baseline:
         return None
-    spec: dict[str, Any] = {"method": config.method, "num_speculative_tokens": config.k}
-    if config.method == "dflash":
+    # DFlash2 has no method name of its own in vLLM: method "dflash" with a draft whose
+    # architecture is DFlash2DraftModel (see dflash2_problem / DFLASH2_ENV)
+    method = "dflash" if config.method == "dflash2" else config.method
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": config.k}
+    if method == "dflash":
         if not draft:
-            raise EngineUsageError("method dflash needs the drafter: pass --draft PATH "
-                                   "(a DFlash draft checkpoint directory)")
+            raise EngineUsageError(f"method {config.method} needs the drafter: pass --draft PATH "
+                                   f"(a {'DFlash2' if config.method == 'dflash2' else 'DFlash'} "
+                                   f"draft checkpoint directory)")
         spec["model"] = draft
         # the drafter attends non-causally; use the kernel the target was told to use
         # (TRITON_ATTN supports that) unless spec.attention_backend says otherwise
@@ -148,6 +153,48 @@ def speculative_config(config: SpecConfig, draft: str | None, llm_kwargs: dict,
         spec["model"] = draft
     spec.update(extra or {})
     return spec
+
+
+#: the first vLLM release with DFlash2 (PR #52816: qwen3_dflash2.py + DFlash2Speculator)
+DFLASH2_MIN_VLLM = (0, 28)
+#: DFlash2's speculator exists only in the V2 model runner (vLLM forces it for DFlash2 drafts
+#: since 0.28; upstream's own test sets it, and so do we, so the identity records it)
+DFLASH2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """'0.28.1rc2.dev77+gabc' -> (0, 28, 1): the numeric release part."""
+    out = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        out.append(int(digits))
+        if digits != part:
+            break
+    return tuple(out)
+
+
+def dflash2_problem(config: SpecConfig, draft: str | None, vllm_version: str | None) -> str | None:
+    """Why ``config`` (method dflash2) cannot run on this vLLM / draft, or None. An unknown
+    vLLM version (not installed in this interpreter) is left to the worker."""
+    if config.method != "dflash2":
+        return None
+    if vllm_version and _release(vllm_version) < DFLASH2_MIN_VLLM:
+        return (f"DFlash2 needs vLLM ≥ {'.'.join(map(str, DFLASH2_MIN_VLLM))}; this is "
+                f"{vllm_version}. Install vLLM 0.28 or later (it needs torch ≥ 2.13), or run "
+                f"--method dflash with a DFlash (v1) draft.")
+    if draft:
+        try:
+            arch = json.loads((Path(draft) / "config.json").read_text()).get("architectures")
+        except (OSError, ValueError):
+            arch = None
+        if arch != [DFLASH2_ARCHITECTURE]:
+            return (f"--method dflash2 needs a DFlash2 draft (config.json architectures "
+                    f"[\"{DFLASH2_ARCHITECTURE}\"]); {draft} says {arch}: vLLM would run it as "
+                    f"plain DFlash. Export one with `speccheck export-reference DIR` (DIR/dflash2).")
+    return None
 
 
 def dflash_block_size(draft: str | None) -> int | None:
@@ -165,11 +212,11 @@ def dflash_block_size(draft: str | None) -> int | None:
 
 def k_hint_note(config: SpecConfig, draft: str | None) -> str | None:
     """A warning when a dflash K is not block_size - 1 (what the drafter was trained for)."""
-    if config.method != "dflash":
+    if config.method not in ("dflash", "dflash2"):
         return None
     block = dflash_block_size(draft)
     if block and config.k != block - 1:
-        return (f"dflash K={config.k} but the drafter's dflash_config.block_size is {block}: "
+        return (f"{config.method} K={config.k} but the drafter's dflash_config.block_size is {block}: "
                 f"it was trained for K={block - 1}")
     return None
 
@@ -567,7 +614,7 @@ class VllmEngine(Engine):
         }
 
     def default_k(self, method: str) -> int | None:
-        if method == "dflash":
+        if method in ("dflash", "dflash2"):
             block = dflash_block_size(self.draft)
             return block - 1 if block and block > 1 else None
         return None
@@ -587,14 +634,18 @@ class VllmEngine(Engine):
     def _generate(self, prompts, prompt_ids, config: SpecConfig, top_k: int,
                   together: bool) -> list[Completion]:
         draft = config.draft or self.draft
+        problem = dflash2_problem(config, draft, self._vllm_version())
+        if problem:
+            raise EngineUsageError(problem)
         note = k_hint_note(config, draft)
         self._notes = [note] if note else []
         spec = speculative_config(config, draft, self.llm_kwargs, self.args["spec"])
         req = {"op": "generate", "prompts": [list(map(int, p)) for p in prompt_ids],
                "max_tokens": [int(p.max_tokens) for p in prompts], "top_k": int(top_k),
                "stop_token_ids": eos_token_ids(self.model), "sampling": self.args["sampling"],
+               "ignore_eos": [bool(p.ignore_eos) for p in prompts],
                "warmup": bool(self.args["own"].get("warmup", True)), "together": together}
-        result = self._call(req, spec)
+        result = self._call(req, spec, DFLASH2_ENV if config.method == "dflash2" else {})
         rows = result["requests"]
         comps = [completion_from_dict(p.id, row, top_k, spec is not None and not together)
                  for p, row in zip(prompts, rows)]
@@ -711,22 +762,34 @@ class VllmEngine(Engine):
     def worker_env_overrides(self) -> dict[str, str]:
         return {**DEFAULT_ENV, **self.args["env"]}
 
-    def _worker_env(self) -> dict[str, str]:
+    def _vllm_version(self) -> str | None:
+        """vLLM's version in the worker's interpreter when that is this one (else unknown)."""
+        if self.args["own"].get("python"):
+            return None
+        try:
+            return metadata.version("vllm")
+        except metadata.PackageNotFoundError:
+            return None
+
+    def _worker_env(self, method_env: dict | None = None) -> dict[str, str]:
         env = dict(os.environ)
         for k, v in DEFAULT_ENV.items():
             env.setdefault(k, v)
+        env.update(method_env or {})  # what the method needs; --engine-arg env.* still wins
         env.update(self.args["env"])
         root = str(Path(__file__).resolve().parents[2])  # so the worker imports speccheck
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
-    def _call(self, req: dict, spec: dict | None) -> dict:
+    def _call(self, req: dict, spec: dict | None, method_env: dict | None = None) -> dict:
         kwargs = dict(self.llm_kwargs)
         if spec is not None:
             kwargs["speculative_config"] = spec
         req = {**req, "model": self.model, "llm_kwargs": kwargs}
-        key = json.dumps(kwargs, sort_keys=True)
+        # a worker started with another environment is not reused
+        key = json.dumps({**kwargs, **({"worker_env": method_env} if method_env else {})},
+                         sort_keys=True)
         reuse = self.args["own"].get("worker", "per-call") == "per-config"
         if self._worker is not None and (not reuse or key != self._worker_key
                                          or self._worker.poll() is not None):
@@ -748,7 +811,7 @@ class VllmEngine(Engine):
             self.last_call_fresh_process = False
         fresh = self._worker is None
         if fresh:
-            self._start_worker(key)
+            self._start_worker(key, method_env)
         if fresh:
             self.last_call_fresh_process = True
         self._calls += 1
@@ -792,14 +855,15 @@ class VllmEngine(Engine):
         self._runtime = result.get("runtime") or {}
         return result
 
-    def _start_worker(self, key: str) -> None:
+    def _start_worker(self, key: str, method_env: dict | None = None) -> None:
         python = str(self.args["own"].get("python") or sys.executable)
         self._log_path = self._tmp / f"worker{self._calls + 1}.log"
         log = open(self._log_path, "w")
         try:
             self._worker = subprocess.Popen(
                 [python, "-m", "speccheck.engines.vllm_worker"], stdin=subprocess.PIPE,
-                stdout=log, stderr=subprocess.STDOUT, env=self._worker_env(), text=True)
+                stdout=log, stderr=subprocess.STDOUT, env=self._worker_env(method_env),
+                text=True)
         except OSError as e:
             raise EngineUsageError(f"cannot start the vLLM worker with {python}: {e}") from e
         finally:

@@ -336,11 +336,17 @@ class Worker:
             if req.get("warmup", True) and prompts:
                 warm = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False)
                 llm.generate([{"prompt_token_ids": prompts[0][:32]}], warm, use_tqdm=False)
+            # ignore_eos (per prompt, or sampling.ignore_eos for all): vLLM still stops at
+            # stop_token_ids, so the end-of-sequence ids are not passed as such either
+            ignore = [bool(i or extra.get("ignore_eos"))
+                      for i in req.get("ignore_eos") or [False] * len(prompts)]
+            extra.pop("ignore_eos", None)
             params = [SamplingParams(temperature=0.0, max_tokens=int(max_tokens),
                                      logprobs=int(req["top_k"]), detokenize=False,
-                                     stop_token_ids=list(req.get("stop_token_ids") or []),
-                                     **extra)
-                      for max_tokens in req["max_tokens"]]
+                                     stop_token_ids=[] if ign else
+                                     list(req.get("stop_token_ids") or []),
+                                     ignore_eos=ign, **extra)
+                      for max_tokens, ign in zip(req["max_tokens"], ignore)]
             if req.get("together"):  # one call: the scheduler batches every request
                 before = self.spec_metrics()
                 t0 = time.perf_counter()

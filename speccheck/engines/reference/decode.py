@@ -15,16 +15,43 @@ import torch
 from speccheck.types import SpecCounters
 from speccheck.verify.ties import canonical_rows
 
+from . import dflash2 as _dflash2
 from .model import (ATTN_FORMS, GDN_FORMS, Cache, DFlashDrafter, MTPModule, Qwen3_5TextModel,
                     ReferenceConfig, set_nondeterministic)
 
-#: planted spec-decode bugs (engine arg ``fault=NAME``), one line each
+#: planted spec-decode bugs (engine arg ``fault=NAME``), one line each naming the real bug it
+#: models; ``speccheck selftest`` proves that the gate catches each
 FAULTS = {
     "stale-state": "after a rejected draft the GDN recurrent state is not rolled back "
                    "(it keeps the rejected tokens' updates)",
+    "conv-not-rolled-back": "after a rejected draft the GDN short-conv window keeps the "
+                            "rejected tokens' inputs (vLLM #50272, #39273)",
+    "accepted-clamped-to-conv": "the state keeps at most conv kernel - 1 = 3 new positions: "
+                                "with >= 4 accepted (bonus included) the recurrent state lags "
+                                "the tokens (xLLM #2249)",
+    "wrong-slot-after-no-draft": "after a step without a draft the next verify starts from the "
+                                 "last drafting step's state (column num_accepted - 1), not the "
+                                 "one plain decode wrote (column 0) (vLLM #52942; needs "
+                                 "no_draft_every)",
+    "batch-aliases-seq0": "every row of a batch reads and writes sequence 0's GDN/conv state "
+                          "slot (SGLang #27202; shows with batch > 1 only)",
+    "decode-kernel-verify": "verify runs the one-token decode kernel over the K+1 tokens, "
+                            "which keeps no per-token states: after a rejection the state "
+                            "cannot roll back (SGLang #19775)",
+    "mtp-stale-hidden": "the MTP head drafts from target hidden states one position stale "
+                        "(vLLM #36531; acceptance only, tokens stay exact)",
+    "dflash-wrong-layer": "the DFlash drafter gets the target layers' inputs instead of their "
+                          "outputs, aux hidden states one layer early (vLLM #42704; "
+                          "acceptance only)",
     "bonus-off-by-one": "the bonus token is taken from the position after the right one "
                         "(the distribution conditioned on the rejected draft)",
     "accept-top2": "a draft token is accepted when it is the target's top-1 or top-2 choice",
+    "accepted-counts-bonus": "the accepted-token counter includes the bonus token (a metrics "
+                             "bug like vLLM #27077's impossible acceptance counts)",
+    "past-max-tokens": "accepted drafts are not cut at max_tokens: the output runs past its "
+                       "budget",
+    "past-eos": "accepted drafts after an end-of-sequence token are emitted (the stop is "
+                "checked on the step's last token only)",
     "nondeterministic": "the MLP down_proj sums its partial products in a run-to-run random "
                         "order (seeded from os.urandom)",
     "state-precision": "the GDN recurrent state carried from one verify step to the next is "
@@ -46,6 +73,9 @@ class Knobs:
     attn_verify: str = "multi"
     fault: str | None = None
     attn_prefill: str = "multi"
+    #: every N-th verify step carries no draft and decodes one token (0 = never), as engines
+    #: do near the end of the context or when the drafter has nothing to propose
+    no_draft_every: int = 0
 
     def __post_init__(self) -> None:
         for name in ("gdn_prefill", "gdn_decode", "gdn_verify"):
@@ -56,6 +86,8 @@ class Knobs:
                 raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {ATTN_FORMS}")
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"fault={self.fault!r}: choose one of {tuple(FAULTS)}")
+        if self.no_draft_every < 0:
+            raise ValueError(f"no_draft_every={self.no_draft_every}: give 0 (never) or N >= 1")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,21 +103,26 @@ class Generation:
     ttft_s: float
     decode_s: float
     spec: SpecCounters | None = None
-    iterations: int = 0
+    iterations: int = 0  # target forwards after the prefill: verify steps, with or without a draft
 
 
 @dataclass
 class _Out:
-    """Accumulates generated tokens with their target distributions until a stop."""
+    """Accumulates generated tokens with their target distributions until a stop; one
+    :meth:`add` is one step's tokens, cut at the first stop (faults ``past-max-tokens`` and
+    ``past-eos`` turn a cut off: the rest of that step is emitted too)."""
 
     max_tokens: int
     eos: int
     top_k: int
+    cut_at_max: bool = True
+    cut_at_eos: bool = True
     tokens: list[int] = field(default_factory=list)
     lps: list[float] = field(default_factory=list)
     tk_ids: list[np.ndarray] = field(default_factory=list)
     tk_lps: list[np.ndarray] = field(default_factory=list)
     finish: str | None = None
+    ignore_eos: bool = False  # decode the full max_tokens past end-of-sequence
 
     def add(self, tokens: list[int], rows: torch.Tensor) -> None:
         """tokens[i] was emitted from log-prob row rows[i] (fp32 [n, V])."""
@@ -93,17 +130,20 @@ class _Out:
         chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
         idx, vals = canonical_rows(idx.cpu().numpy(), vals.cpu().numpy())
         chosen = chosen.cpu().numpy()
+        if self.finish is not None:
+            return
         for i, t in enumerate(tokens):
-            if self.finish is not None:
-                return
             self.tokens.append(int(t))
             self.lps.append(float(chosen[i]))
             self.tk_ids.append(idx[i])
             self.tk_lps.append(vals[i])
-            if t == self.eos:
+            if self.finish is None and t == self.eos and not self.ignore_eos:
                 self.finish = "stop"
-            elif len(self.tokens) >= self.max_tokens:
+            elif self.finish is None and len(self.tokens) >= self.max_tokens:
                 self.finish = "length"
+            if (self.finish == "stop" and self.cut_at_eos) or \
+                    (self.finish == "length" and self.cut_at_max):
+                return
 
 
 def _sync(device: torch.device) -> None:
@@ -116,11 +156,20 @@ class Decoder:
     (:meth:`generate_batch`; one request is a batch of one)."""
 
     def __init__(self, cfg: ReferenceConfig, target: Qwen3_5TextModel, mtp: MTPModule | None,
-                 drafter: DFlashDrafter | None, knobs: Knobs):
+                 drafter: DFlashDrafter | None, knobs: Knobs,
+                 dflash2: "_dflash2.DFlash2Drafter | None" = None,
+                 selector: "_dflash2.SelectorKnobs | None" = None):
         self.cfg, self.target, self.mtp, self.drafter, self.knobs = cfg, target, mtp, drafter, knobs
+        self.dflash2, self.selector = dflash2, selector or _dflash2.SelectorKnobs()
         self.device = target.embed_tokens.weight.device
-        set_nondeterministic([m for m in (target, mtp, drafter) if m is not None],
-                             knobs.fault == "nondeterministic")
+        self._arm()
+
+    def _arm(self) -> None:
+        """Switch the ``nondeterministic`` fault on or off in the networks. Done at every call:
+        decoders with other knobs may share the networks (ReferenceEngine.with_args)."""
+        nets = (self.target, self.mtp, self.drafter, self.dflash2)
+        set_nondeterministic([m for m in nets if m is not None],
+                             self.knobs.fault == "nondeterministic")
 
     # ------------------------------------------------------------------ public
 
@@ -131,26 +180,31 @@ class Decoder:
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_tokens: list[int],
-                       method: str = "baseline", k: int = 0, top_k: int = 5) -> list[Generation]:
+                       method: str = "baseline", k: int = 0, top_k: int = 5,
+                       ignore_eos: list[bool] | None = None) -> list[Generation]:
         """Greedy decoding of several prompts as one batch: each prompt is prefilled alone,
         then all decode together, each sequence at its own length (see Cache; speculative
         sequences also accept different numbers of tokens); one that stops leaves the
         batch. The batch's prefill and decode times are shared out in proportion to each
         sequence's tokens, so that sums over the batch (the tok/s of a run) are the batch's
-        own."""
+        own. ``ignore_eos[i]``: sequence i does not stop at end-of-sequence."""
         if not prompts or any(not p for p in prompts):
             raise ValueError("empty prompt: at least one token is needed")
+        self._arm()
+        ignore_eos = list(ignore_eos or [False] * len(prompts))
         if method == "baseline":
-            return self._baseline(prompts, max_tokens, top_k)
-        if method not in ("mtp", "dflash"):
-            raise ValueError(f"unknown method {method!r}: choose baseline, mtp or dflash")
+            return self._baseline(prompts, max_tokens, top_k, ignore_eos)
+        if method not in ("mtp", "dflash", "dflash2"):
+            raise ValueError(f"unknown method {method!r}: choose baseline, mtp, dflash or dflash2")
         if k < 1:
             raise ValueError(f"method {method} needs K >= 1, got {k}")
         if method == "mtp" and self.mtp is None:
             raise ValueError("method mtp needs the MTP weights (mtp.* in model.safetensors)")
         if method == "dflash" and self.drafter is None:
             raise ValueError("method dflash needs the drafter (drafter.safetensors)")
-        return self._speculative(prompts, max_tokens, method, k, top_k)
+        if method == "dflash2" and self.dflash2 is None:
+            raise ValueError(f"method dflash2 needs the DFlash2 drafter ({_dflash2.DFLASH2_FILE})")
+        return self._speculative(prompts, max_tokens, method, k, top_k, ignore_eos)
 
     @torch.inference_mode()
     def score(self, prompt_ids: list[int], continuation: list[int], top_k: int = 5):
@@ -160,6 +214,7 @@ class Decoder:
         if n == 0:
             return (np.zeros((0, top_k), np.int32), np.zeros((0, top_k), np.float32),
                     np.zeros(0, np.float32))
+        self._arm()
         ids = list(prompt_ids) + list(continuation)
         cache = Cache(len(self.target.layers), len(ids) + 1)
         h, _ = self.target(self._t(ids)[None], cache, gdn_form=self.knobs.gdn_prefill,
@@ -204,8 +259,9 @@ class Decoder:
                            (t2 - t1) * (len(o.tokens) - 1) / n_decoded, c, it)
                 for p, o, c, it in zip(prompts, outs, counters, iterations)]
 
-    def _baseline(self, prompts, max_tokens, top_k) -> list[Generation]:
-        outs = [_Out(n, self.cfg.eos_token_id, top_k) for n in max_tokens]
+    def _baseline(self, prompts, max_tokens, top_k, ignore_eos) -> list[Generation]:
+        outs = [_Out(n, self.cfg.eos_token_id, top_k, ignore_eos=i)
+                for n, i in zip(max_tokens, ignore_eos)]
         t0 = time.perf_counter()
         cache, _, _, rows = self._prefill(prompts, max(map(len, prompts)) + max(max_tokens) + 2,
                                           top_k)
@@ -230,12 +286,17 @@ class Decoder:
         iterations = [len(o.tokens) - 1 for o in outs]
         return self._generations(prompts, outs, [None] * len(outs), iterations, t0, t1, t2)
 
-    def _speculative(self, prompts, max_tokens, method, k, top_k) -> list[Generation]:
+    def _speculative(self, prompts, max_tokens, method, k, top_k, ignore_eos) -> list[Generation]:
         fault = self.knobs.fault
-        aux_ids = tuple(self.cfg.drafter.target_layer_ids) if method == "dflash" else ()
+        aux_ids = tuple(self.cfg.drafter.target_layer_ids) if method != "mtp" else ()
+        if fault == "dflash-wrong-layer":  # each layer's input (the previous layer's output)
+            aux_ids = tuple(max(i - 1, 0) for i in aux_ids)
+        conv_history = self.cfg.linear_conv_kernel_dim - 1
         B = len(prompts)
         max_len = max(map(len, prompts)) + max(max_tokens) + k + 4
-        outs = [_Out(n, self.cfg.eos_token_id, top_k) for n in max_tokens]
+        outs = [_Out(n, self.cfg.eos_token_id, top_k, cut_at_max=fault != "past-max-tokens",
+                     cut_at_eos=fault != "past-eos", ignore_eos=i)
+                for n, i in zip(max_tokens, ignore_eos)]
         counters = [SpecCounters(accepted_per_pos=[0] * k) for _ in range(B)]
         iterations = [0] * B
         t0 = time.perf_counter()
@@ -252,43 +313,30 @@ class Decoder:
         states = [self._draft_init(method, max_len) for _ in range(B)]
         pending = [hidden[b] if method == "mtp" else torch.cat([aux[b][i] for i in aux_ids], -1)
                    for b in range(B)]
+        last_hidden = [hidden[b][-1:] for b in range(B)]  # (fault mtp-stale-hidden)
+
+        def verified(b, hs, auxs):
+            """The target outputs at newly verified positions, for the drafter's next call."""
+            if method != "mtp":
+                new = torch.cat(auxs, -1)
+            elif fault == "mtp-stale-hidden":  # every position gets the hidden of the one before
+                new, last_hidden[b] = torch.cat([last_hidden[b], hs[:-1]]), hs[-1:]
+            else:
+                new = hs
+            pending[b] = new if pending[b] is None else torch.cat([pending[b], new])
+
         live = [b for b in range(B) if outs[b].finish is None]  # sequences still decoding
         if B > 1:
             cache.select(live)
+        step = 0
         while live:
-            drafts = [self._draft_mtp(states[b], tokens[b], pending[b], k) if method == "mtp"
-                      else self._draft_dflash(states[b], tokens[b], pending[b], k) for b in live]
-            feed = self._t([[x[b]] + d for b, d in zip(live, drafts)])  # [n, k+1]
-            h, aux = self.target(feed, cache, gdn_form=self.knobs.gdn_verify,
-                                 attn_form=self.knobs.attn_verify, per_position=True,
-                                 aux_layers=aux_ids)
-            rows = torch.log_softmax(self.target.logits(h.flatten(0, 1), top_k), -1)
-            rows = rows.view(len(live), k + 1, -1)
-            top2 = rows.topk(2, dim=-1).indices.cpu().tolist()
-            kept = []
-            for j, b in enumerate(live):
-                m = 0
-                while m < k and (drafts[j][m] == top2[j][m][0]
-                                 or (fault == "accept-top2" and drafts[j][m] == top2[j][m][1])):
-                    m += 1
-                bonus_pos = min(m + 1, k) if fault == "bonus-off-by-one" else m
-                emitted = drafts[j][:m] + [top2[j][bonus_pos][0]]
-                outs[b].add(emitted, rows[j, list(range(m)) + [bonus_pos]])
-                tokens[b].extend(emitted)
-                x[b] = emitted[-1]
-                iterations[b] += 1
-                c = counters[b]
-                c.drafts, c.draft_tokens, c.accepted_tokens = (
-                    c.drafts + 1, c.draft_tokens + k, c.accepted_tokens + m)
-                for i in range(m):
-                    c.accepted_per_pos[i] += 1
-                pending[b] = (h[j, : m + 1] if method == "mtp" else
-                              torch.cat([aux[i][j, : m + 1] for i in aux_ids], -1))
-                kept.append(m + 1)
-            roll_back = fault != "stale-state"
-            cache.commit(kept if B > 1 else kept[0], roll_back_gdn=roll_back)
-            if fault == "state-precision":  # planted: the carried state loses precision
-                cache.gdn = [None if s is None else s.to(torch.bfloat16).to(s.dtype) for s in cache.gdn]
+            step += 1
+            if self.knobs.no_draft_every and step % self.knobs.no_draft_every == 0:
+                self._step_without_draft(cache, live, x, tokens, outs, iterations, verified,
+                                         aux_ids, top_k)
+            else:
+                self._verify_step(cache, live, x, tokens, outs, iterations, counters, states,
+                                  pending, verified, method, k, aux_ids, conv_history, top_k)
             still = [j for j, b in enumerate(live) if outs[b].finish is None]
             if B > 1 and len(still) < len(live):
                 cache.select(still)
@@ -296,9 +344,84 @@ class Decoder:
         t2 = time.perf_counter()
         return self._generations(prompts, outs, counters, iterations, t0, t1, t2)
 
+    def _verify_step(self, cache, live, x, tokens, outs, iterations, counters, states, pending,
+                     verified, method, k, aux_ids, conv_history, top_k) -> None:
+        """Draft K tokens per live sequence, verify them with the target in one forward of
+        K+1 positions, emit the accepted prefix plus the target's own next token, and keep
+        exactly the state of the emitted positions."""
+        fault = self.knobs.fault
+        drafts = [self._draft(method, states[b], tokens[b], pending[b], k) for b in live]
+        for b in live:
+            pending[b] = None
+        feed = self._t([[x[b]] + d for b, d in zip(live, drafts)])  # [n, k+1]
+        gdn_form = self.knobs.gdn_decode if fault == "decode-kernel-verify" else self.knobs.gdn_verify
+        h, aux = self.target(feed, cache, gdn_form=gdn_form, attn_form=self.knobs.attn_verify,
+                             per_position=True, aux_layers=aux_ids)
+        rows = torch.log_softmax(self.target.logits(h.flatten(0, 1), top_k), -1)
+        rows = rows.view(len(live), k + 1, -1)
+        top2 = rows.topk(2, dim=-1).indices.cpu().tolist()
+        kept = []
+        for j, b in enumerate(live):
+            m = 0
+            while m < k and (drafts[j][m] == top2[j][m][0]
+                             or (fault == "accept-top2" and drafts[j][m] == top2[j][m][1])):
+                m += 1
+            bonus_pos = min(m + 1, k) if fault == "bonus-off-by-one" else m
+            emitted = drafts[j][:m] + [top2[j][bonus_pos][0]]
+            outs[b].add(emitted, rows[j, list(range(m)) + [bonus_pos]])
+            tokens[b].extend(emitted)
+            x[b] = emitted[-1]
+            iterations[b] += 1
+            c = counters[b]
+            c.drafts, c.draft_tokens = c.drafts + 1, c.draft_tokens + k
+            c.accepted_tokens += m + 1 if fault == "accepted-counts-bonus" else m
+            for i in range(m):
+                c.accepted_per_pos[i] += 1
+            verified(b, h[j, : m + 1], [aux[i][j, : m + 1] for i in aux_ids])
+            kept.append(m + 1)
+        state_keep = ([min(n, conv_history) for n in kept]
+                      if fault == "accepted-clamped-to-conv" else None)
+        one_kernel = fault == "decode-kernel-verify"  # it wrote only the final state
+        cache.commit(kept if cache.lengths is not None else kept[0],  # a batch: per sequence
+                     roll_back_gdn=fault != "stale-state" and not one_kernel,
+                     roll_back_conv=fault != "conv-not-rolled-back" and not one_kernel,
+                     state_keep=state_keep, alias_first=fault == "batch-aliases-seq0")
+        if fault == "state-precision":  # planted: the carried state loses precision
+            cache.gdn = [None if s is None else s.to(torch.bfloat16).to(s.dtype) for s in cache.gdn]
+
+    def _step_without_draft(self, cache, live, x, tokens, outs, iterations, verified, aux_ids,
+                            top_k) -> None:
+        """A verify step that carries no draft: one token through the plain decode path. It
+        counts as an iteration, not as a draft."""
+        before = (list(cache.gdn), list(cache.conv))
+        h, aux = self.target(self._t([[x[b]] for b in live]), cache,
+                             gdn_form=self.knobs.gdn_decode, attn_form=self.knobs.attn_decode,
+                             aux_layers=aux_ids)
+        rows = torch.log_softmax(self.target.logits(h[:, 0], top_k), -1)
+        tok = rows.argmax(-1).tolist()
+        for j, b in enumerate(live):
+            outs[b].add([tok[j]], rows[j:j + 1])
+            tokens[b].append(tok[j])
+            x[b] = tok[j]
+            iterations[b] += 1
+            verified(b, h[j, :1], [aux[i][j, :1] for i in aux_ids])
+        if self.knobs.fault == "wrong-slot-after-no-draft":
+            cache.gdn, cache.conv = before  # the state this step wrote is never read
+
     # ------------------------------------------------------------------ drafters
 
+    def _draft(self, method, state, tokens, pending, k) -> list[int]:
+        if method == "mtp":
+            return self._draft_mtp(state, tokens, pending, k)
+        if method == "dflash2":
+            return _dflash2.draft(self.dflash2, self.target, self.cfg, state, tokens, pending, k,
+                                  self.selector)
+        return self._draft_dflash(state, tokens, pending, k)
+
     def _draft_init(self, method, max_len):
+        if method == "dflash2":
+            return _dflash2.new_state(self.dflash2, self.cfg, max_len,
+                                      self.target.embed_tokens.weight)
         if method == "mtp":
             return Cache(len(self.mtp.layers), max_len)
         dc = self.cfg.drafter

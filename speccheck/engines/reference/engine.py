@@ -5,6 +5,8 @@ Weights directory (the package's ``weights/`` or ``model=DIR``)::
     config.json         ReferenceConfig (model shape, drafter shape, special token ids)
     model.safetensors   target (HF Qwen3_5TextModel names) + mtp.* (vLLM Qwen3.5 MTP names)
     drafter.safetensors DFlash drafter (vLLM DFlashQwen3Model names)
+    dflash2.safetensors DFlash2 drafter (vLLM DFlash2Qwen3Model names; its conv/selector
+                        fields in the file's metadata), optional
     tokenizer.json      byte-level BPE (``tokenizers``), <|endoftext|> and <|mask|>
 
 Without trained weights the networks get a fixed-seed random init, so everything runs (and
@@ -12,6 +14,7 @@ is deterministic) before training has happened.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import replace
@@ -24,6 +27,7 @@ from speccheck.engines.base import Engine, EngineError, EngineUsageError
 from speccheck.types import Completion, Prompt, Scored, SpecConfig
 
 from .decode import FAULTS, Decoder, Knobs
+from .dflash2 import DFLASH2_FILE, WALK_DTYPES, SelectorKnobs, load_dflash2
 from .model import (ATTN_FORMS, GDN_FORMS, DFlashDrafter, MTPModule, Qwen3_5TextModel,
                     ReferenceConfig, init_weights)
 
@@ -44,8 +48,21 @@ ENGINE_ARGS = {
     "threads": (None, "1", "torch CPU threads (default 1; empty = torch default)"),
     "batch": (None, "1", "prompts decoded together in one batch (each prefilled alone, then "
                          "decoding at its own length and, speculating, its own acceptance)"),
+    "no_draft_every": (None, "0", "every N-th verify step carries no draft and decodes one "
+                                  "token, as engines do near the context end or when the drafter "
+                                  "has nothing (0 = never)"),
     "fault": (("none",) + tuple(FAULTS), "none", "planted spec-decode bug for self-tests"),
+    "dflash2_selector": (("on", "off"), "on", "DFlash2 candidate selector; off = per-slot argmax "
+                                               "(DFlash's rule)"),
+    "dflash2_top_k": (None, "", "DFlash2 candidates per slot (empty = the checkpoint's "
+                                "selector_top_k)"),
+    "dflash2_walk": (tuple(WALK_DTYPES), "fp32", "dtype of the DFlash2 edge scores and walk"),
 }
+#: engine args that pick code paths, not weights: :meth:`ReferenceEngine.with_args` changes them
+#: on the loaded networks
+PATH_ARGS = ("gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode",
+             "attn_verify", "batch", "no_draft_every", "fault", "dflash2_selector", "dflash2_top_k",
+             "dflash2_walk")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -72,9 +89,12 @@ def parse_engine_args(args: dict[str, str]) -> dict[str, str]:
         if allowed and out[k] not in allowed:
             raise EngineUsageError(f"--engine-arg {k}={out[k]!r} is not valid for the reference "
                                    f"engine; choose one of {', '.join(allowed)}")
-    for key in ("threads", "batch"):
+    for key in ("threads", "batch", "dflash2_top_k"):
         if out[key] and not (out[key].isdigit() and int(out[key]) > 0):
             raise EngineUsageError(f"--engine-arg {key}={out[key]!r}: give a positive integer")
+    if not out["no_draft_every"].isdigit():
+        raise EngineUsageError(f"--engine-arg no_draft_every={out['no_draft_every']!r}: give 0 "
+                               f"(every step drafts) or N >= 1 (every N-th verify step has no draft)")
     return out
 
 
@@ -123,9 +143,21 @@ def _load(module: torch.nn.Module, sd: dict, path: Path) -> None:
                                f"point model= at a complete weights directory")
 
 
+def _unicode_to_byte() -> dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode (the printable stand-ins of the 256 bytes)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
 class ReferenceEngine(Engine):
     name = "reference"
-    methods = ("mtp", "dflash")
+    methods = ("mtp", "dflash", "dflash2")
 
     def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
                  draft: str | None = None) -> None:
@@ -166,10 +198,38 @@ class ReferenceEngine(Engine):
         dtype = DTYPES[self.args["dtype"]]
         self.target, self.mtp, self.drafter = (
             None if m is None else m.to(self.device, dtype).eval() for m in (target, mtp, drafter))
+        d2_file = self.model_dir / DFLASH2_FILE
+        self.dflash2 = None
+        if d2_file.is_file():
+            try:
+                self.dflash2 = load_dflash2(d2_file, self.cfg).to(self.device, dtype).eval()
+            except ValueError as e:
+                raise EngineUsageError(str(e)) from e
+        self._set_knobs()
+
+    def _set_knobs(self) -> None:
         fault = None if self.args["fault"] == "none" else self.args["fault"]
-        self.knobs = Knobs(fault=fault, **{k: self.args[k] for k in (
-            "gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode", "attn_verify")})
-        self.decoder = Decoder(self.cfg, self.target, self.mtp, self.drafter, self.knobs)
+        self.knobs = Knobs(fault=fault, no_draft_every=int(self.args["no_draft_every"]),
+                           **{k: self.args[k] for k in ("gdn_prefill", "gdn_decode", "gdn_verify",
+                                                        "attn_prefill", "attn_decode", "attn_verify")})
+        top_k = self.args["dflash2_top_k"]
+        self.selector = SelectorKnobs(self.args["dflash2_selector"] == "on",
+                                      int(top_k) if top_k else None, self.args["dflash2_walk"])
+        self.decoder = Decoder(self.cfg, self.target, self.mtp, self.drafter, self.knobs,
+                               self.dflash2, self.selector)
+
+    def with_args(self, **overrides: str) -> "ReferenceEngine":
+        """This engine under other code-path args (PATH_ARGS: a planted fault, kernel forms,
+        batch), sharing the loaded networks: the self-test runs every fault on one load."""
+        other = sorted(set(overrides) - set(PATH_ARGS))
+        if other:
+            raise EngineUsageError(f"engine args {', '.join(other)} change what is loaded; make a "
+                                   f"new engine for them (with_args takes {', '.join(PATH_ARGS)})")
+        variant = copy.copy(self)
+        variant.engine_args = {**self.engine_args, **overrides}
+        variant.args = parse_engine_args(variant.engine_args)
+        variant._set_knobs()
+        return variant
 
     def _special(self, token: str) -> int:
         i = self.tokenizer.token_to_id(token)
@@ -183,7 +243,8 @@ class ReferenceEngine(Engine):
         from speccheck import __version__
 
         files = {n: _sha256(self.model_dir / n)
-                 for n in ("config.json", "model.safetensors", "drafter.safetensors")}
+                 for n in ("config.json", "model.safetensors", "drafter.safetensors",
+                           DFLASH2_FILE)}
         target = {n: files[n] for n in ("config.json", "model.safetensors")}
         model_id = "speccheck-reference-qwen3_5-tiny" + ("" if self.trained else "-untrained")
         # the identity keys every engine shares: model_id, model_hash (the target, MTP included),
@@ -202,15 +263,32 @@ class ReferenceEngine(Engine):
             "device": str(self.device),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # SIMD kernels torch picked
             "knobs": {k: self.args[k] for k in ("gdn_prefill", "gdn_decode", "gdn_verify",
                                                 "attn_prefill", "attn_decode", "attn_verify")},
             "fault": self.args["fault"],
             "batch": int(self.args["batch"]),
+            "no_draft_every": int(self.args["no_draft_every"]),
             "block_size": self.cfg.drafter.block_size,
+            "dflash2": (None if self.dflash2 is None else
+                        {"selector": self.args["dflash2_selector"],
+                         "top_k": self.selector.top_k or self.dflash2.d2.selector_top_k,
+                         "walk": self.selector.walk, "config": vars(self.dflash2.d2).copy()}),
         }
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         return self.tokenizer.encode(prompt.as_text()).ids
+
+    def max_positions(self) -> int | None:
+        return int(self.cfg.max_position_embeddings)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """GPT-2 byte-level BPE: each character of the token string stands for one byte."""
+        piece = self.tokenizer.id_to_token(int(token_id))
+        if piece is None:
+            return None
+        table = _unicode_to_byte()
+        return bytes(table[ch] for ch in piece) if all(ch in table for ch in piece) else None
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -229,12 +307,13 @@ class ReferenceEngine(Engine):
     def _generate_batch(self, prompts, prompt_ids, config: SpecConfig, top_k: int) -> list[Completion]:
         if config.method not in ("baseline",) + self.methods:
             raise EngineUsageError(f"--method {config.method!r} is not offered by the reference "
-                                   f"engine; choose baseline, mtp or dflash")
+                                   f"engine; choose baseline, {', '.join(self.methods)}")
         names = ", ".join(dict.fromkeys(p.id for p in prompts))
         try:
             gens = self.decoder.generate_batch([list(ids) for ids in prompt_ids],
                                                [p.max_tokens for p in prompts],
-                                               config.method, config.k, top_k)
+                                               config.method, config.k, top_k,
+                                               [p.ignore_eos for p in prompts])
         except ValueError as e:
             raise EngineUsageError(f"prompt {names}: {e}") from e
         except RuntimeError as e:
@@ -270,7 +349,7 @@ class ReferenceEngine(Engine):
                 if any(a[key] != val for key, val in v.items())}
 
     def default_k(self, method: str) -> int | None:
-        if method == "dflash":
+        if method in ("dflash", "dflash2"):
             return self.cfg.drafter.block_size - 1
         if method == "mtp":
             return 3

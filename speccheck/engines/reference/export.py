@@ -11,6 +11,8 @@ the reference engine, transformers' ``Qwen3_5ForCausalLM`` (the cross-check in
     DIR/generation_config.json  bos/eos/pad
     DIR/drafter/config.json     DFlashDraftModel, model_type qwen3, dflash_config
     DIR/drafter/model.safetensors  layers.* fc hidden_norm norm (embed/lm_head shared with target)
+    DIR/dflash2/config.json     DFlash2DraftModel (DFlash's config + conv/selector dflash_config)
+    DIR/dflash2/model.safetensors  DFlash's tensors + layers.*.{attention,mlp}_conv.*, candidate_selector.*
 
 What the loaders expect (read from source, vLLM main ≈ 0.26, transformers 5.24):
 
@@ -451,6 +453,72 @@ def export_reference(out_dir: str | Path, weights_dir: str | Path | None = None)
                              drafter.eval() if drafter is not None else None,
                              tok if tok.is_file() else None, dtype=dtype)
     summary.update(weights_dir=str(d), trained=trained)
+    from .dflash2 import DFLASH2_FILE, load_dflash2
+
+    if (d / DFLASH2_FILE).is_file():
+        d2 = load_dflash2(d / DFLASH2_FILE, cfg)
+        write_dflash2_dir(Path(out_dir) / "dflash2", dflash2_config_from_reference(cfg, d2.d2, dtype),
+                          d2.state_dict(), dtype)
+        summary["dflash2"] = str(Path(out_dir) / "dflash2")
     if drafter is None:
         summary["note"] = "no drafter.safetensors: drafter not exported"
     return summary
+
+
+# --------------------------------------------------------------------------- DFlash2
+
+
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+DFLASH2_TENSOR_PREFIXES = DRAFTER_TENSOR_PREFIXES + ("candidate_selector.",)
+
+
+def dflash2_config_from_reference(cfg, d2, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """config.json of the DFlash2 draft, by the contract of vLLM 0.28+'s ``qwen3_dflash2.py``
+    (registry ``"DFlash2DraftModel"`` -> ``DFlash2Qwen3ForCausalLM``): the DFlash config with
+    ``is_causal: false``, every layer ``sliding_attention``, and ``dflash_config`` extended by
+    ``conv_kernel_size`` (taps), ``conv_group_size``, ``selector_rank``, ``selector_top_k``.
+    The reference drafter attends to its whole context, so the window is the model's whole
+    length (no position is ever outside it)."""
+    out = drafter_config_from_reference(cfg, dtype)
+    n = out["num_hidden_layers"]
+    out.update(architectures=[DFLASH2_ARCHITECTURE], is_causal=False,
+               layer_types=["sliding_attention"] * n, use_sliding_window=True,
+               sliding_window=cfg.max_position_embeddings, max_window_layers=n)
+    out["dflash_config"] = {**out["dflash_config"],
+                            "conv_kernel_size": d2.conv_kernel_size,
+                            "conv_group_size": d2.conv_group_size,
+                            "selector_rank": d2.selector_rank,
+                            "selector_top_k": d2.selector_top_k}
+    return out
+
+
+def write_dflash2_dir(out_dir: str | Path, config: Mapping, state: Mapping[str, torch.Tensor],
+                      dtype: torch.dtype | None = None) -> Path:
+    """Write the DFlash2 draft checkpoint (config.json + model.safetensors); names as vLLM's
+    ``DFlash2Qwen3Model`` (its ``load_weights`` adds ``model.``), no embed_tokens / lm_head."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = dict(config)
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+    bad = [k for k in state if not k.startswith(DFLASH2_TENSOR_PREFIXES)]
+    if bad:
+        raise ExportError(f"unexpected DFlash2 tensor {bad[0]!r}: expected one of "
+                          f"{', '.join(p + '*' for p in DFLASH2_TENSOR_PREFIXES)}")
+    _write_json(out / "config.json", config)
+    _save(state, out / "model.safetensors", dtype)
+    return out
+
+
+def read_dflash2_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(DFlash2 fields of ``dflash_config``, tensors) of an exported DFlash2 draft, for
+    loading it back into the reference engine (:func:`dflash2.save_dflash2`)."""
+    d = Path(path)
+    config = json.loads((d / "config.json").read_text())
+    if config.get("architectures") != [DFLASH2_ARCHITECTURE]:
+        raise ExportError(f"{d / 'config.json'}: architectures {config.get('architectures')}, "
+                          f"expected [{DFLASH2_ARCHITECTURE!r}]")
+    dc = config["dflash_config"]
+    fields = {k: int(dc[k]) for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                      "selector_top_k")}
+    return fields, read_checkpoint(d / "model.safetensors")

@@ -421,21 +421,34 @@ class Cache:
         out.lengths = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
         return out
 
-    def commit(self, n_new: int | list[int], roll_back_gdn: bool = True) -> None:
+    def commit(self, n_new: int | list[int], roll_back_gdn: bool = True, *,
+               roll_back_conv: bool = True, state_keep: list[int] | None = None,
+               alias_first: bool = False) -> None:
         """Keep the first ``n_new`` positions of the last forward and drop the rest (a list:
-        a count per sequence of a ragged batch)."""
+        a count per sequence of a ragged batch).
+
+        The other arguments exist only to plant spec-decode bugs (decode.FAULTS); their
+        defaults are exact rollback: ``roll_back_gdn`` / ``roll_back_conv`` False keep that
+        state at the end of the forward (rejected positions included), ``state_keep`` keeps
+        the GDN and conv state at other counts than the tokens (per sequence), and
+        ``alias_first`` gives every row of a batch sequence 0's state."""
         counts = [n_new] if isinstance(n_new, int) else list(n_new)
+        state_counts = counts if state_keep is None else list(state_keep)
         for i, p in self.pending.items():
             per_state, window = p[1], p[2]
             # conv state = the last K-1 inputs: window holds K-1 old + T new [B, K-1+T, C]
             k1 = window.shape[1] - len(per_state)
-            keep = [n if roll_back_gdn else len(per_state) for n in counts]
+            keep = [n if roll_back_gdn else len(per_state) for n in state_counts]
+            conv_keep = [n if roll_back_conv else len(per_state) for n in state_counts]
             if isinstance(n_new, int):
-                self.conv[i] = window[:, n_new: n_new + k1]
+                self.conv[i] = window[:, conv_keep[0]: conv_keep[0] + k1]
                 self.gdn[i] = per_state.at(keep[0] - 1)
             else:
-                self.conv[i] = torch.stack([window[b, n: n + k1] for b, n in enumerate(counts)])
+                self.conv[i] = torch.stack([window[b, n: n + k1] for b, n in enumerate(conv_keep)])
                 self.gdn[i] = torch.stack([per_state.at(n - 1)[b] for b, n in enumerate(keep)])
+                if alias_first:
+                    self.conv[i] = self.conv[i][:1].expand_as(self.conv[i]).clone()
+                    self.gdn[i] = self.gdn[i][:1].expand_as(self.gdn[i]).clone()
         self.pending = {}
         if isinstance(n_new, int):
             self.length += n_new

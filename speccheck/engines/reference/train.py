@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .dflash2 import DFlash2Drafter
 from .model import DFlashDrafter, MTPModule, Qwen3_5TextModel, ReferenceConfig, init_weights
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
@@ -176,7 +177,9 @@ def block_hidden(drafter: DFlashDrafter, cfg: ReferenceConfig, E: torch.Tensor, 
     if live is not None:
         blk_ok = blk_ok & live[None, :]
     mask = torch.cat([ctx_ok, blk_ok], 1)  # [Q, T+Q]
-    return drafter(emb, positions, ctx_kv, mask).view(B, A, bs, -1)[:, :, 1:], positions
+    conv_blocks = {"block_size": bs} if isinstance(drafter, DFlash2Drafter) else {}
+    hb = drafter(emb, positions, ctx_kv, mask, **conv_blocks)
+    return hb.view(B, A, bs, -1)[:, :, 1:], positions
 
 
 def drafter_losses(drafter: DFlashDrafter, cfg: ReferenceConfig, E: torch.Tensor,
@@ -539,7 +542,21 @@ def main(argv=None) -> int:
                     help="--drafter-only: text prompt lengths (comma list) before the greedy part")
     ap.add_argument("--gamma", type=float, default=4.0,
                     help="--drafter-only: slot j's loss weight is exp(-(j-1)/gamma)")
+    ap.add_argument("--drafter", choices=("dflash", "dflash2"), default="dflash",
+                    help="--drafter-only: which drafter to train; dflash2 starts from --init's "
+                         "DFlash drafter (see train_dflash2.py) and implies --drafter-only")
+    ap.add_argument("--warm", action="store_true",
+                    help="--drafter dflash2: continue from --init's dflash2.safetensors instead")
+    ap.add_argument("--train", choices=("selector", "conv+selector", "all"), default="conv+selector",
+                    help="--drafter dflash2: what learns (the rest stays as initialised; the body "
+                         "frozen keeps selector-off drafts close to DFlash's)")
+    ap.add_argument("--selector-weight", type=float, default=1.0,
+                    help="--drafter dflash2: weight of the selector's K-way loss")
     a = ap.parse_args(argv)
+    if a.drafter == "dflash2":
+        from .train_dflash2 import train_dflash2
+
+        return train_dflash2(a)
     if a.drafter_only:
         return train_drafter_only(a)
 

@@ -1,0 +1,276 @@
+"""`speccheck selftest`: proof that the gate catches the bugs it exists for.
+
+Every planted fault of the reference engine (``--engine-arg fault=NAME``, modelled on a bug
+class real engines shipped) runs on a small corpus, is stored and judged exactly as
+`speccheck run` + `speccheck gate` would judge it, and must fail the one check named for it in
+:data:`CASES`. The clean engine runs the same configs in the same session and must pass every
+check: a self-test whose clean run fails proves nothing.
+
+Cheap enough for CI: the weights load once (faults are code paths, ``with_args``), the clean
+baseline runs once and is shared by every fault's suite (no fault touches the baseline path's
+output), only the determinism fault repeats, only the batch fault runs the corpus all at once,
+and there is no kernel attribution.
+
+The reference engine is the one engine with planted faults, so this module names it.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
+
+from speccheck.corpus import load_corpus
+from speccheck.engines import EngineUsageError, make_engine
+from speccheck.evaluate import evaluate_suite
+from speccheck.policy import Policy
+from speccheck.runner import RunPlan, open_suite, rescore_suite, run_one
+from speccheck.store import Store, Suite
+from speccheck.types import SpecConfig
+
+#: the corpus the self-test runs by default: `smoke` cannot show every fault (no smoke prompt
+#: ends at an end-of-sequence token after drafting; its chat prompt emits one as its very first
+#: token, and the toy drafters propose end-of-sequence only in memorised boilerplate such as a
+#: codec module's registry function, which `selftest` adds)
+CORPUS = "selftest"
+
+
+@dataclass(frozen=True)
+class Case:
+    """A planted fault, the bug class it models and the check that must catch it."""
+
+    fault: str
+    models: str  # the bug class (and the public reports) it models
+    check: str  # the check that must fail
+    method: str | None = None  # None: the method under test (--method)
+    engine_args: tuple[tuple[str, str], ...] = ()  # besides fault=NAME
+    repeats: int = 1  # 2 where determinism is the point
+    together: int = 0  # copies of each prompt in a run of the corpus all at once (0: none)
+
+
+#: every fault, the bug it models and the check expected to catch it: the one place to edit
+CASES: tuple[Case, ...] = (
+    Case("stale-state", "hybrid state after a rejection: GDN recurrent state not rolled back",
+         "divergences_are_low_confidence"),
+    Case("conv-not-rolled-back", "hybrid state after a rejection: conv state not rolled back "
+         "(vLLM #50272, #39273)", "divergences_are_low_confidence"),
+    Case("accepted-clamped-to-conv", "hybrid state: accepted count clamped to the conv "
+         "history, state lags the tokens (xLLM #2249)", "divergences_are_low_confidence"),
+    Case("wrong-slot-after-no-draft", "hybrid state read from the wrong slot after a step "
+         "with no drafts (vLLM #52942)", "divergences_are_low_confidence",
+         engine_args=(("no_draft_every", "2"),)),
+    Case("batch-aliases-seq0", "hybrid state: a batch's rows alias request 0's state slot "
+         "(SGLang #27202)", "batch_invariant", together=2),
+    Case("decode-kernel-verify", "hybrid state: decode kernel reused for verify, no "
+         "per-token states (SGLang #19775)", "divergences_are_low_confidence"),
+    Case("mtp-stale-hidden", "acceptance only: MTP fed the wrong hidden states (vLLM #36531)",
+         "acceptance_not_regressed", method="mtp"),
+    Case("dflash-wrong-layer", "acceptance only: DFlash aux hidden states from the wrong "
+         "target layer (vLLM #42704)", "acceptance_not_regressed", method="dflash"),
+    Case("bonus-off-by-one", "verifier: bonus token taken from the wrong position",
+         "divergences_are_low_confidence"),
+    Case("accept-top2", "verifier: a draft accepted that is not the target's argmax",
+         "divergences_are_low_confidence"),
+    Case("accepted-counts-bonus", "counters and metrics: impossible acceptance counts "
+         "(vLLM #27077)", "counters_consistent"),
+    Case("past-max-tokens", "output boundaries: emission past max_tokens", "same_stopping"),
+    Case("past-eos", "output boundaries: emission past end-of-sequence inside accepted drafts",
+         "same_stopping"),
+    Case("nondeterministic", "nondeterminism: run-to-run reduction order in a kernel",
+         "deterministic", repeats=2),
+    Case("state-precision", "numeric drift: precision lost in the state carried between "
+         "verify steps", "logprobs_consistent"),
+)
+
+
+@dataclass
+class Row:
+    fault: str
+    models: str
+    config: str  # e.g. "mtp-k3 no_draft_every=2"
+    expected: str
+    failed: list[str]  # every check that failed
+    error: str | None = None  # the evaluation crashed, or the fault has no case
+
+    @property
+    def caught(self) -> bool:
+        return self.error is None and self.expected in self.failed
+
+
+@dataclass
+class CleanRun:
+    config: str
+    failed: list[str]  # checks the clean engine failed (must be none)
+    messages: list[str] = field(default_factory=list)
+    tokens_per_iter: float | None = None
+    error: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and not self.failed
+
+
+@dataclass
+class SelftestResult:
+    method: str
+    corpus: str
+    prompts: int
+    clean: list[CleanRun]
+    rows: list[Row]
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.clean) and all(r.caught for r in self.rows)
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "corpus": self.corpus, "prompts": self.prompts,
+                "passed": self.passed, "seconds": round(self.seconds, 1),
+                "clean": [{**asdict(c), "passed": c.passed} for c in self.clean],
+                "faults": [{**asdict(r), "caught": r.caught} for r in self.rows]}
+
+
+def _label(config: SpecConfig, args: dict[str, str]) -> str:
+    return " ".join([config.name, *(f"{k}={v}" for k, v in sorted(args.items()))])
+
+
+def _policy(repeats: int) -> Policy:
+    """The default policy; a config that ran once cannot be judged for determinism."""
+    return Policy() if repeats >= 2 else Policy(require_deterministic=False)
+
+
+def _failed_checks(suite: Suite, name: str, repeats: int, golden: dict | None):
+    result = evaluate_suite(suite, _policy(repeats), [name], golden, detok=None).get(name)
+    failed = [c for c in result.checks if not c.passed and not c.skipped]
+    return result, [c.name for c in failed], [f"{c.name}: {c.message}" for c in failed]
+
+
+def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | None = None,
+                 faults: list[str] | None = None,
+                 log: Callable[[str], None] = lambda m: None) -> SelftestResult:
+    """Run the clean engine and every planted fault (or those named) and judge each."""
+    from speccheck.engines.reference.decode import FAULTS
+
+    t0 = time.perf_counter()
+    engine = make_engine("reference")
+    offered = tuple(engine.methods or ())
+    if method not in offered:
+        raise EngineUsageError(f"--method {method!r}: the reference engine offers "
+                               f"{', '.join(offered)}")
+    unknown = sorted(set(faults or ()) - set(FAULTS))
+    if unknown:
+        raise EngineUsageError(f"--fault {', '.join(unknown)}: not a planted fault; the "
+                               f"reference engine has {', '.join(FAULTS)}")
+    names = [f for f in FAULTS if not faults or f in faults]
+    cases = {c.fault: c for c in CASES}
+    corp = load_corpus(corpus)
+    with tempfile.TemporaryDirectory(prefix="speccheck-selftest-") as tmp:
+        store = Store(store_dir or tmp)
+        inputs = {p.id: engine.tokenize(p) for p in corp.prompts}
+
+        def suite_for(args: dict[str, str]) -> Suite:
+            plan = RunPlan(engine="reference", engine_args=args, corpus=corpus)
+            suite = open_suite(plan, store, corp)
+            suite.write_inputs(inputs)
+            return suite
+
+        # the baseline once; every suite below gets a copy of it and of its rescoring
+        base_suite = suite_for({})
+        stored = base_suite.load_inputs()
+        base = run_one(engine, base_suite, corp, stored, SpecConfig(), 0, 5, fresh_process=False)
+        rescore_suite(engine, base_suite, ["baseline"], log=lambda m: None)
+        base_scores = base_suite.load_rescore("baseline", 0)
+
+        def run(args: dict[str, str], config: SpecConfig, repeats: int, together: int) -> Suite:
+            variant = engine.with_args(**args)
+            suite = suite_for(args)
+            # recorded as `speccheck run` records it, so that the verdict demands every run
+            plan = RunPlan(engine="reference", engine_args=args, corpus=corpus, repeats=1,
+                           configs=[SpecConfig()], fresh_process_repeat=False, attribute=False)
+            spec = replace(plan, configs=[config], repeats=repeats, concurrent=together)
+            suite.extend_plan({**plan.planned(), **spec.planned()}, spec.run_args())
+            if suite is not base_suite and suite.root != base_suite.root:
+                suite.write_run(base)
+                suite.write_rescore("baseline", 0, list(base_scores), list(base_scores.values()))
+            for r in range(repeats):
+                run_one(variant, suite, corp, stored, config, r, 5, fresh_process=False)
+            if together:
+                run_one(variant, suite, corp, stored, config, -1, 5, fresh_process=False,
+                        copies=together)
+            rescore_suite(variant, suite, [config.name], log=lambda m: None)
+            return suite
+
+        def setting(case: Case) -> tuple[SpecConfig, dict[str, str]]:
+            m = case.method or method
+            if m not in offered:
+                m = method
+            return SpecConfig(m, engine.default_k(m) or 3), dict(case.engine_args)
+
+        # the clean engine under every setting a fault uses, with every variant of the runs
+        wanted = [cases[f] for f in names if f in cases]
+        settings: dict[str, tuple[SpecConfig, dict[str, str], int, int]] = {}
+        for case in wanted:
+            config, args = setting(case)
+            key = _label(config, args)
+            _, _, reps, tog = settings.get(key, (config, args, 1, 0))
+            settings[key] = (config, args, max(reps, case.repeats), max(tog, case.together))
+        clean, golden = [], {}
+        for key, (config, args, reps, tog) in settings.items():
+            log(f"clean {key}")
+            suite = run(args, config, reps, tog)
+            try:
+                result, failed, messages = _failed_checks(suite, config.name, reps, None)
+                tpi = result.acceptance.tokens_per_iter if result.acceptance else None
+                clean.append(CleanRun(key, failed, messages, tpi))
+                golden[key] = tpi
+            except Exception as e:  # noqa: BLE001 - a crash is a finding, reported as such
+                clean.append(CleanRun(key, [], [], None, f"{type(e).__name__}: {e}"))
+
+        rows = []
+        for name in names:
+            case = cases.get(name)
+            if case is None:
+                rows.append(Row(name, FAULTS[name], "-", "-", [],
+                                "no case in speccheck.selftest.CASES names the check for it"))
+                continue
+            config, args = setting(case)
+            key = _label(config, args)
+            log(f"fault {name} ({key})")
+            suite = run({**args, "fault": name}, config, case.repeats, case.together)
+            # judged like a user with a golden: tokens/iteration of the clean engine here
+            gold = {config.name: golden[key]} if golden.get(key) else None
+            try:
+                _, failed, _ = _failed_checks(suite, config.name, case.repeats, gold)
+                rows.append(Row(name, case.models, key, case.check, failed))
+            except Exception as e:  # noqa: BLE001 - the gate crashing on a fault misses it
+                rows.append(Row(name, case.models, key, case.check, [],
+                                f"evaluation crashed: {type(e).__name__}: {e}"))
+    return SelftestResult(method, corp.name, len(corp.prompts), clean, rows,
+                          time.perf_counter() - t0)
+
+
+def selftest_text(result: SelftestResult) -> str:
+    """The table: fault, the bug class it models, the check expected to catch it and the
+    checks that failed, caught or missed; then the clean engine's verdict per setting."""
+    head = ("fault", "config", "expected check", "", "checks that failed", "models (bug class)")
+    body = [(r.fault, r.config, r.expected, "caught" if r.caught else "MISSED",
+             r.error or (", ".join(r.failed) or "none"), r.models) for r in result.rows]
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+
+    def line(row) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+
+    lines = [f"speccheck selftest: {len(result.rows)} planted faults, method {result.method}, "
+             f"corpus {result.corpus} ({result.prompts} prompts)", line(head),
+             line(["-" * w for w in widths]), *map(line, body), ""]
+    for c in result.clean:
+        tpi = f", {c.tokens_per_iter:.2f} tokens/iteration" if c.tokens_per_iter else ""
+        verdict = "passes every check" if c.passed else (
+            c.error or "FAILS " + "; ".join(c.messages or c.failed))
+        lines.append(f"clean engine, {c.config}: {verdict}{tpi}")
+    caught = sum(r.caught for r in result.rows)
+    clean_ok = all(c.passed for c in result.clean)
+    lines.append(f"selftest: {'PASS' if result.passed else 'FAIL'} — {caught} of "
+                 f"{len(result.rows)} faults caught by their check, clean engine "
+                 f"{'passes' if clean_ok else 'FAILS'} ({result.seconds:.0f} s)")
+    return "\n".join(lines)

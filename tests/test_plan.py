@@ -1,0 +1,235 @@
+"""The gate knows the matrix: `speccheck run` records what it was asked for before any engine
+starts, and every command that judges the suite fails a planned (or demanded) config that is
+missing, naming it and the run that resumes it. The kill is real (SIGKILL), the engine the
+reference one on the smoke corpus."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from speccheck.cli import main
+from speccheck.engines import EngineError
+from speccheck.runner import RunPlan, plan_suite_id, run_suite
+from speccheck.store import Store
+from speccheck.types import SpecConfig
+
+RUN = ["run", "--method", "mtp", "--k", "3", "--corpus", "smoke"]
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def suite_dir(store: Path) -> Path:
+    (suite,) = (store / "suites").iterdir()
+    return suite
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> Path:
+    """`speccheck run --method mtp --k 3 --corpus smoke` killed with SIGKILL (with the
+    fresh-process worker it may have started) as soon as the baseline's first run is stored:
+    what a killed CI job leaves behind."""
+    store = tmp_path_factory.mktemp("killed") / "S"
+    proc = subprocess.Popen([sys.executable, "-m", "speccheck.cli", *RUN, "--store", str(store)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    try:
+        while not list(store.glob("suites/*/runs/baseline/r0/manifest.json")):
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline, "the baseline was never stored"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the run's own process group, nothing else
+        proc.wait()
+    assert not (suite_dir(store) / "runs" / "mtp-k3").exists(), "killed too late for this test"
+    return store
+
+
+@pytest.fixture(scope="module")
+def resumed(killed, tmp_path_factory) -> Path:
+    """The killed store after running the command the gate names to resume mtp-k3."""
+    store = tmp_path_factory.mktemp("resumed") / "S"
+    shutil.copytree(killed, store)
+    gate = cli("gate", "--store", killed)
+    command = re.search(r"mtp-k3 was planned.*?re-run `([^`]*)`", gate.output).group(1)
+    args = shlex.split(command)
+    assert args[:2] == ["speccheck", "run"]
+    args[args.index("--store") + 1] = str(store)
+    r = cli(*args[1:])
+    assert r.exit_code == 0, r.output
+    return store
+
+
+def test_plan_is_recorded_before_the_engine_runs(killed):
+    plan = json.loads((suite_dir(killed) / "plan.json").read_text())
+    assert list(plan["configs"]) == ["baseline", "mtp-k3"]
+    assert plan["configs"]["mtp-k3"] == {"repeats": 2, "fresh_process_repeat": True, "concurrent": 2,
+                                         "rescore": True, "attribute": True}
+    assert plan["run_args"] == ["--engine", "reference", "--corpus", "smoke"]
+
+
+def test_killed_run_fails_every_judging_command_naming_the_config(killed, tmp_path):
+    gate = cli("gate", "--store", killed)
+    assert gate.exit_code == 1, gate.output
+    assert "FAIL  mtp-k3" in gate.output and "gate: FAIL" in gate.output
+    assert re.search(r"mtp-k3 was planned but is not stored: .*`speccheck run --engine reference "
+                     r"--corpus smoke --config mtp-k3 .*--store", gate.output)
+    # the baseline's own missing runs (r1, all at once, rescoring) are named too
+    assert re.search(r"planned but not stored: baseline r1, baseline all at once \(x2\)", gate.output)
+    assert "Traceback" not in gate.output
+
+    diff = cli("diff", "--store", killed)
+    assert "mtp-k3  —  FAIL" in diff.output and "mtp-k3 was planned" in diff.output
+    report = cli("report", "--store", killed, "--out", tmp_path / "rep")
+    assert "mtp-k3 was planned" in report.output
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "**Verdict: FAIL**" in md and "`mtp-k3` ran: **FAIL** — mtp-k3 was planned" in md
+    check = cli("golden", "check", "--store", killed, "--golden", tmp_path / "golden")
+    assert check.exit_code != 0 and "mtp-k3 was planned" in check.output
+    record = cli("golden", "record", "--store", killed, "--golden", tmp_path / "golden")
+    assert record.exit_code == 2 and "incomplete" in record.output and "mtp-k3" in record.output
+    assert not (tmp_path / "golden").exists()
+
+
+def test_the_named_command_resumes_and_the_gate_passes(resumed):
+    gate = cli("gate", "--store", resumed)
+    assert gate.exit_code == 0, gate.output
+    assert "no recorded plan" not in gate.output
+
+
+def test_rescoring_and_attribution_never_finished_fail(resumed, tmp_path):
+    store = tmp_path / "S"
+    shutil.copytree(resumed, store)
+    suite = suite_dir(store)
+    (suite / "rescore" / "mtp-k3-r0.npz").unlink()
+    (suite / "attribution" / "mtp-k3.json").unlink()
+    gate = cli("gate", "--store", store)
+    assert gate.exit_code == 1
+    assert ("planned but not stored: teacher-forced rescoring of mtp-k3 r0 (never finished), "
+            "kernel-path attribution of mtp-k3 (never finished)") in gate.output
+
+
+def test_demanded_configs_must_be_stored(resumed):
+    assert cli("gate", "--store", resumed, "--method", "mtp", "--k", "3").exit_code == 0
+    absent = cli("gate", "--store", resumed, "--config", "mtp-k5")
+    assert absent.exit_code == 1
+    assert "FAIL  mtp-k5" in absent.output and "mtp-k5 is not stored in suite" in absent.output
+    no_method = cli("gate", "--store", resumed, "--method", "dflash")
+    assert no_method.exit_code == 1 and "--method dflash: demanded" in no_method.output
+    assert "gate: FAIL" in no_method.output
+
+
+def test_store_without_a_plan_still_loads_and_says_so(resumed, tmp_path):
+    """Stores written before plans were recorded: judged on what they hold, with a note."""
+    store = tmp_path / "S"
+    shutil.copytree(resumed, store)
+    (suite_dir(store) / "plan.json").unlink()
+    gate = cli("gate", "--store", store)
+    assert gate.exit_code == 0, gate.output
+    assert "has no recorded plan" in gate.output and "--method/--k/--config" in gate.output
+    shutil.rmtree(suite_dir(store) / "runs" / "mtp-k3")  # without a plan nothing says it was asked
+    assert cli("gate", "--store", store).exit_code == 0
+    assert cli("gate", "--store", store, "--config", "mtp-k3").exit_code == 1
+    (suite_dir(store) / "runs" / "mtp-k3" / ".r0.tmp-1").mkdir(parents=True)  # a write cut short
+    cut = cli("gate", "--store", store)
+    assert cut.exit_code == 1 and "mtp-k3 is not stored in suite" in cut.output
+
+
+def test_a_second_run_extends_the_plan(tmp_path, monkeypatch):
+    """The plan is written before the engine starts (here it fails to start, an engine
+    failure), and a second run into the same suite adds its configs; a config planned again
+    keeps the larger demand."""
+    def no_engine(*args, **kwargs):
+        raise EngineError("no device")
+
+    monkeypatch.setattr("speccheck.runner.make_engine", no_engine)
+    store = tmp_path / "S"
+    first = cli("run", "--store", store, "--corpus", "smoke", "--config", "mtp-k3", "--repeats", "3")
+    assert first.exit_code == 3 and "no device" in first.output
+    second = cli("run", "--store", store, "--corpus", "smoke", "--config", "dflash-k7",
+                 "--repeats", "1", "--concurrent", "0", "--no-attribution")
+    assert second.exit_code == 3
+    plan = json.loads((suite_dir(store) / "plan.json").read_text())["configs"]
+    assert list(plan) == ["baseline", "dflash-k7", "mtp-k3"]
+    assert plan["baseline"]["repeats"] == 3 and plan["baseline"]["concurrent"] == 2
+    assert plan["dflash-k7"] == {"repeats": 1, "fresh_process_repeat": False, "concurrent": 0,
+                                 "rescore": True, "attribute": False}
+    gate = cli("gate", "--store", store)
+    assert gate.exit_code == 1
+    for name in plan:
+        assert f"{name} was planned but is not stored" in gate.output
+
+
+def test_pytest_plugin_fails_a_planned_config_it_was_not_asked_for(resumed, tmp_path):
+    """`pytest -m spec` generates tests for every config the suite's plan holds: one an
+    earlier run planned and never stored fails there by name."""
+    store = tmp_path / "S"
+    shutil.copytree(resumed, store)
+    plan = RunPlan(corpus="smoke", configs=[SpecConfig(), SpecConfig("mtp", 3)])
+    suite = Store(store).suite(plan_suite_id(plan))
+    suite.extend_plan({"mtp-k5": json.loads((suite.root / "plan.json").read_text())["configs"]["mtp-k3"]},
+                      plan.run_args())
+    test_file = tmp_path / "test_gate.py"
+    test_file.write_text("from speccheck.pytest_plugin import *  # noqa\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "spec", "-p", "no:randomly", "-n", "0",
+                        str(test_file), "--spec-store", str(store), "--spec-corpus", "smoke",
+                        "--spec-method", "mtp", "--spec-k", "3", "-k", "deterministic"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert "1 failed, 2 passed" in r.stdout, r.stdout
+    assert re.search(r"FAILED .*test_deterministic\[mtp-k5\]", r.stdout), r.stdout
+    assert "mtp-k5 was planned but is not stored" in r.stdout
+
+
+def test_run_ignore_eos_decodes_every_budget_in_a_suite_of_its_own(tmp_path):
+    """`speccheck run --ignore-eos` (here on smoke, whose chat prompt the reference model ends
+    at once): every prompt decodes its full max_tokens, in a suite apart from the plain one."""
+    store = tmp_path / "S"
+    r = cli("run", "--store", store, "--corpus", "smoke", "--method", "baseline", "--repeats", "1",
+            "--concurrent", "0", "--ignore-eos")
+    assert r.exit_code == 0, r.output
+    plan = RunPlan(corpus="smoke", configs=[SpecConfig()], ignore_eos=True)
+    suite = Store(store).suite(plan_suite_id(plan))
+    assert suite.meta["ignore_eos"] is True
+    assert plan_suite_id(plan) != plan_suite_id(RunPlan(corpus="smoke"))
+    budget = {p.id: p.max_tokens for p in plan.load_corpus().prompts}
+    assert {c.prompt_id: c.n_tokens for c in suite.load_run("baseline", 0).completions} == budget
+    assert "--ignore-eos" in suite.resume_command("baseline")
+
+
+def test_missing_names_each_planned_piece(tmp_path):
+    """Store level, on hand-made records: each thing a plan asks of a config is checked."""
+    from speccheck.types import Completion, RunRecord
+
+    suite = Store(tmp_path / "S").suite("s", {"corpus_hash": "h"})
+    want = {"repeats": 2, "fresh_process_repeat": True, "concurrent": 2, "rescore": False,
+            "attribute": False}
+    suite.extend_plan({"baseline": want}, ["--engine", "reference", "--corpus", "smoke"])
+
+    def record(repeat, fresh=False, copies=0):
+        comp = Completion("p", [1, 2], [3], [-0.1], [[3, 4]], [[-0.1, -2.0]])
+        return RunRecord(SpecConfig(), {}, "smoke", "h", repeat, fresh,
+                         completions=[comp] * max(copies, 1), copies=copies)
+
+    suite.write_run(record(0))
+    assert "baseline r1, baseline all at once (x2)" in suite.missing("baseline")[0]
+    suite.write_run(record(1))
+    suite.write_run(record(-1, copies=1))
+    (gap,) = suite.missing("baseline")
+    assert "baseline all at once (x2)" in gap and "fresh-process repeat of baseline" in gap
+    assert "--repeats 2 --concurrent 2 --no-attribution" in gap
+    suite.write_run(record(1, fresh=True))
+    suite.write_run(record(-1, copies=2))
+    assert suite.missing("baseline") == []

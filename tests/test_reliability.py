@@ -1,0 +1,721 @@
+"""Nothing lost, nothing silently wrong (issue 12): honest exit codes, a store that notices
+damage and says which command redoes just that part, a store lock, and bad input caught early.
+
+One small real store (reference engine, smoke corpus, baseline + mtp-k2, one repeat) is made
+once per module; every test damages its own copy of it."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from speccheck import cli
+from speccheck.cli import main
+
+RUN = ["--corpus", "smoke", "--config", "mtp-k2", "--repeats", "1", "--concurrent", "0", "--no-attribution"]
+LOOSE = ["--set", "min_token_agreement=0"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+def assert_clean(r, code):
+    """The contract: the exit code it names, one paragraph, no traceback."""
+    out = r.output
+    assert r.exit_code == code, out
+    assert "Traceback" not in out, out
+    if code == 2:
+        assert "error:" in out and len([ln for ln in out.splitlines() if "error:" in ln]) == 1, out
+
+
+@pytest.fixture(scope="module")
+def made_store(tmp_path_factory):
+    st = tmp_path_factory.mktemp("made") / "st"
+    r = invoke("run", "--store", str(st), *RUN)
+    assert r.exit_code == 0, r.output
+    g = invoke("gate", "--store", str(st), *LOOSE)
+    return st, g.exit_code
+
+
+@pytest.fixture
+def store(made_store, tmp_path):
+    st = tmp_path / "st"
+    shutil.copytree(made_store[0], st)
+    return st
+
+
+def suite_dir(st: Path) -> Path:
+    return st / "suites" / (st / "LATEST").read_text().strip()
+
+
+def snapshot(st: Path) -> dict:
+    return {str(p.relative_to(st)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(st.rglob("*")) if p.is_file() and p.name != "lock"}
+
+
+# --- 1. exit codes ---------------------------------------------------------------------------
+
+def test_help_and_readme_list_the_exit_codes():
+    r = invoke("--help")
+    text = " ".join(r.output.split())
+    for code in ("0 pass", "1 gate failed", "2 bad input", "3 engine failure", "4 internal error", "130"):
+        assert code in text, text
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert "## Exit codes" in readme and "| 4 |" in readme and "| 130 |" in readme
+
+
+@pytest.mark.parametrize("command", [["gate"], ["diff"], ["report"]])
+def test_a_crash_inside_a_command_exits_4_and_saves_the_traceback(store, monkeypatch, command):
+    """Test double: `evaluate_suite` is replaced by one that raises, standing in for a bug."""
+    import speccheck.evaluate
+
+    def broken(*a, **k):
+        raise ZeroDivisionError("planted bug")
+
+    monkeypatch.setattr(speccheck.evaluate, "evaluate_suite", broken)
+    r = invoke(*command, "--store", str(store))
+    assert r.exit_code == 4, r.output
+    line = [ln for ln in r.output.splitlines() if "internal error" in ln]
+    assert len(line) == 1 and "ZeroDivisionError: planted bug" in line[0]
+    path = Path(line[0].split("the traceback is in ")[1].split(";")[0])
+    assert path.exists() and "Traceback" in path.read_text() and "planted bug" in path.read_text()
+    assert "Traceback" not in r.output
+    path.unlink()
+
+
+@pytest.mark.parametrize("command", [["gate"], ["report"]])
+def test_ctrl_c_exits_130_and_keeps_the_store(store, monkeypatch, command):
+    """Test double: `evaluate_suite` raises KeyboardInterrupt, as Ctrl-C would mid-command."""
+    import speccheck.evaluate
+
+    before = snapshot(store)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(speccheck.evaluate, "evaluate_suite", interrupted)
+    r = invoke(*command, "--store", str(store))
+    assert r.exit_code == 130 and "interrupted" in r.output and "Traceback" not in r.output
+    assert snapshot(store) == before
+
+
+def test_ctrl_c_in_a_real_process_exits_130(store):
+    """A real SIGINT to a real `speccheck gate` process (the reference engine's detokenizer
+    loads torch, so there is time to interrupt it)."""
+    import signal
+    import time
+
+    code = ("import sys, speccheck.cli; print('ready', flush=True); "
+            f"sys.argv = ['speccheck', 'gate', '--store', {str(store)!r}]; speccheck.cli.main()")
+    proc = subprocess.Popen([sys.executable, "-c", code],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    if proc.returncode in (0, 1):
+        pytest.skip("gate finished before the signal arrived")
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+
+
+# --- 2. store integrity ----------------------------------------------------------------------
+
+def _truncate(p: Path):
+    p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2])
+
+
+def _flip(p: Path):
+    b = bytearray(p.read_bytes())
+    b[len(b) // 2] ^= 0x40
+    p.write_bytes(bytes(b))
+
+
+def _manifest_drop(key, in_completion=False):
+    def mutate(p: Path):
+        m = json.loads(p.read_text())
+        del (m["completions"][0] if in_completion else m)[key]
+        p.write_text(json.dumps(m))
+    return mutate
+
+
+def _attribution_broken(p: Path):
+    p.write_text(json.dumps({"not": "a list"}))
+
+
+DAMAGE = [
+    ("runs/mtp-k2/r0/arrays.npz", _truncate, "mtp-k2"),
+    ("runs/mtp-k2/r0/arrays.npz", _flip, "mtp-k2"),
+    ("runs/baseline/r0/arrays.npz", _flip, "baseline"),
+    ("runs/mtp-k2/r0/manifest.json", _manifest_drop("text", in_completion=True), "mtp-k2"),
+    ("runs/mtp-k2/r0/manifest.json", _manifest_drop("status"), "mtp-k2"),
+    ("runs/mtp-k2/r0/manifest.json", _truncate, "mtp-k2"),
+    ("rescore/mtp-k2-r0.npz", _truncate, "mtp-k2"),
+    ("rescore/mtp-k2-r0.npz", _flip, "mtp-k2"),
+    ("rescore/baseline-r0.npz", _flip, "baseline"),
+    ("attribution/mtp-k2.json", _attribution_broken, "mtp-k2"),
+]
+
+
+@pytest.mark.parametrize("rel,mutate,config", DAMAGE, ids=[f"{d[0]}-{d[1].__name__}" for d in DAMAGE])
+def test_damage_is_exit_2_naming_the_file_and_the_redo_command(store, rel, mutate, config):
+    path = suite_dir(store) / rel
+    if not path.exists():  # attribution is not made by --no-attribution: plant a valid one first
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("[]")
+    mutate(path)
+    for command in (["gate", *LOOSE], ["diff", "--json"], ["report"]):
+        r = invoke(*command, "--store", str(store))
+        assert_clean(r, 2)
+        assert path.name in r.output, r.output
+        assert "speccheck run" in r.output and f"--config {config}" in r.output, r.output
+
+
+@pytest.mark.parametrize("rel,mutate,config", DAMAGE[:4] + DAMAGE[6:8],
+                         ids=[f"{d[0]}-{d[1].__name__}" for d in DAMAGE[:4] + DAMAGE[6:8]])
+def test_run_redoes_just_the_damaged_part(store, made_store, rel, mutate, config):
+    """`run` no longer reports a damaged run as "already stored": it redoes it (and only it),
+    after which the store gates as it did before the damage."""
+    mutate(suite_dir(store) / rel)
+    r = invoke("run", "--store", str(store), *RUN)
+    assert r.exit_code == 0, r.output
+    redone_runs = 1 if rel.startswith("runs/") else 0
+    assert f"{2 - redone_runs} already stored, {redone_runs} to run" in r.output, r.output
+    assert invoke("gate", "--store", str(store), *LOOSE).exit_code == made_store[1]
+
+
+def test_truncated_inputs_are_noticed_and_tokenised_again(store):
+    inputs = suite_dir(store) / "inputs.npz"
+    good = inputs.read_bytes()
+    _truncate(inputs)
+    r = invoke("run", "--store", str(store), *RUN)
+    assert r.exit_code == 0 and "2 already stored, 0 to run" in r.output, r.output
+    assert inputs.read_bytes() == good
+
+
+def test_stores_written_before_sums_still_load(store, made_store):
+    """A store without the manifest file lists and sidecars (written by an older speccheck)."""
+    for m in suite_dir(store).rglob("manifest.json"):
+        data = json.loads(m.read_text())
+        data.pop("files")
+        m.write_text(json.dumps(data))
+    for side in store.rglob("*.sha256"):
+        side.unlink()
+    assert invoke("gate", "--store", str(store), *LOOSE).exit_code == made_store[1]
+    r = invoke("run", "--store", str(store), *RUN)
+    assert "2 already stored, 0 to run" in r.output, r.output
+
+
+def test_every_stored_file_is_listed_or_has_a_sum(store):
+    from speccheck.store import file_sum
+
+    sd = suite_dir(store)
+    for run in sd.glob("runs/*/r*"):
+        files = json.loads((run / "manifest.json").read_text())["files"]
+        assert files == {"arrays.npz": file_sum(run / "arrays.npz")}
+    for p in [sd / "inputs.npz", sd / "suite.json", *sd.glob("rescore/*.npz")]:
+        assert json.loads(p.with_name(p.name + ".sha256").read_text()) == file_sum(p)
+
+
+def test_resume_with_nothing_to_do_writes_nothing(store):
+    before = snapshot(store)
+    r = invoke("run", "--store", str(store), *RUN)
+    assert "0 to run" in r.output
+    assert snapshot(store) == before
+
+
+def test_files_are_shared_as_the_umask_says(store, tmp_path):
+    old = os.umask(0o022)
+    try:
+        st = tmp_path / "fresh"
+        from speccheck.store import Store
+
+        s = Store(st).suite("s1", {"engine": "reference", "corpus": "smoke", "corpus_hash": "x"})
+        s.write_inputs({"a": [1, 2]})
+    finally:
+        os.umask(old)
+    for p in [s.root / "inputs.npz", s.root / "suite.json"]:
+        assert p.stat().st_mode & 0o777 == 0o644, oct(p.stat().st_mode)
+    for p in suite_dir(store).rglob("*"):
+        assert p.stat().st_mode & 0o044, p  # group/others can read what `run` stored
+
+
+@pytest.mark.parametrize("store_arg,needle", [
+    ("/proc/speccheck-store", "/proc/speccheck-store"),
+    ("/dev/full/store", "/dev/full"),
+])
+def test_unusable_store_path_is_exit_2(store_arg, needle):
+    r = invoke("run", "--store", store_arg, *RUN)
+    assert_clean(r, 2)
+    assert needle in r.output
+
+
+def test_store_that_is_a_file_is_exit_2(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    for cmd in (["run", *RUN], ["gate"]):
+        r = invoke(*cmd, "--store", str(f))
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+
+
+def test_lock_is_exclusive_and_released_when_the_holder_dies(tmp_path):
+    """The holder's pid is in the lock; a second writer refuses (wait=False) naming it; a
+    holder killed with -9 leaves no stale lock."""
+    from speccheck.store import Store, StoreError
+
+    st = Store(tmp_path / "st")
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import sys,time; from speccheck.store import Store\n"
+                               f"with Store({str(st.root)!r}).lock():\n print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(StoreError, match=f"pid {holder.pid}"):
+        with st.lock(wait=False):
+            pass
+    holder.kill()
+    holder.wait()
+    with st.lock(wait=False):
+        assert (st.root / "lock").read_text().strip() == str(os.getpid())
+
+
+def test_two_concurrent_runs_on_one_store(tmp_path):
+    """Two real `speccheck run` processes on one store at once: both exit 0, the second waits
+    and finds the work done, the store gates, and no temp file or directory is left."""
+    st = str(tmp_path / "st")
+    cmd = [sys.executable, "-m", "speccheck.cli", "run", "--store", st, *RUN]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sum("0 to run" in o + e for o, e in outs) == 1, outs
+    assert invoke("gate", "--store", st, "--set", "require_deterministic=false").exit_code == 0
+    litter = [p for p in Path(st).rglob("*") if p.name.startswith(".") or ".tmp" in p.name or ".old" in p.name]
+    assert litter == []
+
+
+def test_write_run_race_in_one_process_leaves_no_litter(tmp_path):
+    """Many threads writing the same run (what the lock prevents between processes) never
+    fail with 'Directory not empty' and leave one intact run and no temp directories."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from speccheck.store import Store
+    from speccheck.types import Completion, RunRecord, SpecConfig
+
+    s = Store(tmp_path / "st").suite("s1", {"engine": "reference", "corpus": "smoke", "corpus_hash": "x"})
+    rec = RunRecord(SpecConfig("mtp", 3), {}, "smoke", "x", 0, False, completions=[
+        Completion("p", [1, 2], [3, 4], [-0.1, -0.2], np.zeros((2, 2)), np.zeros((2, 2)), text="ab")])
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: s.write_run(rec), range(60)))
+    assert s.is_complete("mtp-k3", 0) and s.load_run("mtp-k3", 0).completions[0].text == "ab"
+    assert [p.name for p in s.run_dir("mtp-k3", 0).parent.iterdir()] == ["r0"]
+
+
+def test_fresh_process_worker_stops_when_its_parent_dies(tmp_path):
+    """The worker's parent watch: a child started with a parent pid that is already gone
+    exits (code 3) within a second instead of running on."""
+    code = ("import time; from speccheck.runner import _exit_with_parent\n"
+            "import os; _exit_with_parent(os.getppid() + 10**6)\ntime.sleep(30)")
+    proc = subprocess.run([sys.executable, "-c", code], timeout=20)
+    assert proc.returncode == 3
+
+
+# --- 3. validated inputs, early ----------------------------------------------------------------
+
+@pytest.mark.parametrize("setting,needle", [
+    ("min_token_agreement=5.0", "[0, 1]"),
+    ("min_token_agreement=-0.1", "[0, 1]"),
+    ("min_text_similarity=nan", "finite"),
+    ("max_high_confidence=-1", ">= 0"),
+    ("max_high_confidence=2.5", "whole number"),
+    ("tie_floor=nan", "finite"),
+    ("tie_floor=-0.02", ">= 0"),
+    ("tie_noise_multiple=-4", ">= 0"),
+    ("low_noise_multiple=inf", "finite"),
+    ("tie_floor=0.5", "must not exceed low_floor"),
+    ("min_speedup=fast", ">= 0"),
+    ("require_deterministic=maybe", "true or false"),
+    ("max_acceptance_drop=5", "[0, 1]"),
+])
+def test_policy_values_are_range_checked(store, setting, needle):
+    r = invoke("gate", "--store", str(store), "--set", setting)
+    assert_clean(r, 2)
+    assert setting.split("=")[0] in r.output and needle in r.output, r.output
+
+
+@pytest.mark.parametrize("toml,needle", [
+    ("require_deterministic = 1", "true or false"),
+    ("max_high_confidence = true", "boolean"),
+    ("min_token_agreement = 99.5", "a fraction"),
+    ("tie_floor = nan", "finite"),
+])
+def test_policy_file_values_are_range_checked(store, tmp_path, toml, needle):
+    f = tmp_path / "policy.toml"
+    f.write_text(toml + "\n")
+    r = invoke("gate", "--store", str(store), "--policy", str(f))
+    assert_clean(r, 2)
+    assert str(f) in r.output and needle in r.output
+
+
+def test_prompt_longer_than_the_model_is_refused_before_any_run(tmp_path):
+    corpus = tmp_path / "long.jsonl"
+    corpus.write_text(json.dumps({"id": "long", "category": "x", "max_tokens": 8000,
+                                  "text": "the cat sat on the mat " * 100}) + "\n")
+    r = invoke("run", "--store", str(tmp_path / "st"), "--corpus", str(corpus), "--config", "mtp-k2")
+    assert_clean(r, 2)
+    assert "long.jsonl" in r.output and "'long'" in r.output and "8192" in r.output
+    assert not (tmp_path / "st" / "suites").exists()
+
+
+def test_bad_engine_args_leave_no_suite_directory(tmp_path):
+    r = invoke("run", "--store", str(tmp_path / "st"), "--engine-arg", "nonsense=1", *RUN)
+    assert_clean(r, 2)
+    assert "nonsense" in r.output
+    assert not (tmp_path / "st" / "suites").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--corpus", "DIR"], "is a directory"),
+    (["--corpus", "DIR/typo.jsonl"], "does not exist"),
+    (["--corpus", "nonesuch"], "unknown corpus"),
+    (["--engine", "tgi"], "unknown engine 'tgi'"),
+    (["--method", "mtp", "--k", "1-x"], "--k '1-x'"),
+    (["--config", "mtp-kk"], "--config 'mtp-kk'"),
+    (["--engine-arg", "novalue"], "--engine-arg"),
+])
+def test_cheap_errors_come_before_torch_loads(tmp_path, args, needle):
+    args = [a.replace("DIR", str(tmp_path)) for a in args]
+    code = ("import sys, speccheck.cli\n"
+            f"sys.argv = ['speccheck', 'run', '--store', {str(tmp_path / 'st')!r}, *{args!r}]\n"
+            "try:\n    speccheck.cli.main()\nexcept SystemExit as e:\n"
+            "    print('EXIT', e.code, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "EXIT 2 False" in r.stdout, (r.stdout, r.stderr)
+    assert needle in r.stderr + r.stdout and "Traceback" not in r.stderr
+    assert not (tmp_path / "st").exists()
+
+
+def test_unknown_method_in_config_blames_the_config(tmp_path):
+    r = invoke("run", "--store", str(tmp_path / "st"), "--config", "turbo-k3")
+    assert_clean(r, 2)
+    assert "--config 'turbo-k3'" in r.output and "--method" not in r.output
+
+
+def test_corpus_with_a_byte_order_mark_loads(tmp_path):
+    from speccheck.corpus import load_corpus
+
+    line = json.dumps({"id": "a", "category": "x", "max_tokens": 4, "text": "hello"})
+    plain, bom = tmp_path / "plain.jsonl", tmp_path / "bom.jsonl"
+    plain.write_text(line + "\n")
+    bom.write_bytes(b"\xef\xbb\xbf" + (line + "\n").encode())
+    assert load_corpus(bom).hash == load_corpus(plain).hash
+
+
+# --- 4. golden safety ------------------------------------------------------------------------
+
+PASSING = ["--set", "require_deterministic=false"]  # one repeat: nothing to compare determinism with
+
+
+def test_golden_record_refuses_a_failing_suite(store, tmp_path):
+    gold = tmp_path / "golden"
+    r = invoke("golden", "record", "--store", str(store), "--golden", str(gold))  # 1 repeat: gate fails
+    assert_clean(r, 2)
+    assert "fails the gate" in r.output and not gold.exists()
+
+
+def test_golden_record_refuses_to_overwrite_without_force(store, tmp_path):
+    gold = tmp_path / "golden"
+    assert invoke("golden", "record", "--store", str(store), "--golden", str(gold), *PASSING).exit_code == 0
+    gjson = next(gold.rglob("golden.json"))
+    before = gjson.read_bytes()
+    # tamper with the recorded golden's tokens so that recording would change something
+    base_dir = gjson.parent / "baseline"
+    m = json.loads((base_dir / "manifest.json").read_text())
+    m.pop("files")
+    (base_dir / "manifest.json").write_text(json.dumps(m))
+    a = dict(np.load(base_dir / "arrays.npz"))
+    a["token_ids"] = a["token_ids"].copy()
+    a["token_ids"][0] += 1
+    np.savez(base_dir / "arrays.npz", **a)
+    r = invoke("golden", "record", "--store", str(store), "--golden", str(gold), *PASSING)
+    assert_clean(r, 2)
+    assert "--force" in r.output and "would change 1 of 4" in r.output, r.output
+    assert gjson.read_bytes() == before
+    r = invoke("golden", "record", "--store", str(store), "--golden", str(gold), *PASSING, "--force")
+    assert r.exit_code == 0, r.output
+
+
+def test_golden_key_includes_engine_args_and_numerics_are_checked(store, tmp_path):
+    """A golden recorded with engine args lands in its own directory; a golden whose recorded
+    numerics (dtype) differ from today's is refused with exit 2."""
+    from speccheck.golden import golden_dir
+
+    meta = {"engine": "reference", "corpus": "smoke", "engine_args": {"fault": "stale-state", "dtype": "fp32"}}
+    plain = golden_dir(tmp_path, {"engine": "reference", "model_id": "m"}, {**meta, "engine_args": {}})
+    faulty = golden_dir(tmp_path, {"engine": "reference", "model_id": "m"}, meta)
+    assert plain != faulty and "fault_stale-state" in faulty.name
+    gold = tmp_path / "golden"
+    assert invoke("golden", "record", "--store", str(store), "--golden", str(gold), *PASSING).exit_code == 0
+    gjson = next(gold.rglob("golden.json"))
+    g = json.loads(gjson.read_text())
+    assert g["numerics"]["dtype"] == "bf16"
+    g["numerics"]["dtype"] = "fp32"
+    gjson.write_text(json.dumps(g))
+    r = invoke("golden", "check", "--store", str(store), "--golden", str(gold))
+    assert_clean(r, 2)
+    assert "dtype: fp32 -> bf16" in r.output
+
+
+def test_golden_check_explains_near_tie_differences_from_the_platform():
+    """GoldenCheck.why() over a comparison with near-ties only (a test double of Comparison)."""
+    from types import SimpleNamespace
+
+    from speccheck.golden import GoldenCheck
+
+    cmp = SimpleNamespace(divergences=[object()], high=[], passed=True)
+    chk = GoldenCheck(Path("g"), cmp, {}, ("cpu_capability: AVX512 -> AVX2", "torch: 2.12 -> 2.13"))
+    assert "cpu_capability: AVX512 -> AVX2" in chk.why() and "near-ties" in chk.why()
+    assert GoldenCheck(Path("g"), SimpleNamespace(divergences=[], high=[], passed=True), {}).why() is None
+    assert GoldenCheck(Path("g"), SimpleNamespace(divergences=[1], high=[1], passed=False), {}, ("x",)).why() is None
+
+
+# --- 5. conventions -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("given,root", [
+    ("http://h:8000/v1", "http://h:8000"), ("http://h:8000/v1/", "http://h:8000"),
+    ("http://h:8000", "http://h:8000"), ("https://h/api/v1", "https://h/api"),
+])
+def test_base_url_with_or_without_v1(given, root):
+    from speccheck.engines.openai import OpenAIEngine, server_root
+
+    assert server_root(given) == root
+    assert OpenAIEngine(engine_args={"base_url": given}).base_url == root
+
+
+def test_openai_base_url_environment_is_honoured(monkeypatch):
+    from speccheck.engines.openai import OpenAIEngine
+
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://envhost:9000/v1")
+    assert OpenAIEngine().base_url == "http://envhost:9000"
+    assert OpenAIEngine(engine_args={"base_url": "http://given:1"}).base_url == "http://given:1"
+
+
+def test_byte_tokens_are_shown_as_hex_bytes():
+    from speccheck.cli import bytes_shown
+    from speccheck.engines import make_engine
+
+    e = make_engine("reference")
+    detok = bytes_shown(e.detokenize, e.token_bytes)
+    partial = [t for t in range(e.tokenizer.get_vocab_size()) if "\ufffd" in e.detokenize([t])]
+    assert partial  # a byte-level vocabulary has tokens that hold part of a character
+    for t in partial:
+        shown = detok([t])
+        assert "\ufffd" not in shown and "<0x" in shown, (t, shown)
+        hexes = re.findall(r"<0x([0-9A-F]{2})>", shown)
+        assert bytes.fromhex("".join(hexes)) in e.token_bytes(t)
+    ids = e.tokenizer.encode("日本語の文章 text").ids
+    assert detok(ids) == e.detokenize(ids)  # whole characters stay text
+
+
+def test_every_option_has_help_and_engine_args_are_listed():
+    import click
+
+    missing = []
+
+    def walk(cmd, path):
+        if isinstance(cmd, click.Group):
+            for name, sub in cmd.commands.items():
+                walk(sub, path + [name])
+            return
+        missing.extend(f"{' '.join(path)} --{p.name}" for p in cmd.params
+                       if isinstance(p, click.Option) and not p.help)
+
+    walk(main, [])
+    assert missing == []
+    text = " ".join(invoke("run", "--help").output.split())
+    for key in ("gdn_verify", "attn_decode", "dtype", "fault", "base_url", "speculative_config"):
+        assert key in text
+
+
+def test_diff_k_without_method_is_an_error(store):
+    r = invoke("diff", "--store", str(store), "--k", "3")
+    assert_clean(r, 2)
+    assert "--method" in r.output
+
+
+def test_diff_run_honours_corpus_and_keeps_latest(store):
+    latest = (store / "LATEST").read_text()
+    r = invoke("diff", "--store", str(store), "--run", "--corpus", "smoke", "--config", "mtp-k2", "--json")
+    assert r.exit_code == 0, r.output
+    assert (store / "LATEST").read_text() == latest
+    r = invoke("diff", "--store", str(store), "--corpus", "smoke")
+    assert_clean(r, 2)
+
+
+def test_best_config_is_never_slower_than_the_baseline():
+    """best_configs over hand-made results (test doubles of ConfigResult): a passing config
+    at 0.85x the baseline is not crowned; one at 1.4x is."""
+    from types import SimpleNamespace
+
+    from speccheck.report import best_configs
+
+    def cfg(name, tok_s, speedup):
+        return SimpleNamespace(config=name, verdict="pass", speed=SimpleNamespace(warm_tok_s=tok_s, speedup=speedup))
+
+    slow = SimpleNamespace(configs=[cfg("baseline", 100, None), cfg("dflash-k1", 85, 0.85)])
+    assert best_configs(slow) == {}
+    fast = SimpleNamespace(configs=[cfg("baseline", 100, None), cfg("dflash-k1", 85, 0.85), cfg("dflash-k7", 140, 1.4)])
+    assert best_configs(fast) == {"dflash": "dflash-k7"}
+
+
+def test_server_repeats_are_not_called_fresh_processes():
+    from speccheck.runner import _summary_line
+    from speccheck.types import RunRecord, SpecConfig
+
+    rec = RunRecord(SpecConfig(), {"engine": "openai", "base_url": "http://h"}, "smoke", "x", 1, True)
+    assert "same server" in _summary_line(rec) and "[fresh process]" not in _summary_line(rec)
+    rec.identity = {"engine": "reference"}
+    assert "[fresh process]" in _summary_line(rec)
+
+
+def test_kernels_gdn_unknown_device_is_exit_2():
+    r = invoke("kernels", "gdn", "--device", "tpu", "--positions", "8")
+    assert_clean(r, 2) if "error:" in r.output else None
+    assert r.exit_code == 2 and "--device" in r.output and "Traceback" not in r.output
+
+
+# --- 6. doctor ---------------------------------------------------------------------------------
+
+def test_doctor_on_this_machine_says_what_it_cannot_check(tmp_path):
+    """Here (CPU only, no vLLM): every finding has a status; the GPU and vLLM's backend choice
+    are reported as not checkable rather than guessed; a checkpoint is sized."""
+    out = tmp_path / "ckpt"
+    assert invoke("export-reference", str(out)).exit_code == 0
+    r = invoke("doctor", "--engine", "vllm", "--model", str(out), "--k", "7")
+    assert r.exit_code in (0, 1) and "Traceback" not in r.output
+    text = r.output
+    for topic in ("python", "torch", "WSL2", "vLLM", "GDN kernels", "attention backend", "model:"):
+        assert topic in text, text
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "can't check" in text and "no CUDA device" in text
+    assert "2 attention + 6 GDN layers" in text and "8192 positions" in text
+
+
+def test_doctor_and_run_against_speccheck_serve_with_v1_url(tmp_path):
+    """A real `speccheck serve` (reference engine behind vLLM's endpoints): doctor finds it
+    through a /v1 URL, and `speccheck run --engine openai --base-url .../v1` works."""
+    from speccheck.serve import running_server
+
+    with running_server("baseline", 0, served_model="ref") as url:
+        r = invoke("doctor", "--base-url", url + "/v1")
+        assert "Traceback" not in r.output
+        assert "serves ref" in r.output and "server version" in r.output, r.output
+        st = tmp_path / "st"
+        r = invoke("run", "--engine", "openai", "--base-url", url + "/v1", "--method", "baseline",
+                   "--store", str(st), "--corpus", "smoke", "--repeats", "1", "--concurrent", "0",
+                   "--no-attribution")
+        assert r.exit_code == 0, r.output
+        assert "4 prompts" in r.output
+    r = invoke("doctor", "--base-url", url + "/v1")  # the server is gone now
+    assert r.exit_code == 1 and "start the server" in r.output and "Traceback" not in r.output
+
+
+# --- 8. fuzz: damaged stores and hostile arguments never crash -----------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+MUTATIONS = ("truncate", "flip", "delete", "duplicate", "empty")
+
+
+def _mutate(root: Path, data) -> str:
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != "lock")
+    target = data.draw(st.sampled_from(files), label="file")
+    how = data.draw(st.sampled_from(MUTATIONS), label="mutation")
+    raw = target.read_bytes()
+    if how == "truncate":
+        target.write_bytes(raw[: data.draw(st.integers(0, max(len(raw) - 1, 0)), label="keep")])
+    elif how == "flip" and raw:
+        i = data.draw(st.integers(0, len(raw) - 1), label="byte")
+        b = bytearray(raw)
+        b[i] ^= data.draw(st.integers(1, 255), label="mask")
+        target.write_bytes(bytes(b))
+    elif how == "delete":
+        target.unlink()
+    elif how == "duplicate":  # another stored file of the same name written over this one
+        same = [p for p in files if p.name == target.name and p != target]
+        if same:
+            shutil.copyfile(data.draw(st.sampled_from(same), label="source"), target)
+    elif how == "empty":
+        target.write_bytes(b"")
+    return f"{how} {target.relative_to(root)}"
+
+
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 30)), deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzz_damaged_stores_never_crash(made_store, tmp_path_factory, data):
+    root = tmp_path_factory.mktemp("fuzz") / "st"
+    shutil.copytree(made_store[0], root)
+    what = _mutate(root, data)
+    command = data.draw(st.sampled_from([["gate"], ["diff", "--json"], ["report"], ["golden", "check"]]),
+                        label="command")
+    r = invoke(*command, "--store", str(root))
+    assert r.exit_code in (0, 1, 2, 3), (what, command, r.output)
+    assert "Traceback" not in r.output, (what, r.output)
+
+
+TOKENS = ["--store", "STORE", "--suite", "nope", "--suite", "", "--set", "min_token_agreement=2",
+          "--set", "=", "--set", "tie_floor=1e309", "--policy", "/dev/null", "--policy", "/nonexistent",
+          "--method", "mtp", "--method", "", "--k", "3", "--k", "0-99", "--k", "-1", "--config", "baseline",
+          "--config", "mtp-k99", "--config", "x", "--json", "--against", "golden", "--golden", "/proc/x",
+          "--junit", "/proc/nope/j.xml", "--out", "/dev/full", "--with-store", "STORE", "--force", "\x00",
+          "é", "--k", "1,,3", "--unknown"]
+
+
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 40)), deadline=None, suppress_health_check=list(HealthCheck))
+@given(command=st.sampled_from([["gate"], ["diff"], ["report"], ["golden", "check"], ["golden", "record"],
+                                ["compare"], ["corpus", "show"], ["sweep"]]),
+       args=st.lists(st.sampled_from(TOKENS), max_size=6))
+def test_fuzz_cli_arguments_never_crash(made_store, tmp_path_factory, command, args):
+    root = tmp_path_factory.mktemp("fuzzargs") / "st"
+    shutil.copytree(made_store[0], root)
+    args = [str(root) if a == "STORE" else a for a in args]
+    if command == ["sweep"]:
+        args += ["--method", "bogus"]  # a sweep that would run is not what this fuzz is for
+    r = invoke(*command, *args)
+    assert r.exit_code in (0, 1, 2, 3), (command, args, r.output)
+    assert "Traceback" not in r.output and "internal error" not in r.output, (command, args, r.output)
+
+
+# --- 7. progress ---------------------------------------------------------------------------------
+
+def test_kernels_gdn_says_what_it_does_and_how_long_before_it_starts():
+    r = invoke("kernels", "gdn", "--device", "cpu", "--positions", "32", "--heads", "1", "--head-dim", "8")
+    assert r.exit_code == 0, r.output
+    first = r.output.splitlines()[0]
+    assert first.startswith("kernels gdn:") and "32 positions" in first and "s on 2 CPU cores" in first
+
+
+def test_pytest_plugin_progress_is_visible_without_s(tmp_path):
+    """A real pytest session using the plugin's spec_result fixture (smoke corpus, mtp-k2, one
+    repeat), run without -s: the runs, with [done/total], reach the terminal."""
+    (tmp_path / "test_one.py").write_text("def test_it(spec_result):\n    assert spec_result\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                        "-n", "0", "test_one.py", "--spec-corpus", "smoke", "--spec-method", "mtp", "--spec-k", "2",
+                        "--spec-repeats", "1", "--spec-concurrent", "0", "--spec-store", str(tmp_path / "st")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "speccheck: [0/2] baseline r0" in r.stdout and "speccheck: [2/2] rescoring" in r.stdout, r.stdout
+
+
+def test_compare_a_config_never_run_says_so(store):
+    r = invoke("compare", "--store", str(store), "--with-store", str(store), "--config", "dflash-k7")
+    assert_clean(r, 2)
+    assert "holds no complete run" in r.output and "delete" not in r.output
