@@ -272,13 +272,15 @@ def bytes_shown(detokenize, token_bytes):
 
 def _evaluate(store_dir, suite_id, policy_file, settings, configs=None, golden_dir="golden"):
     from speccheck.evaluate import evaluate_suite
-    from speccheck.golden import golden_acceptance
+    from speccheck.golden import golden_acceptance, golden_noise
 
     suite = _suite(store_dir, suite_id)
     policy = load_policy(policy_file, _settings(settings))
     detok = _detok_for(suite)
-    gold = golden_acceptance(suite, Path(golden_dir)) if suite.is_complete("baseline", 0) else None
-    return suite, evaluate_suite(suite, policy, configs, gold, detok), detok
+    have_base = suite.is_complete("baseline", 0)
+    gold = golden_acceptance(suite, Path(golden_dir)) if have_base else None
+    gold_noise = golden_noise(suite, Path(golden_dir)) if have_base else None
+    return suite, evaluate_suite(suite, policy, configs, gold, detok, gold_noise), detok
 
 
 @click.group(cls=SpeccheckGroup, epilog=EXIT_CODES_HELP)
@@ -518,6 +520,11 @@ def _golden_check_print(s, result, golden_dir, policy_file, settings) -> bool:
     click.echo(f"golden {chk.path}: {lines[0]}")
     for line in lines[1:]:
         click.echo(line)
+    if chk.noise_drift is not None:
+        t = chk.noise_drift
+        click.echo(f"    kernel-path noise {'DRIFTED' if t.drifted else 'as recorded'}: |Δ| median "
+                   f"{t.spec.median:.4f} / p90 {t.spec.p90:.4f} nats vs golden {t.reference.median:.4f} / "
+                   f"{t.reference.p90:.4f} (ratio {t.ratio:.2f}, KS D+ {t.ks:.3f}, rank-test p {t.p:.2g})")
     if chk.why():
         click.echo(f"    {chk.why()}")
     for r in result.configs:

@@ -17,15 +17,21 @@ from speccheck.types import Completion, RunRecord, SpecConfig
 from speccheck.verify import (
     END,
     Acceptance,
+    DriftTest,
+    FlipBudget,
     Boundary,
     Divergence,
     acceptance_mismatches,
     acceptance_summary,
     boundary_divergence,
     calibrate_thresholds,
+    abs_deltas,
     counter_problems,
     determinism,
+    drift_test,
     find_divergences,
+    flip_budget,
+    margins,
     path_noise,
     stop_tokens,
     teacher_forced_agreement,
@@ -37,7 +43,8 @@ from speccheck.verify import (
 
 CHECKS = ("ran", "deterministic", "batch_invariant", "concurrent_identical",
           "agrees_with_baseline", "divergences_are_low_confidence", "same_stopping",
-          "counters_consistent", "acceptance_deterministic", "acceptance_not_regressed", "speedup")
+          "counters_consistent", "acceptance_deterministic", "logprobs_consistent",
+          "acceptance_not_regressed", "speedup")
 
 #: how to get evidence that is missing from a store (runs are kept; only what is missing is redone)
 RESUME = ("`speccheck run` again with the same options into the same --store resumes: stored runs "
@@ -72,10 +79,38 @@ class Together:
     prefix_agreement: float
     divergences: list[Divergence]  # first copy vs alone
     split: dict[str, int]  # prompt -> distinct completions among its copies, where > 1
+    #: where a copy differs from the first copy of its prompt: the split, classified by margin
+    split_divergences: list[Divergence] = field(default_factory=list)
+    #: the baseline's own run all at once splits copies or changes prompts: the engine is not
+    #: batch-invariant at ties with or without speculation (set by evaluate_config)
+    baseline_not_invariant: bool = False
+    of_baseline: bool = False
 
     @property
     def high(self) -> list[Divergence]:
         return [d for d in self.divergences if d.classification.cls == "high_confidence"]
+
+    @property
+    def not_invariant(self) -> bool:
+        """This run itself shows the engine is not batch-invariant."""
+        return bool(self.split or self.divergences)
+
+
+@dataclass
+class LogprobConsistency:
+    """The spec engine's reported logprobs against the baseline's teacher-forced logprobs of
+    the same tokens in the same context (positions where both chose the token): one by one
+    against ``limit``, as a distribution against the engine's own kernel-path noise (and the
+    golden's sample of this config, when recorded), and the teacher-forced flips against what
+    that noise predicts."""
+
+    positions: int
+    limit: float
+    over: list[str]  # evidence of the worst positions over the limit
+    n_over: int
+    drift: DriftTest
+    golden_drift: DriftTest | None
+    flips: FlipBudget
 
 
 @dataclass
@@ -98,6 +133,7 @@ class ConfigResult:
     golden_tokens_per_iter: float | None
     speed: Speed
     together: Together | None = None
+    logprobs: LogprobConsistency | None = None
     checks: list[Check] = field(default_factory=list)
     #: evidence the store lacks (rescoring absent or short): never read as agreement
     missing_evidence: list[str] = field(default_factory=list)
@@ -225,6 +261,77 @@ def suite_noise(suite: Suite) -> float:
     return measure_noise(suite)[0]
 
 
+def kernel_noise_sample(suite: Suite) -> np.ndarray:
+    """The engine's own kernel-path noise as a whole sample: |decode-path - prefill-path
+    logprob| of the baseline's own tokens (run 0 against its rescoring); empty without them.
+    (:func:`suite_noise` is its 99th percentile.)"""
+    if not suite.is_complete("baseline", 0):
+        return np.zeros(0)
+    scored = suite.load_rescore("baseline", 0) or {}
+    parts = [abs_deltas(c.logprobs, scored[c.prompt_id].token_logprobs)
+             for c in suite.load_run("baseline", 0).completions
+             if c.prompt_id in scored and len(scored[c.prompt_id].token_logprobs) == c.n_tokens]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+@dataclass
+class LogprobEvidence:
+    """Per agreeing position of a spec run (its token = the baseline's teacher-forced argmax):
+    where, the spec-reported and the baseline's logprob; and the baseline's teacher-forced
+    margin at every position (flip risk)."""
+
+    where: list[tuple[str, int]]
+    spec_lp: np.ndarray
+    base_lp: np.ndarray
+    margins: np.ndarray
+
+    @property
+    def deltas(self) -> np.ndarray:
+        with np.errstate(invalid="ignore"):
+            return np.abs(self.spec_lp.astype(np.float64) - self.base_lp.astype(np.float64))
+
+
+def logprob_evidence(run: RunRecord, scored: dict | None) -> LogprobEvidence:
+    where, s_lp, b_lp, marg = [], [], [], []
+    for c in run.completions:
+        s = (scored or {}).get(c.prompt_id)
+        if s is None or len(s.token_logprobs) != c.n_tokens or len(c.logprobs) != c.n_tokens:
+            continue
+        if c.n_tokens:
+            marg.append(margins(s.topk_logprobs))
+        for i in np.flatnonzero(s.topk_ids[:, 0] == c.token_ids) if c.n_tokens else ():
+            where.append((c.prompt_id, int(i)))
+            s_lp.append(c.logprobs[i])
+            b_lp.append(s.token_logprobs[i])
+    return LogprobEvidence(where, np.asarray(s_lp, np.float64), np.asarray(b_lp, np.float64),
+                           np.concatenate(marg) if marg else np.zeros(0))
+
+
+def spec_delta_sample(suite: Suite, name: str) -> np.ndarray:
+    """|spec-reported - baseline teacher-forced logprob| at the agreeing positions of a
+    config's run 0 (what ``golden record`` stores per config)."""
+    if not suite.is_complete(name, 0):
+        return np.zeros(0)
+    d = logprob_evidence(suite.load_run(name, 0), suite.load_rescore(name, 0)).deltas
+    return d[np.isfinite(d)]
+
+
+def logprob_consistency(ev: LogprobEvidence, flips: int, noise: float, kernel_noise: np.ndarray,
+                        policy: Policy, golden_sample: np.ndarray | None = None) -> LogprobConsistency:
+    limit = max(policy.logprob_floor, policy.logprob_noise_multiple * noise)
+    d = ev.deltas
+    bad = np.flatnonzero(~(d <= limit))  # NaN on one side is over the limit too
+    worst = bad[np.argsort(-np.nan_to_num(d[bad], nan=np.inf))][:5]
+    over = [f"prompt {ev.where[i][0]} position {ev.where[i][1]}: spec logprob {ev.spec_lp[i]:.4f} vs "
+            f"baseline {ev.base_lp[i]:.4f} (|Δ| {d[i]:.4f} nats > {limit:.4f})" for i in worst]
+    finite = d[np.isfinite(d)]
+    drift = drift_test(finite, kernel_noise, policy.max_logprob_drift, policy.logprob_drift_alpha)
+    gold = (drift_test(finite, golden_sample, policy.max_logprob_drift, policy.logprob_drift_alpha)
+            if golden_sample is not None and len(golden_sample) else None)
+    budget = flip_budget(ev.margins, flips, kernel_noise, policy.flip_noise_multiple, policy.flip_slack)
+    return LogprobConsistency(len(d), limit, over, len(bad), drift, gold, budget)
+
+
 def decoded_context(detok, comp: Completion, pos: int, width: int = 8) -> str:
     """A decoded window of ``comp`` before ``pos`` and the token there (``⟦⟨end⟩⟧`` where the
     stream had already stopped: streams of different lengths are compared)."""
@@ -296,22 +403,54 @@ def together_result(alone: RunRecord, together: RunRecord, tau_tie: float, tau_l
     first = replace(together, completions=together.corpus_copy(0), copies=0)
     cmp = compare_runs(alone, first, tau_tie, tau_low, noise, detok)
     copies = [together.corpus_copy(j) for j in range(together.copies)]
-    split = {}
+    split, split_divs = {}, []
     for i, c in enumerate(first.completions):
         n = unique_completions([cp[i].token_ids for cp in copies])
         if n > 1:
             split[c.prompt_id] = n
+            split_divs += _split_divergences([cp[i] for cp in copies], tau_tie, tau_low, noise, detok)
     return Together(together.copies, len(together.completions), cmp.prompts, cmp.exact,
-                    cmp.prefix_agreement, cmp.divergences, split)
+                    cmp.prefix_agreement, cmp.divergences, split, split_divs)
+
+
+def baseline_not_invariant(suite: Suite, tau_tie: float, tau_low: float, noise: float) -> bool:
+    """Whether the baseline's own run all at once splits identical copies or changes a prompt
+    (then spec configs are judged against an engine that is not batch-invariant at ties)."""
+    together = suite.load_together("baseline")
+    ok = [r for r in suite.records("baseline") if r.status == "ok"]
+    if together is None or together.status != "ok" or not ok:
+        return False
+    return together_result(ok[0], together, tau_tie, tau_low, noise).not_invariant
+
+
+def _split_divergences(copies: list[Completion], tau_tie: float, tau_low: float, noise: float,
+                       detok=None) -> list[Divergence]:
+    """Each copy of one prompt that differs from the first copy, classified by margin like
+    any divergence (the first copy on the baseline side)."""
+    first = copies[0]
+    out = []
+    for cp in copies[1:]:
+        divs = find_divergences(first.prompt_id, first.token_ids, first.topk_ids, first.topk_logprobs,
+                                cp.token_ids, cp.topk_ids, cp.topk_logprobs, tau_tie, tau_low, noise,
+                                max_gap=tau_low)
+        out += [replace(d, context=decoded_context(detok, first, d.position)
+                        if d.position < first.n_tokens else "") for d in divs]
+    return out
 
 
 def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau_low: float,
                     noise: float, base_records: list[RunRecord], golden_acceptance: dict | None = None,
                     detok=None, base_speed: float | None = None,
-                    noise_missing: str | None = None) -> ConfigResult:
+                    noise_missing: str | None = None,
+                    kernel_noise: np.ndarray | None = None,
+                    golden_noise: dict | None = None,
+                    baseline_not_invariant: bool = False) -> ConfigResult:
     """One config's figures and checks. ``noise_missing`` (from :func:`measure_noise`): why
     the path noise behind ``tau_tie``/``tau_low`` is unmeasured; checks that excuse a
-    divergence by tau then fail rather than trust floor thresholds."""
+    divergence by tau then fail rather than trust floor thresholds. ``kernel_noise``: the
+    engine's kernel-path noise sample (:func:`kernel_noise_sample`); ``golden_noise``: the
+    golden's |Δ logprob| sample per config; ``baseline_not_invariant``: the baseline's own
+    run all at once splits or changes prompts."""
     records = list(suite.records(name))
     failed = [f"r{r.repeat}: {(r.error or '').splitlines()[0] if r.error else 'failed'}"
               for r in records if r.status != "ok"]
@@ -345,6 +484,8 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
         failed.append(f"all at once: {(together.error or 'failed').splitlines()[0]}")
     elif together is not None and ok:
         all_at_once = together_result(ok[0], together, tau_tie, tau_low, noise, detok)
+        all_at_once.of_baseline = name == "baseline"
+        all_at_once.baseline_not_invariant = name != "baseline" and bool(baseline_not_invariant)
 
     result = ConfigResult(
         config=name, repeats=len(records), failed_runs=failed, identical_runs=identical,
@@ -406,6 +547,11 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
         for d in _token_divergences(result.divergences + result.tf_divergences):
             counts[d.classification.cls] += 1
         result.class_counts = counts
+        if scored and name != "baseline":
+            result.logprobs = logprob_consistency(
+                logprob_evidence(run0, scored), len(_token_divergences(result.tf_divergences)), noise,
+                kernel_noise if kernel_noise is not None else kernel_noise_sample(suite), policy,
+                (golden_noise or {}).get(name))
 
         spec = run0.spec_total()
         if spec is not None and is_spec:
@@ -540,6 +686,8 @@ def _checks(r: ConfigResult, p: Policy, is_baseline: bool) -> list[Check]:
     checks.append(_counters_check(r))
     checks.append(_acceptance_determinism_check(r, p))
 
+    checks.append(_logprobs_check(r.logprobs, r.noise_missing))
+
     acc = r.acceptance
     if acc is None and r.counter_problems:
         checks.append(Check("acceptance_not_regressed", False,
@@ -568,6 +716,42 @@ def _checks(r: ConfigResult, p: Policy, is_baseline: bool) -> list[Check]:
         checks.append(Check("speedup", sp is not None and sp >= p.min_speedup,
                             f"warm speedup {_x(sp)} vs required {p.min_speedup:.2f}x"))
     return checks
+
+
+def _drift_str(t: DriftTest, against: str) -> str:
+    s, ref = t.spec, t.reference
+    return (f"|Δ| median {s.median:.4f} / p90 {s.p90:.4f} / max {s.max:.4f} nats over {s.n} positions vs "
+            f"{against} {ref.median:.4f} / {ref.p90:.4f} / {ref.max:.4f} ({ref.n}): ratio {t.ratio:.2f} "
+            f"(max {t.max_ratio:.2f}), KS D+ {t.ks:.3f}, rank-test p {t.p:.2g}")
+
+
+def _logprobs_check(lc: LogprobConsistency | None, noise_missing: str | None = None) -> Check:
+    """logprobs_consistent: where spec and baseline chose the same token in the same context,
+    the spec engine's reported logprob is the baseline's up to path noise -- one by one, as a
+    distribution (drift too small to flip more than near-ties), and in the flips it causes."""
+    if lc is None:
+        return Check("logprobs_consistent", False, "evidence missing: no teacher-forced rescoring of "
+                     f"this config, so its reported logprobs cannot be checked; {RESUME}")
+    if noise_missing:
+        return Check("logprobs_consistent", False, f"the engine's path noise is unmeasured "
+                     f"({noise_missing}): reported logprobs cannot be judged against it")
+    problems = []
+    if lc.n_over:
+        problems.append(f"{lc.n_over} of {lc.positions} position(s) with |Δ logprob| above "
+                        f"{lc.limit:.4f} nats" + "".join("\n    " + o for o in lc.over))
+    for t, against in ((lc.drift, "kernel-path noise"), (lc.golden_drift, "golden")):
+        if t is not None and t.drifted:
+            problems.append(f"logprobs drifted from the {against}: {_drift_str(t, against)}")
+    f = lc.flips
+    flips = (f"{f.flips} teacher-forced flip(s) where the noise predicts {f.expected:.1f} "
+             f"({f.at_risk} of {f.positions} positions within the noise level; at most {f.allowed})")
+    if f.excess:
+        problems.append("more flips than the path noise explains: " + flips)
+    summary = _drift_str(lc.drift, "kernel-path noise") + "; " + flips
+    if lc.golden_drift is not None:
+        summary += "; golden ratio " + f"{lc.golden_drift.ratio:.2f}, p {lc.golden_drift.p:.2g}"
+    return Check("logprobs_consistent", not problems,
+                 summary if not problems else "; ".join(problems) + f" ({summary})")
 
 
 NOTHING_COMPARED = "evidence missing: no prompt was compared with a baseline output"
@@ -650,17 +834,49 @@ def _together_checks(t: Together | None, p: Policy, noise_missing: str | None = 
                f"{_pct(t.prefix_agreement)}, {len(t.divergences)} divergence(s), "
                f"{len(t.high)} high-confidence")
     problems = t.high if not p.require_batch_invariant else t.divergences
+    if p.require_batch_invariant and t.baseline_not_invariant:  # judged against its engine
+        problems = [d for d in t.divergences if d.cls != "near_tie"]
+        figures += f"; the baseline is not batch-invariant either: {NOT_INVARIANT}"
     excused = len(t.divergences) - len(t.high) if not p.require_batch_invariant else 0
     unsure = [_untrusted_tau(excused, noise_missing)] if noise_missing and excused else []
     batch = Check("batch_invariant", len(problems) <= (0 if p.require_batch_invariant
                                                          else p.max_high_confidence) and not unsure,
                   "; ".join(unsure + [figures]) + "".join("\n    " + _fmt_div(d) for d in problems[:5]))
-    split = ", ".join(f"{pid}: {n} distinct" for pid, n in t.split.items())
-    concurrent = Check("concurrent_identical", not t.split or not p.require_concurrent_identical,
-                       f"{t.copies} identical concurrent requests per prompt -> "
-                       + (f"more than one completion for {len(t.split)} prompt(s) ({split})"
-                          if t.split else "1 completion each"))
+    concurrent = _concurrent_check(t, p, noise_missing)
     return [batch, concurrent]
+
+
+NOT_INVARIANT = "this engine is not batch-invariant at ties, with or without speculation"
+
+
+def _concurrent_check(t: Together, p: Policy, noise_missing: str | None = None) -> Check:
+    """concurrent_identical: identical requests in flight together give one completion -- or,
+    unless the policy is strict, differ only at near-ties (exact ties included: real servers
+    batch identical requests out of step, and bf16 ties then go either way). Where the
+    baseline splits too, a config is judged against that engine: near-tie splits are never
+    counted against it, and (unless strict) low-confidence ones neither; high-confidence
+    splits always fail."""
+    tolerated = set() if p.require_concurrent_identical else {"near_tie"}
+    if t.baseline_not_invariant:
+        tolerated |= {"near_tie"} | (set() if p.require_concurrent_identical else {"low_confidence"})
+    bad = [d for d in t.split_divergences if d.cls not in tolerated]
+    if t.split and not t.split_divergences:  # split copies but nothing to classify: never excused
+        bad = [None]
+    excused = len(t.split_divergences) - len([d for d in bad if d is not None])
+    unsure = [_untrusted_tau(excused, noise_missing)] if noise_missing and excused else []
+    split = ", ".join(f"{pid}: {n} distinct" for pid, n in t.split.items())
+    msg = (f"{t.copies} identical concurrent requests per prompt -> "
+           + (f"more than one completion for {len(t.split)} prompt(s) ({split})" if t.split
+              else "1 completion each"))
+    if t.baseline_not_invariant:
+        msg += f"; the baseline is not batch-invariant either: {NOT_INVARIANT}"
+    elif t.of_baseline and t.not_invariant:
+        msg += f"; {NOT_INVARIANT}"
+    if t.split:
+        strict = " (strict: require_concurrent_identical)" if p.require_concurrent_identical else ""
+        msg += (f"; {len([d for d in bad if d is not None])} split(s) not explained by a near-tie{strict}"
+                + "".join("\n    " + _fmt_div(d) for d in t.split_divergences[:5]))
+    return Check("concurrent_identical", not bad and not unsure, "; ".join(unsure + [msg]))
 
 
 def _pct(x: float | None) -> str:
@@ -677,15 +893,20 @@ def judged_configs(suite: Suite, demanded: Sequence[str] = ()) -> list[str]:
 
 
 def evaluate_suite(suite: Suite, policy: Policy, configs: Sequence[str] | None = None,
-                   golden_acceptance: dict | None = None, detok=None) -> SuiteResult:
+                   golden_acceptance: dict | None = None, detok=None,
+                   golden_noise: dict | None = None) -> SuiteResult:
+    """``golden_noise``: {config: |Δ| sample} recorded with the golden (golden.golden_noise)."""
     names = list(configs) if configs is not None else judged_configs(suite)
     base_records = list(suite.records("baseline"))
     noise, noise_missing = measure_noise(suite)
+    kernel = kernel_noise_sample(suite)
     tau_tie, tau_low = calibrate_thresholds(noise, policy.tie_noise_multiple, policy.low_noise_multiple,
                                             policy.tie_floor, policy.low_floor)
     base_speed = speed_of([r for r in base_records if r.status == "ok"])[0] if base_records else None
+    base_variant = baseline_not_invariant(suite, tau_tie, tau_low, noise)
     identity = next((r.identity for r in base_records if r.identity), {})
     results = [evaluate_config(suite, n, policy, tau_tie, tau_low, noise, base_records,
-                               golden_acceptance, detok, base_speed, noise_missing) for n in names]
+                               golden_acceptance, detok, base_speed, noise_missing, kernel,
+                               golden_noise, base_variant) for n in names]
     return SuiteResult(suite.id, suite.meta, identity, noise, tau_tie, tau_low, policy.to_dict(), results,
                        noise_missing, suite.load_plan())

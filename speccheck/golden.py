@@ -9,10 +9,18 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from speccheck.evaluate import Comparison, SuiteResult, compare_runs
+import numpy as np
+
+from speccheck.evaluate import (Comparison, SuiteResult, compare_runs, kernel_noise_sample,
+                                spec_delta_sample)
 from speccheck.store import Suite, read_run
 from speccheck.types import RunRecord
-from speccheck.verify import calibrate_thresholds
+from speccheck.verify import DriftTest, calibrate_thresholds, drift_test, summarize
+
+#: the noise samples of a golden: the engine's kernel-path noise, and per spec config the
+#: |spec-reported - baseline logprob| of its agreeing positions (keys "config:<name>")
+NOISE_FILE = "noise.npz"
+KERNEL_PATH = "kernel_path"
 
 
 class GoldenMismatch(ValueError):
@@ -93,10 +101,15 @@ def record(suite: Suite, result: SuiteResult, root: Path, force: bool = False) -
     acceptance = {r.config: {"tokens_per_iter": r.acceptance.tokens_per_iter,
                              "per_pos": list(r.acceptance.per_pos)}
                   for r in result.configs if r.acceptance is not None}
+    samples = {KERNEL_PATH: kernel_noise_sample(suite)}
+    samples.update({f"config:{r.config}": spec_delta_sample(suite, r.config)
+                    for r in result.configs if r.config != "baseline"})
+    np.savez(tmp / NOISE_FILE, **{k: v.astype(np.float32) for k, v in samples.items()})
     meta = {"suite": suite.id, "engine": suite.meta["engine"], "corpus": suite.meta["corpus"],
             "identity": base.identity, "fingerprint": _fingerprint(base.identity, base.corpus_hash),
             "numerics": _numerics(base.identity),
-            "noise": result.noise, "acceptance": acceptance}
+            "noise": result.noise, "acceptance": acceptance,
+            "logprob_noise": {k: summarize(v).to_dict() for k, v in samples.items()}}
     (tmp / "golden.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
     if target.exists():
         shutil.rmtree(target)
@@ -111,10 +124,12 @@ class GoldenCheck:
     acceptance: dict[str, float]
     #: platform identity keys that differ from the golden's (why near-ties may flip)
     platform_changes: tuple[str, ...] = ()
+    #: today's kernel-path noise against the golden's (None: the golden has no noise sample)
+    noise_drift: DriftTest | None = None
 
     @property
     def passed(self) -> bool:
-        return self.comparison.passed
+        return self.comparison.passed and not (self.noise_drift and self.noise_drift.drifted)
 
     def why(self) -> str | None:
         """One line on why near-tie-only differences are expected (or None: nothing differs)."""
@@ -159,8 +174,29 @@ def check(suite: Suite, root: Path, noise: float, policy, detok=None) -> GoldenC
     tau_tie, tau_low = calibrate_thresholds(max(noise, meta.get("noise", 0.0)), policy.tie_noise_multiple,
                                             policy.low_noise_multiple, policy.tie_floor, policy.low_floor)
     acceptance = {k: v["tokens_per_iter"] for k, v in meta.get("acceptance", {}).items()}
+    samples = _noise_samples(path)
+    drift = (drift_test(kernel_noise_sample(suite), samples[KERNEL_PATH], policy.max_logprob_drift,
+                        policy.logprob_drift_alpha) if KERNEL_PATH in samples else None)
     return GoldenCheck(path, compare_runs(gold, today, tau_tie, tau_low, noise, detok), acceptance,
-                       tuple(identity_changes(gold.identity, today.identity, PLATFORM_KEYS)))
+                       tuple(identity_changes(gold.identity, today.identity, PLATFORM_KEYS)), drift)
+
+
+def _noise_samples(path: Path) -> dict[str, np.ndarray]:
+    if not (path / NOISE_FILE).exists():
+        return {}
+    with np.load(path / NOISE_FILE, allow_pickle=False) as z:
+        return {k: z[k].astype(np.float64) for k in z.files}
+
+
+def golden_noise(suite: Suite, root: Path) -> dict[str, np.ndarray] | None:
+    """Per spec config, the golden's |Δ logprob| sample (for evaluate_suite's golden_noise);
+    None without a golden or without recorded samples."""
+    try:
+        path, _, _ = load_golden(suite, root)
+    except (GoldenMismatch, FileNotFoundError, KeyError):
+        return None
+    samples = _noise_samples(path)
+    return {k.removeprefix("config:"): v for k, v in samples.items() if k.startswith("config:")} or None
 
 
 def golden_acceptance(suite: Suite, root: Path) -> dict[str, float] | None:

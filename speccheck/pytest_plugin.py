@@ -97,7 +97,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def spec_result(request: pytest.FixtureRequest):
     """Run the matrix once per session (store-backed, resumable) and evaluate it."""
     from speccheck.evaluate import evaluate_suite
-    from speccheck.golden import golden_acceptance
+    from speccheck.golden import golden_acceptance, golden_noise
     from speccheck.policy import load_policy
     from speccheck.runner import run_suite
     from speccheck.store import Store
@@ -123,7 +123,8 @@ def spec_result(request: pytest.FixtureRequest):
     suite = run_suite(plan, Store(cfg.getoption("--spec-store")), log=log, progress=progress)
     policy = load_policy(cfg.getoption("--spec-policy"))
     golden = Path(cfg.getoption("--spec-golden"))
-    result = evaluate_suite(suite, policy, _config_names(cfg), golden_acceptance(suite, golden))
+    result = evaluate_suite(suite, policy, _config_names(cfg), golden_acceptance(suite, golden),
+                            golden_noise=golden_noise(suite, golden))
     return suite, result, policy, golden
 
 
@@ -165,6 +166,13 @@ def test_agrees_with_baseline(spec_result, spec_config):
 def test_divergences_are_low_confidence(spec_result, spec_config):
     """Every disagreement with the baseline is a classified near-tie or low-confidence flip."""
     _assert_check(spec_result, spec_config, "divergences_are_low_confidence")
+
+
+@pytest.mark.spec
+def test_logprobs_consistent(spec_result, spec_config):
+    """Where spec and baseline chose the same token, the reported logprobs match up to path
+    noise: one by one, as a distribution, and in the flips they cause."""
+    _assert_check(spec_result, spec_config, "logprobs_consistent")
 
 
 @pytest.mark.spec

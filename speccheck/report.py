@@ -116,6 +116,8 @@ def diff_text(result: SuiteResult, detok=None) -> str:
             for b in r.boundaries:
                 out.append("    " + b.describe())
             out.append(f"  counters      {counters_str(r)}")
+            if r.logprobs is not None:
+                out.append(f"  logprobs      {r.check('logprobs_consistent').message.splitlines()[0]}")
             if r.acceptance is not None:
                 out.append(f"  acceptance    {r.acceptance.tokens_per_iter:.2f} tokens/iter · "
                            f"rate {_pct(r.acceptance.acceptance_rate, 1)} · per position {acceptance_str(r, 16)}"
@@ -230,12 +232,49 @@ def markdown_report(result: SuiteResult, detok=None) -> str:
         lines.append("")
     if not any_div:
         lines += ["None: every config reproduced the baseline token for token.", ""]
+    lines += logprobs_table(result) + split_lines(result, detok)
     lines += ["## Checks", ""]
     for r in result.configs:
         for c in r.checks:
             mark = "skip" if c.skipped else ("pass" if c.passed else "**FAIL**")
             lines.append(f"- `{r.config}` {c.name}: {mark} — {c.message.splitlines()[0]}")
     return "\n".join(lines) + "\n"
+
+
+def logprobs_table(result: SuiteResult) -> list[str]:
+    """Per spec config: |spec-reported - baseline logprob| where both chose the token, against
+    the engine's kernel-path noise (two-sample test) and the flips that noise predicts."""
+    rows = [r for r in result.configs if r.logprobs is not None]
+    if not rows:
+        return []
+    k = rows[0].logprobs.drift.reference
+    out = ["## Reported logprobs against the baseline", "",
+           f"Kernel-path noise (baseline decode vs prefill path, {k.n} positions): median "
+           f"{k.median:.4f} / p99 {k.p99:.4f} / max {k.max:.4f} nats.", "",
+           "| config | positions | \\|Δ\\| median | p99 | max | ratio | KS D+ | rank-test p | golden ratio | flips "
+           "(expected, allowed) | verdict |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        lc = r.logprobs
+        d, f = lc.drift, lc.flips
+        gold = "-" if lc.golden_drift is None else f"{lc.golden_drift.ratio:.2f}"
+        ok = r.check("logprobs_consistent").passed
+        out.append(f"| {r.config} | {d.spec.n} | {d.spec.median:.4f} | {d.spec.p99:.4f} | {d.spec.max:.4f} | "
+                   f"{d.ratio:.2f} | {d.ks:.3f} | {d.p:.2g} | {gold} | {f.flips} ({f.expected:.1f}, "
+                   f"{f.allowed}) | {'pass' if ok else '**FAIL**'} |")
+    return out + [""]
+
+
+def split_lines(result: SuiteResult, detok=None) -> list[str]:
+    """Identical concurrent requests that got different completions, with their margins."""
+    out = []
+    for r in result.configs:
+        t = r.together
+        if t is None or not t.split_divergences:
+            continue
+        out += [f"### {r.config}: identical concurrent requests split", ""]
+        out += ["- " + divergence_line(d, detok).replace("\n", "  \n") for d in t.split_divergences]
+        out.append("")
+    return (["## Concurrent splits", ""] + out) if out else []
 
 
 def write_report(result: SuiteResult, out_dir: Path, detok=None, html: Path | None = None) -> tuple[Path, ...]:

@@ -18,6 +18,9 @@ CAUGHT_BY = {
     "bonus-off-by-one": "divergences_are_low_confidence",
     "accept-top2": "divergences_are_low_confidence",
     "nondeterministic": "deterministic",
+    # on smoke (61 positions) it flips 2 near-ties: agreement 96.7 % < 98 %; logprobs_consistent
+    # needs more positions (code corpus: |Δ| ratio 1.41, rank-test p 9e-4)
+    "state-precision": "agrees_with_baseline",
 }
 
 

@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from speccheck.engines.base import Engine, EngineError, EngineUsageError
 from speccheck.types import Completion, Prompt, Scored, SpecConfig, SpecCounters
+from speccheck.verify.ties import canonical_topk
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 #: engine args (``--engine-arg key=value``); ``method``/``k`` are accepted and ignored: the
@@ -108,22 +109,15 @@ def _lp(value: Any) -> float:
 
 
 def topk_from_dict(entries: dict, k: int, where: str) -> tuple[list[int], list[float]]:
-    """The k best (id, logprob) of one position's logprob dict, best first.
-
-    Ranks order the entries where the server gives them (prompt_logprobs: the dict also holds
-    the prompt's own token, which may rank below k); otherwise logprobs do. Exact ties (common
-    in bf16) keep the server's order, which is its top-k order."""
-    items = [(token_id(t), _lp(v), v.get("rank") if isinstance(v, dict) else None)
-             for t, v in entries.items()]
-    if any(r is not None for _, _, r in items):
-        items = sorted((x for x in items if x[2] is not None and x[2] <= k),
-                       key=lambda x: x[2])
-    else:
-        items = sorted(items, key=lambda x: -x[1])  # stable: ties stay in server order
+    """The k best (id, logprob) of one position's logprob dict, best first, exact ties (common
+    in bf16) by lowest id as greedy argmax breaks them (verify.canonical_topk) -- not in the
+    server's order, which is arbitrary on ties. prompt_logprobs dicts also hold the prompt's own
+    token, which may rank below k: it is simply not among the k best."""
+    items = canonical_topk((token_id(t), _lp(v)) for t, v in entries.items())
     if len(items) < k:
         raise EngineError(f"{where}: the server returned {len(items)} logprobs where {k} were "
                           "asked (vLLM caps them at --max-logprobs)")
-    return [t for t, _, _ in items[:k]], [lp for _, lp, _ in items[:k]]
+    return [t for t, _ in items[:k]], [lp for _, lp in items[:k]]
 
 
 def completion_from_choice(prompt: Prompt, prompt_ids: Sequence[int], choice: dict, k: int,

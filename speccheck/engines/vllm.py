@@ -40,6 +40,7 @@ import numpy as np
 
 from speccheck.engines.base import Engine, EngineError, EngineUsageError
 from speccheck.types import Completion, Prompt, Scored, SpecConfig, SpecCounters
+from speccheck.verify.ties import canonical_topk
 
 SPEC_NAMES = {
     "drafts": "vllm:spec_decode_num_drafts",
@@ -228,9 +229,7 @@ def _ranked(pos: dict[str, dict]) -> list[tuple[int, float]]:
     Not by vLLM's ``rank``: on exact (bf16) ties its top-k order is arbitrary, while its
     greedy sampler takes the first maximum (``argmax``: the lowest id). Seen on the H200:
     three tokens tied at -3.12999, top-k listed 3895, 3023, 312 and greedy chose 312."""
-    items = [(int(t), float(v["logprob"])) for t, v in pos.items()]
-    items.sort(key=lambda x: (-x[1], x[0]))
-    return items
+    return canonical_topk((int(t), float(v["logprob"])) for t, v in pos.items())
 
 
 def topk_arrays(positions: Sequence[dict[str, dict]], chosen: Sequence[int],

@@ -8,8 +8,12 @@ from speccheck.verify.acceptance import (Acceptance, acceptance_mismatches, acce
 from speccheck.verify.boundaries import Boundary, boundary_divergence, stop_tokens
 from speccheck.verify.divergence import (END, Divergence, find_divergences,
                                          teacher_forced_agreement, teacher_forced_divergences)
+from speccheck.verify.logprobs import (DeltaSummary, DriftTest, FlipBudget, abs_deltas,
+                                       drift_test, flip_budget, ks_greater,
+                                       rank_test_greater, summarize)
 from speccheck.verify.margins import (CLASSES, SEVERITY, Classification, calibrate_thresholds,
                                       classify_divergence, margins, path_noise, rank_of)
+from speccheck.verify.ties import canonical_rows, canonical_topk
 from speccheck.verify.streams import (DeterminismResult, PrefixAgreement, determinism,
                                       first_divergence, prefix_agreement, text_similarity,
                                       unique_completions)
@@ -19,8 +23,11 @@ __all__ = [
     "counter_problems", "tokens_per_iteration_views",
     "Boundary", "boundary_divergence", "stop_tokens",
     "END", "Divergence", "find_divergences", "teacher_forced_agreement", "teacher_forced_divergences",
+    "DeltaSummary", "DriftTest", "FlipBudget", "abs_deltas", "drift_test", "flip_budget",
+    "ks_greater", "rank_test_greater", "summarize",
     "CLASSES", "SEVERITY", "Classification", "calibrate_thresholds", "classify_divergence",
     "margins", "path_noise", "rank_of",
+    "canonical_rows", "canonical_topk",
     "DeterminismResult", "PrefixAgreement", "determinism", "first_divergence",
     "prefix_agreement", "text_similarity", "unique_completions",
 ]

@@ -74,6 +74,16 @@ def _gap(own: int, other: int, ids: np.ndarray, lp: np.ndarray) -> float:
     return float(lp[ro]) - float(lp[rt])
 
 
+def _second(rank: int, lp: np.ndarray) -> bool:
+    """The token at ``rank`` is that side's runner-up: rank 2, or tied exactly with the
+    runner-up's logprob (an exact tie, margin 0, is the closest near-tie whatever order the
+    tied entries were listed in)."""
+    if rank == 1:
+        return True
+    lp = np.asarray(lp, dtype=np.float64)
+    return rank >= 1 and bool(lp[rank] >= np.sort(lp)[-2])
+
+
 def classify_divergence(base_token: int, spec_token: int,
                         base_topk_ids: np.ndarray, base_topk_lp: np.ndarray,
                         spec_topk_ids: np.ndarray, spec_topk_lp: np.ndarray,
@@ -83,7 +93,8 @@ def classify_divergence(base_token: int, spec_token: int,
 
     - ``near_tie``: each token is in the other's top-k, and (baseline margin ≤ tau_tie and
       the spec token is the baseline's second choice) or (spec margin ≤ tau_tie and the
-      baseline token is the spec's second choice);
+      baseline token is the spec's second choice); a token tied exactly with the second
+      choice's logprob counts as second choice (an exact tie is the closest near-tie);
     - ``low_confidence``: each token is in the other's top-k and
       min(baseline margin, spec margin) ≤ tau_low;
     - ``high_confidence``: anything else — a failure. A token outside the other side's
@@ -113,7 +124,7 @@ def classify_divergence(base_token: int, spec_token: int,
     # (an unknown gap, NaN, is not excused; max() would depend on the order of a NaN)
     if both_in and max_gap is not None and not (b_gap <= max_gap and s_gap <= max_gap):
         both_in = False
-    if both_in and ((bm <= tau_tie and s_in_b == 1) or (sm <= tau_tie and b_in_s == 1)):
+    if both_in and ((bm <= tau_tie and _second(s_in_b, b_lp)) or (sm <= tau_tie and _second(b_in_s, s_lp))):
         cls = "near_tie"
     elif both_in and min(bm, sm) <= tau_low:  # NaN margins compare False: high_confidence
         cls = "low_confidence"

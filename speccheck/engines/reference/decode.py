@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from speccheck.types import SpecCounters
+from speccheck.verify.ties import canonical_rows
 
 from . import dflash2 as _dflash2
 from .model import (ATTN_FORMS, GDN_FORMS, Cache, DFlashDrafter, MTPModule, Qwen3_5TextModel,
@@ -53,6 +54,8 @@ FAULTS = {
                 "checked on the step's last token only)",
     "nondeterministic": "the MLP down_proj sums its partial products in a run-to-run random "
                         "order (seeded from os.urandom)",
+    "state-precision": "the GDN recurrent state carried from one verify step to the next is "
+                       "stored in bf16 (precision loss: flips only near-ties, moves every logprob)",
 }
 
 
@@ -125,7 +128,8 @@ class _Out:
         """tokens[i] was emitted from log-prob row rows[i] (fp32 [n, V])."""
         vals, idx = rows.topk(self.top_k, dim=-1)
         chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
-        vals, idx, chosen = vals.cpu().numpy(), idx.cpu().numpy(), chosen.cpu().numpy()
+        idx, vals = canonical_rows(idx.cpu().numpy(), vals.cpu().numpy())
+        chosen = chosen.cpu().numpy()
         if self.finish is not None:
             return
         for i, t in enumerate(tokens):
@@ -219,7 +223,8 @@ class Decoder:
         rows = torch.log_softmax(self.target.logits(hs, top_k), -1)
         vals, idx = rows.topk(top_k, dim=-1)
         tok = rows.gather(1, self._t(continuation)[:, None])[:, 0]
-        return idx.cpu().numpy(), vals.cpu().numpy(), tok.cpu().numpy()
+        idx, vals = canonical_rows(idx.cpu().numpy(), vals.cpu().numpy())
+        return idx, vals, tok.cpu().numpy()
 
     # ------------------------------------------------------------------ internals
 
@@ -381,6 +386,8 @@ class Decoder:
                      roll_back_gdn=fault != "stale-state" and not one_kernel,
                      roll_back_conv=fault != "conv-not-rolled-back" and not one_kernel,
                      state_keep=state_keep, alias_first=fault == "batch-aliases-seq0")
+        if fault == "state-precision":  # planted: the carried state loses precision
+            cache.gdn = [None if s is None else s.to(torch.bfloat16).to(s.dtype) for s in cache.gdn]
 
     def _step_without_draft(self, cache, live, x, tokens, outs, iterations, verified, aux_ids,
                             top_k) -> None:

@@ -1,0 +1,180 @@
+"""Reported logprobs against the baseline's: one by one, as a distribution, and as flip counts.
+
+Where spec and baseline saw the same context and chose the same token, the only thing that may
+separate their logprobs is kernel-path noise. A spec path that loses precision (e.g. a state
+carried between verify steps in a narrower dtype) flips tokens only at near-ties -- each flip
+looks excusable -- but it moves *every* logprob a little. So the |Δ| of all agreeing positions
+is compared, as a sample, with a sample of the engine's own path noise: the effect size (ratio
+of quantiles) says whether the shift matters, a one-sided Mann-Whitney rank test says whether
+it is more than chance (the Kolmogorov-Smirnov distance D+ is reported beside it). With
+thousands of positions any difference is "significant", so both must hold before a config
+fails.
+
+Pure numpy; no scipy.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+#: the quantiles a distribution of |Δ| is summarised by (and whose ratios are the effect size)
+SUMMARY_QUANTILES = (0.5, 0.9, 0.99)
+#: the quantiles the drift effect size is taken over: the bulk and the upper body, not the
+#: extreme tail (a few positions near a softmax saturation say little about a path)
+EFFECT_QUANTILES = (0.5, 0.9)
+
+
+def abs_deltas(lp_a, lp_b) -> np.ndarray:
+    """|lp_a - lp_b| (float64, flat) where both are finite."""
+    a = np.asarray(lp_a, dtype=np.float64).ravel()
+    b = np.asarray(lp_b, dtype=np.float64).ravel()
+    if a.shape != b.shape:
+        raise ValueError(f"abs_deltas: logprob arrays must have the same length, got {a.shape} and {b.shape}")
+    with np.errstate(invalid="ignore"):
+        d = np.abs(a - b)
+    return d[np.isfinite(d)]
+
+
+@dataclass(frozen=True)
+class DeltaSummary:
+    """A |Δ| sample in a few numbers (nats): size, median, p90, p99, max."""
+
+    n: int
+    median: float
+    p90: float
+    p99: float
+    max: float
+
+    def to_dict(self) -> dict:
+        return {"n": self.n, "median": self.median, "p90": self.p90, "p99": self.p99, "max": self.max}
+
+
+def summarize(sample) -> DeltaSummary:
+    x = np.asarray(sample, dtype=np.float64).ravel()
+    x = x[np.isfinite(x)]
+    if not len(x):
+        return DeltaSummary(0, math.nan, math.nan, math.nan, math.nan)
+    q = np.quantile(x, SUMMARY_QUANTILES)
+    return DeltaSummary(len(x), float(q[0]), float(q[1]), float(q[2]), float(x.max()))
+
+
+def ks_greater(sample, reference) -> tuple[float, float]:
+    """One-sided two-sample Kolmogorov-Smirnov test that ``sample`` is stochastically larger
+    than ``reference``: ``D+ = sup_x (F_ref(x) - F_sample(x))`` and its asymptotic p-value
+    ``exp(-2 n_e D+^2)`` with ``n_e = n m / (n + m)`` (Smirnov). ``(0.0, 1.0)`` when either
+    sample is empty."""
+    a = np.sort(np.asarray(sample, dtype=np.float64).ravel())
+    b = np.sort(np.asarray(reference, dtype=np.float64).ravel())
+    a, b = a[np.isfinite(a)], b[np.isfinite(b)]
+    if not len(a) or not len(b):
+        return 0.0, 1.0
+    grid = np.concatenate([a, b])
+    f_a = np.searchsorted(a, grid, side="right") / len(a)
+    f_b = np.searchsorted(b, grid, side="right") / len(b)
+    d = max(0.0, float(np.max(f_b - f_a)))
+    n_e = len(a) * len(b) / (len(a) + len(b))
+    return d, float(min(1.0, math.exp(-2.0 * n_e * d * d)))
+
+
+def rank_test_greater(sample, reference) -> tuple[float, float]:
+    """One-sided Mann-Whitney U test that ``sample`` is stochastically larger than
+    ``reference``: ``(z, p)`` from the normal approximation with tie correction (mid-ranks).
+    More powerful than KS for the shift a precision loss makes (every |Δ| a little larger).
+    ``(0.0, 1.0)`` when either sample is empty or all values are tied."""
+    a = np.asarray(sample, dtype=np.float64).ravel()
+    b = np.asarray(reference, dtype=np.float64).ravel()
+    a, b = a[np.isfinite(a)], b[np.isfinite(b)]
+    n1, n2 = len(a), len(b)
+    if not n1 or not n2:
+        return 0.0, 1.0
+    _, inv, counts = np.unique(np.concatenate([a, b]), return_inverse=True, return_counts=True)
+    mid = np.cumsum(counts) - (counts - 1) / 2.0  # the mid-rank of each distinct value
+    u = float(mid[inv[:n1]].sum()) - n1 * (n1 + 1) / 2.0
+    n = n1 + n2
+    var = n1 * n2 / 12.0 * ((n + 1) - float((counts ** 3 - counts).sum()) / (n * (n - 1)))
+    if var <= 0:
+        return 0.0, 1.0
+    z = (u - n1 * n2 / 2.0) / math.sqrt(var)
+    return z, 0.5 * math.erfc(z / math.sqrt(2.0))
+
+
+@dataclass(frozen=True)
+class DriftTest:
+    """|Δ| of a spec path against a reference noise sample.
+
+    ``ratio`` is the effect size: the largest of the quantile ratios spec/reference over
+    :data:`EFFECT_QUANTILES`; ``ks`` the one-sided KS distance D+; ``p`` the one-sided
+    Mann-Whitney p-value. ``drifted``: ratio > ``max_ratio`` and p < ``alpha`` (and enough
+    positions on both sides)."""
+
+    spec: DeltaSummary
+    reference: DeltaSummary
+    ratio: float
+    ks: float
+    p: float
+    max_ratio: float
+    alpha: float
+    drifted: bool
+
+
+def drift_test(sample, reference, max_ratio: float, alpha: float, min_n: int = 50) -> DriftTest:
+    """Is ``sample`` (|Δ| of the spec path) shifted up against ``reference`` (|Δ| of the
+    engine's own path noise) by more than ``max_ratio`` at the median or p90, with a one-sided
+    rank-test p-value below ``alpha``? Fewer than ``min_n`` finite values on either side: never
+    drifted (too little evidence either way; the caller says so)."""
+    if not max_ratio > 0 or not 0 < alpha <= 1:
+        raise ValueError(f"drift_test: max_ratio must be > 0 and alpha in (0, 1], got {max_ratio}, {alpha}")
+    s = np.asarray(sample, dtype=np.float64).ravel()
+    r = np.asarray(reference, dtype=np.float64).ravel()
+    s, r = s[np.isfinite(s)], r[np.isfinite(r)]
+    ss, rs = summarize(s), summarize(r)
+    if len(s) < min_n or len(r) < min_n:
+        return DriftTest(ss, rs, math.nan, 0.0, 1.0, max_ratio, alpha, False)
+    qs, qr = np.quantile(s, EFFECT_QUANTILES), np.quantile(r, EFFECT_QUANTILES)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = np.where(qr > 0, qs / np.where(qr > 0, qr, 1.0), np.where(qs > 0, np.inf, 1.0))
+    ratio = float(np.max(ratios))
+    d = ks_greater(s, r)[0]
+    p = rank_test_greater(s, r)[1]
+    return DriftTest(ss, rs, ratio, d, p, max_ratio, alpha, bool(ratio > max_ratio and p < alpha))
+
+
+@dataclass(frozen=True)
+class FlipBudget:
+    """Teacher-forced flips against what the path noise predicts.
+
+    ``at_risk``: positions whose baseline margin is at most the noise level (the p99 of the
+    noise sample); ``expected``: Σ over positions of P(noise ≥ margin), the noise sample's
+    survival function at each margin; ``allowed``: the most flips the policy tolerates."""
+
+    flips: int
+    positions: int
+    at_risk: int
+    expected: float
+    allowed: int
+
+    @property
+    def excess(self) -> bool:
+        return self.flips > self.allowed
+
+
+def flip_budget(margins, flips: int, noise_sample, multiple: float, slack: int) -> FlipBudget:
+    """How many flips the noise explains: ``allowed = ceil(multiple × expected + slack ×
+    sqrt(expected) + slack)`` -- a multiple of the expectation plus a Poisson-like allowance
+    so that few expected flips still leave room for a handful. Positions with a non-finite
+    margin are left out."""
+    m = np.asarray(margins, dtype=np.float64).ravel()
+    m = m[np.isfinite(m)]
+    noise = np.sort(np.asarray(noise_sample, dtype=np.float64).ravel())
+    noise = noise[np.isfinite(noise)]
+    if len(noise):
+        survival = 1.0 - np.searchsorted(noise, m, side="left") / len(noise)
+        level = float(np.quantile(noise, 0.99))
+    else:
+        survival, level = np.zeros(len(m)), 0.0
+    expected = float(survival.sum())
+    at_risk = int(np.count_nonzero(m <= level))
+    allowed = int(math.ceil(multiple * expected + slack * math.sqrt(expected) + slack))
+    return FlipBudget(int(flips), len(m), at_risk, expected, allowed)
