@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import numpy as np
-from rapidfuzz.distance import Indel
 
 
 def _stream(x, name: str) -> np.ndarray:
@@ -67,6 +66,8 @@ def unique_completions(streams: Sequence[np.ndarray]) -> int:
 
 def text_similarity(a: str, b: str) -> float:
     """rapidfuzz normalized Indel similarity of two decoded texts, in [0, 1] (1 = equal)."""
+    from rapidfuzz.distance import Indel  # here, so that importing verify/ needs no rapidfuzz
+
     return float(Indel.normalized_similarity(a, b))
 
 
