@@ -11,7 +11,8 @@ from speccheck.policy import Policy
 from speccheck.report import markdown_report
 from speccheck.store import Store
 from speccheck.types import Completion, RunRecord, Scored, SpecConfig, SpecCounters
-from speccheck.verify import (abs_deltas, drift_test, flip_budget, ks_greater, paired_deltas,
+from speccheck.verify import (abs_deltas, drift_test, flip_budget, hodges_lehmann, ks_greater,
+                              paired_deltas, typical_ratio,
                               paired_drift_test, rank_test_greater, signed_rank_test_greater,
                               summarize)
 
@@ -105,6 +106,22 @@ def test_signed_rank_against_the_exact_distribution():
             d = a - b
             t_obs = int((np.argsort(np.argsort(np.abs(d))) + 1)[d > 0].sum())
             assert signed_rank_test_greater(a, b)[1] == pytest.approx(survival[t_obs], abs=0.005)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=1, max_size=60))
+def test_hodges_lehmann_is_the_median_of_walsh_averages(xs):
+    d = np.asarray(xs)
+    walsh = ((d[:, None] + d[None, :]) / 2)[np.triu_indices(len(d))]
+    assert hodges_lehmann(d) == pytest.approx(float(np.median(walsh)), rel=1e-9, abs=1e-9)
+
+
+def test_typical_ratio_reads_as_times_the_reference():
+    b = np.random.default_rng(2).gamma(0.5, 1.0, 501)  # heavy-tailed, like |Δ|
+    assert typical_ratio(b, b) == 1.0
+    assert typical_ratio(1.1 * b, b) == pytest.approx(1.1) and typical_ratio(b, 3 * b) == pytest.approx(1 / 3)
+    assert typical_ratio([0.0, 2.0, 4.0, 6.0, 1.0], [1.0, 1.0, 2.0, 3.0, 0.0]) == pytest.approx(2.0)  # pairs with a 0 left out
+    assert typical_ratio([0.0], [0.0]) == 1.0
 
 
 def test_paired_deltas_stop_at_the_first_divergence():

@@ -9,9 +9,9 @@ from speccheck.verify.boundaries import Boundary, boundary_divergence, stop_toke
 from speccheck.verify.divergence import (END, Divergence, find_divergences,
                                          teacher_forced_agreement, teacher_forced_divergences)
 from speccheck.verify.logprobs import (DeltaSummary, DriftTest, FlipBudget, PairedDriftTest,
-                                       abs_deltas, drift_test, flip_budget, ks_greater,
-                                       paired_deltas, paired_drift_test, rank_test_greater,
-                                       signed_rank_test_greater, summarize)
+                                       abs_deltas, drift_test, flip_budget, hodges_lehmann,
+                                       ks_greater, paired_deltas, paired_drift_test, rank_test_greater,
+                                       typical_ratio, signed_rank_test_greater, summarize)
 from speccheck.verify.margins import (CLASSES, SEVERITY, Classification, calibrate_thresholds,
                                       classify_divergence, margins, path_noise, rank_of)
 from speccheck.verify.ties import canonical_rows, canonical_topk
@@ -26,7 +26,7 @@ __all__ = [
     "END", "Divergence", "find_divergences", "teacher_forced_agreement", "teacher_forced_divergences",
     "DeltaSummary", "DriftTest", "FlipBudget", "abs_deltas", "drift_test", "flip_budget",
     "ks_greater", "rank_test_greater", "summarize", "PairedDriftTest", "paired_deltas",
-    "paired_drift_test", "signed_rank_test_greater",
+    "paired_drift_test", "signed_rank_test_greater", "hodges_lehmann", "typical_ratio",
     "CLASSES", "SEVERITY", "Classification", "calibrate_thresholds", "classify_divergence",
     "margins", "path_noise", "rank_of",
     "canonical_rows", "canonical_topk",

@@ -212,20 +212,62 @@ def signed_rank_test_greater(a, b) -> tuple[float, float]:
     return z, 0.5 * math.erfc(z / math.sqrt(2.0))
 
 
-def _median_ratio(a: np.ndarray, b: np.ndarray) -> float:
-    """median(a) / median(b): inf where only b's median is 0, 1 where both are."""
-    ma, mb = float(np.median(a)), float(np.median(b))
-    if mb > 0:
-        return ma / mb
-    return math.inf if ma > 0 else 1.0
+def hodges_lehmann(d) -> float:
+    """The Hodges-Lehmann estimate of the shift of paired differences ``d``: the median of
+    the Walsh averages ``(d_i + d_j) / 2`` over ``i <= j`` (the estimator that goes with the
+    signed-rank test). Found by bisection on the value, counting averages below it with a
+    sorted search, so it costs O(n log n) per step instead of the O(n^2) of listing them.
+    NaN for an empty sample."""
+    x = np.sort(np.asarray(d, dtype=np.float64).ravel())
+    x = x[np.isfinite(x)]
+    n = len(x)
+    if not n:
+        return math.nan
+    total = n * (n + 1) // 2
+    idx = np.arange(n)
+
+    def at_most(v: float) -> int:  # how many Walsh averages are <= v
+        k = np.searchsorted(x, 2.0 * v - x, side="right")
+        return int(np.maximum(k - idx, 0).sum())
+
+    def kth(k: int) -> float:  # the k-th smallest Walsh average (1-based)
+        lo, hi = float(x[0]), float(x[-1])
+        for _ in range(200):
+            mid = 0.5 * (lo + hi)
+            if mid <= lo or mid >= hi:
+                break
+            if at_most(mid) >= k:
+                hi = mid
+            else:
+                lo = mid
+        return lo if at_most(lo) >= k else hi
+
+    if total % 2:
+        return kth(total // 2 + 1)
+    return 0.5 * (kth(total // 2) + kth(total // 2 + 1))
+
+
+def typical_ratio(a, b) -> float:
+    """The paired effect size: how many times ``b[i]`` ``a[i]`` typically is -- exp of the
+    Hodges-Lehmann estimate of log(a/b) over the pairs where both are positive (a pair with a
+    0 has no ratio; the signed-rank test still counts it). Scale-true: ``a = c b`` gives
+    exactly c, whatever the shape of b. 1.0 when no pair has both sides positive."""
+    a = np.asarray(a, dtype=np.float64).ravel()
+    b = np.asarray(b, dtype=np.float64).ravel()
+    both = (a > 0) & (b > 0) & np.isfinite(a) & np.isfinite(b)
+    if not both.any():
+        return 1.0
+    return float(math.exp(hodges_lehmann(np.log(a[both]) - np.log(b[both]))))
 
 
 @dataclass(frozen=True)
 class PairedDriftTest:
     """|Δ| of the spec path against the baseline's own decode path at the same positions
     (same context, same token, same prefill reference): ``spec`` and ``reference`` summarise
-    the two sides, ``ratio`` (the effect size) is median(spec) / median(reference), ``p`` the
-    one-sided Wilcoxon signed-rank p-value. ``drifted``: ratio > ``max_ratio`` and p <
+    the two sides, ``ratio`` (the effect size) is :func:`typical_ratio` (a ratio of the two
+    medians would say little: |Δ| is heavy-tailed and coarsely rounded, clean pairs on the
+    reference engine's selftest corpus gave a median ratio of 1.76 at a typical per-position
+    ratio of 1.00), ``p`` the one-sided Wilcoxon signed-rank p-value. ``drifted``: ratio > ``max_ratio`` and p <
     ``alpha`` (and at least ``min_n`` pairs)."""
 
     spec: DeltaSummary
@@ -262,7 +304,7 @@ def paired_drift_test(spec, reference, max_ratio: float, alpha: float,
     ss, rs = summarize(s), summarize(r)
     if len(s) < min_n:
         return PairedDriftTest(ss, rs, math.nan, 1.0, max_ratio, alpha, False)
-    ratio = _median_ratio(s, r)
+    ratio = typical_ratio(s, r)
     p = signed_rank_test_greater(s, r)[1]
     return PairedDriftTest(ss, rs, ratio, p, max_ratio, alpha, bool(ratio > max_ratio and p < alpha))
 
