@@ -269,6 +269,53 @@ def test_drift_below_every_near_tie_fails_as_a_distribution(tmp_path):
     assert "logprobs_consistent failed for config mtp-k3" in gate_text(res)
 
 
+def _paired_suite(tmp_path, spec_factor, n=60, diverge_at=None):
+    """Two prompts of ``n`` tokens whose |Δ| is heavy-tailed (each position its own
+    sensitivity, as a flat softmax moves more): the baseline's decode path is off the prefill
+    path by ``site`` at each position, the spec path by ``spec_factor x site``. With
+    ``diverge_at``, the spec output of prompt a takes another token there (and keeps it)."""
+    rng = np.random.default_rng(11)
+    s = Store(tmp_path).suite("p", {"corpus_hash": "h", "engine": "t", "corpus": "c"})
+    toks = {p: rng.integers(0, V, n) for p in "ab"}
+    site = {p: rng.gamma(0.3, 0.01, n) for p in "ab"}
+    for name, factor in (("baseline", 1.0), ("mtp-k3", spec_factor)):
+        comps, scored = [], []
+        for p, t in toks.items():
+            t = t.copy()
+            if name != "baseline" and p == "a" and diverge_at is not None:
+                t[diverge_at:] = (t[diverge_at:] + 1) % V
+            ids, lp = _rows(t, np.random.default_rng(0), 0.0)  # the prefill path: exact rows
+            prefill = lp[:, 0].astype(np.float64)
+            spec = SpecCounters(20, 60, 39, [20, 12, 7]) if name != "baseline" else None
+            comps.append(Completion(p, [1, 2], t, (prefill - factor * site[p]).astype(np.float32), ids, lp,
+                                    ttft_s=0.01, decode_s=0.1, spec=spec))
+            scored.append(Scored(ids, lp, lp[:, 0]))
+        s.write_run(RunRecord(SpecConfig.from_name(name), {"engine": "t"}, "c", "h", 0, False, completions=comps))
+        s.write_rescore(name, 0, list(toks), scored)
+    return s
+
+
+def test_paired_test_catches_drift_the_unpaired_test_misses(tmp_path):
+    """1.5x the decode path's |Δ| at every position, 120 positions of heavy-tailed noise: the
+    two samples overlap too much for the unpaired rank test; position by position the spec
+    side is larger every time."""
+    r = evaluate_suite(_paired_suite(tmp_path / "drift", 1.5), Policy()).get("mtp-k3")
+    lc = r.logprobs
+    assert not lc.drift.drifted and lc.drift.p > ALPHA
+    assert lc.paired.n == 120 and lc.paired.ratio == pytest.approx(1.5) and lc.paired.p < ALPHA
+    c = r.check("logprobs_consistent")
+    assert not c.passed and "drifted from the baseline's decode path at the same positions" in c.message
+    clean = evaluate_suite(_paired_suite(tmp_path / "clean", 1.0), Policy()).get("mtp-k3")
+    assert clean.logprobs.paired.ratio == 1.0 and not clean.logprobs.paired.drifted
+    assert clean.check("logprobs_consistent").passed, clean.check("logprobs_consistent").message
+    assert "paired:" in clean.check("logprobs_consistent").message
+
+
+def test_paired_positions_end_at_the_first_divergence(tmp_path):
+    r = evaluate_suite(_paired_suite(tmp_path, 1.0, diverge_at=25), Policy()).get("mtp-k3")
+    assert r.logprobs.paired.n == 60 + 25
+
+
 def test_golden_sample_is_a_second_reference(tmp_path):
     s = _suite(tmp_path, spec_noise=0.002, base_noise=0.004)  # the kernel path is noisier
     assert evaluate_suite(s, Policy()).get("mtp-k3").check("logprobs_consistent").passed
