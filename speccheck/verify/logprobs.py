@@ -8,7 +8,10 @@ is compared, as a sample, with a sample of the engine's own path noise: the effe
 of quantiles) says whether the shift matters, a one-sided Mann-Whitney rank test says whether
 it is more than chance (the Kolmogorov-Smirnov distance D+ is reported beside it). With
 thousands of positions any difference is "significant", so both must hold before a config
-fails.
+fails. Where spec and baseline still share context and token (before a prompt's first
+divergence) the two |Δ| are also compared position by position, against the same prefill
+logprob: a paired signed-rank test, far more powerful on a small corpus because each
+position's own sensitivity cancels.
 
 Pure numpy; no scipy.
 """
