@@ -19,6 +19,7 @@ from speccheck.verify import (
     Acceptance,
     DriftTest,
     FlipBudget,
+    PairedDriftTest,
     Boundary,
     Divergence,
     acceptance_mismatches,
@@ -32,6 +33,8 @@ from speccheck.verify import (
     find_divergences,
     flip_budget,
     margins,
+    paired_deltas,
+    paired_drift_test,
     path_noise,
     stop_tokens,
     teacher_forced_agreement,
@@ -101,8 +104,9 @@ class LogprobConsistency:
     """The spec engine's reported logprobs against the baseline's teacher-forced logprobs of
     the same tokens in the same context (positions where both chose the token): one by one
     against ``limit``, as a distribution against the engine's own kernel-path noise (and the
-    golden's sample of this config, when recorded), and the teacher-forced flips against what
-    that noise predicts."""
+    golden's sample of this config, when recorded), position by position against the
+    baseline's own decode path where both outputs still share context and token (``paired``),
+    and the teacher-forced flips against what that noise predicts."""
 
     positions: int
     limit: float
@@ -111,6 +115,7 @@ class LogprobConsistency:
     drift: DriftTest
     golden_drift: DriftTest | None
     flips: FlipBudget
+    paired: PairedDriftTest | None = None
 
 
 @dataclass
@@ -316,8 +321,29 @@ def spec_delta_sample(suite: Suite, name: str) -> np.ndarray:
     return d[np.isfinite(d)]
 
 
+def paired_logprob_deltas(base: RunRecord, base_scored: dict | None,
+                          run: RunRecord) -> tuple[np.ndarray, np.ndarray]:
+    """``(a, b)`` over every prompt's shared prefix with the baseline (same context, same
+    token): a = |spec-reported - baseline prefill logprob|, b = |baseline decode-path - the
+    same prefill logprob| (:func:`verify.paired_deltas`); empty without the baseline's
+    rescoring."""
+    by_prompt = base.by_prompt()
+    a, b = [np.zeros(0)], [np.zeros(0)]
+    for c in run.completions:
+        bc, bs = by_prompt.get(c.prompt_id), (base_scored or {}).get(c.prompt_id)
+        if bc is None or bs is None or len(bs.token_logprobs) != bc.n_tokens:
+            continue
+        pa, pb = paired_deltas(c.token_ids, c.logprobs, bc.token_ids, bc.logprobs, bs.token_logprobs)
+        a.append(pa)
+        b.append(pb)
+    return np.concatenate(a), np.concatenate(b)
+
+
 def logprob_consistency(ev: LogprobEvidence, flips: int, noise: float, kernel_noise: np.ndarray,
-                        policy: Policy, golden_sample: np.ndarray | None = None) -> LogprobConsistency:
+                        policy: Policy, golden_sample: np.ndarray | None = None,
+                        paired: tuple[np.ndarray, np.ndarray] | None = None) -> LogprobConsistency:
+    """``paired``: :func:`paired_logprob_deltas` (the spec path's |Δ| and the baseline decode
+    path's at the same positions); None leaves the paired test out."""
     limit = max(policy.logprob_floor, policy.logprob_noise_multiple * noise)
     d = ev.deltas
     bad = np.flatnonzero(~(d <= limit))  # NaN on one side is over the limit too
@@ -329,7 +355,9 @@ def logprob_consistency(ev: LogprobEvidence, flips: int, noise: float, kernel_no
     gold = (drift_test(finite, golden_sample, policy.max_logprob_drift, policy.logprob_drift_alpha)
             if golden_sample is not None and len(golden_sample) else None)
     budget = flip_budget(ev.margins, flips, kernel_noise, policy.flip_noise_multiple, policy.flip_slack)
-    return LogprobConsistency(len(d), limit, over, len(bad), drift, gold, budget)
+    pair = (paired_drift_test(paired[0], paired[1], policy.max_logprob_drift, policy.logprob_drift_alpha)
+            if paired is not None else None)
+    return LogprobConsistency(len(d), limit, over, len(bad), drift, gold, budget, pair)
 
 
 def decoded_context(detok, comp: Completion, pos: int, width: int = 8) -> str:
@@ -551,7 +579,8 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
             result.logprobs = logprob_consistency(
                 logprob_evidence(run0, scored), len(_token_divergences(result.tf_divergences)), noise,
                 kernel_noise if kernel_noise is not None else kernel_noise_sample(suite), policy,
-                (golden_noise or {}).get(name))
+                (golden_noise or {}).get(name),
+                paired_logprob_deltas(base_ok[0], suite.load_rescore("baseline", base_ok[0].repeat), run0))
 
         spec = run0.spec_total()
         if spec is not None and is_spec:
@@ -725,6 +754,12 @@ def _drift_str(t: DriftTest, against: str) -> str:
             f"(max {t.max_ratio:.2f}), KS D+ {t.ks:.3f}, rank-test p {t.p:.2g}")
 
 
+def _paired_str(t: PairedDriftTest) -> str:
+    return (f"|Δ| median {t.spec.median:.4f} nats vs the baseline decode path's {t.reference.median:.4f} "
+            f"over {t.n} shared positions: ratio {t.ratio:.2f} (max {t.max_ratio:.2f}), "
+            f"signed-rank p {t.p:.2g}")
+
+
 def _logprobs_check(lc: LogprobConsistency | None, noise_missing: str | None = None) -> Check:
     """logprobs_consistent: where spec and baseline chose the same token in the same context,
     the spec engine's reported logprob is the baseline's up to path noise -- one by one, as a
@@ -742,12 +777,17 @@ def _logprobs_check(lc: LogprobConsistency | None, noise_missing: str | None = N
     for t, against in ((lc.drift, "kernel-path noise"), (lc.golden_drift, "golden")):
         if t is not None and t.drifted:
             problems.append(f"logprobs drifted from the {against}: {_drift_str(t, against)}")
+    if lc.paired is not None and lc.paired.drifted:
+        problems.append("logprobs drifted from the baseline's decode path at the same positions: "
+                        + _paired_str(lc.paired))
     f = lc.flips
     flips = (f"{f.flips} teacher-forced flip(s) where the noise predicts {f.expected:.1f} "
              f"({f.at_risk} of {f.positions} positions within the noise level; at most {f.allowed})")
     if f.excess:
         problems.append("more flips than the path noise explains: " + flips)
     summary = _drift_str(lc.drift, "kernel-path noise") + "; " + flips
+    if lc.paired is not None:
+        summary += "; paired: " + _paired_str(lc.paired)
     if lc.golden_drift is not None:
         summary += "; golden ratio " + f"{lc.golden_drift.ratio:.2f}, p {lc.golden_drift.p:.2g}"
     return Check("logprobs_consistent", not problems,

@@ -11,7 +11,9 @@ from speccheck.policy import Policy
 from speccheck.report import markdown_report
 from speccheck.store import Store
 from speccheck.types import Completion, RunRecord, Scored, SpecConfig, SpecCounters
-from speccheck.verify import (abs_deltas, drift_test, flip_budget, ks_greater, rank_test_greater,
+from speccheck.verify import (abs_deltas, drift_test, flip_budget, hodges_lehmann, ks_greater,
+                              paired_deltas, typical_ratio,
+                              paired_drift_test, rank_test_greater, signed_rank_test_greater,
                               summarize)
 
 ALPHA, RATIO = Policy().logprob_drift_alpha, Policy().max_logprob_drift
@@ -71,6 +73,113 @@ def test_a_sample_scaled_up_2x_drifts(seed, shape, scale, n):
     x = np.random.default_rng(seed).gamma(shape, scale, n)
     assert drift_test(2 * x, x, RATIO, ALPHA).drifted
     assert not drift_test(1.1 * x, x, RATIO, ALPHA).drifted
+
+
+def test_signed_rank_matches_a_hand_computed_case():
+    """d = a - b = [0, 1, -2, 3, 3]: Pratt ranks |d| 1..5 with the zero first and the tied 3s
+    at 4.5 each: T+ = 2 + 4.5 + 4.5 = 11, mean (30 - 2)/4 = 7, variance (330 - 6)/24 - 6/48,
+    continuity correction 0.5."""
+    z, p = signed_rank_test_greater([0, 1, 0, 3, 3], [0, 0, 2, 0, 0])
+    assert z == pytest.approx((11 - 7 - 0.5) / np.sqrt(324 / 24 - 6 / 48))
+    assert p == pytest.approx(0.5 * __import__("math").erfc(z / np.sqrt(2)))
+    assert signed_rank_test_greater([1, 2], [1, 2]) == (0.0, 1.0)  # nothing but zeros
+    assert (signed_rank_test_greater([1, np.nan, 3, 4, 5], [0, 0, np.inf, 0, 0])
+            == signed_rank_test_greater([1, 4, 5], [0, 0, 0]))  # non-finite pairs dropped
+    with pytest.raises(ValueError):
+        signed_rank_test_greater([1, 2], [1])
+
+
+def test_signed_rank_against_the_exact_distribution():
+    """From 20 distinct |d| (the fewest pairs the drift test judges) the normal approximation
+    stays within 0.005 of the exact one-sided p-value (the null distribution of T+ counted
+    over all 2^n sign patterns by dynamic programming), at every observed T+."""
+    for n in (20, 35):
+        counts = np.zeros(n * (n + 1) // 2 + 1)
+        counts[0] = 1
+        for r in range(1, n + 1):  # subsets of {1..n} by their sum
+            counts[r:] = counts[r:] + counts[:-r].copy()
+        survival = np.cumsum(counts[::-1])[::-1] / 2.0 ** n  # P(T+ >= t)
+        rng = np.random.default_rng(n)
+        b = rng.exponential(1.0, n)
+        for shift in (-0.5, 0.0, 0.3, 0.8, 1.5):
+            a = b + rng.normal(shift, 1.0, n)
+            d = a - b
+            t_obs = int((np.argsort(np.argsort(np.abs(d))) + 1)[d > 0].sum())
+            assert signed_rank_test_greater(a, b)[1] == pytest.approx(survival[t_obs], abs=0.005)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=1, max_size=60))
+def test_hodges_lehmann_is_the_median_of_walsh_averages(xs):
+    d = np.asarray(xs)
+    walsh = ((d[:, None] + d[None, :]) / 2)[np.triu_indices(len(d))]
+    assert hodges_lehmann(d) == pytest.approx(float(np.median(walsh)), rel=1e-9, abs=1e-9)
+
+
+def test_typical_ratio_reads_as_times_the_reference():
+    b = np.random.default_rng(2).gamma(0.5, 1.0, 501)  # heavy-tailed, like |Δ|
+    assert typical_ratio(b, b) == 1.0
+    assert typical_ratio(1.1 * b, b) == pytest.approx(1.1) and typical_ratio(b, 3 * b) == pytest.approx(1 / 3)
+    assert typical_ratio([0.0, 2.0, 4.0, 6.0, 1.0], [1.0, 1.0, 2.0, 3.0, 0.0]) == pytest.approx(2.0)  # pairs with a 0 left out
+    assert typical_ratio([0.0], [0.0]) == 1.0
+
+
+def test_paired_deltas_stop_at_the_first_divergence():
+    a, b = paired_deltas([5, 6, 7, 8], [-0.1, -0.2, -0.3, -0.4], [5, 6, 9, 8, 1],
+                         [-0.15, -0.2, -0.3, -0.4, -0.5], [-0.1, -0.25, -0.3, -0.4, -0.5])
+    assert a == pytest.approx([0.0, 0.05]) and b == pytest.approx([0.05, 0.05])
+    assert [len(x) for x in paired_deltas([1], [0.0], [1, 2], [0.0, 0.0], [0.0, 0.0])] == [1, 1]
+
+
+def _gamma_pairs(seed, shape, scale, n):
+    """|Δ| pairs shaped like path noise: each position has its own sensitivity (a flat
+    softmax moves more), which both paths share, times each path's own rounding."""
+    rng = np.random.default_rng(seed)
+    site = rng.gamma(shape, scale, n)
+    return site * rng.gamma(4.0, 0.25, n), site * rng.gamma(4.0, 0.25, n)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0, 10, allow_nan=False), min_size=0, max_size=400))
+def test_identical_pairs_never_drift(xs):
+    t = paired_drift_test(xs, xs, RATIO, ALPHA)
+    assert not t.drifted and t.p == 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), shape=st.floats(0.5, 3.0), scale=st.floats(1e-4, 1.0),
+       n=st.integers(20, 2000))
+def test_pairs_with_a_scaled_2x_drift_and_swapped_never(seed, shape, scale, n):
+    """The spec side 2x the decode path's |Δ| (on pairs that differ position by position)
+    fails from 20 pairs (the least the test judges); the same pairs swapped never fail (one-sided), nor does a 1.1x
+    scaling (no effect)."""
+    _, b = _gamma_pairs(seed, shape, scale, n)
+    assert paired_drift_test(2 * b, b, RATIO, ALPHA).drifted
+    assert not paired_drift_test(b, 2 * b, RATIO, ALPHA).drifted
+    assert not paired_drift_test(1.1 * b, b, RATIO, ALPHA).drifted
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 10, allow_nan=False), st.floats(0, 10, allow_nan=False)),
+                min_size=0, max_size=400))
+def test_swapping_the_sides_never_drifts_both_ways(pairs):
+    """Whatever the pairs, a drift one way and a drift the other way exclude each other: the
+    signed-rank statistic changes sign when the sides swap (less the continuity correction,
+    which is conservative both ways)."""
+    a = [x for x, _ in pairs]
+    b = [y for _, y in pairs]
+    pa, pb = signed_rank_test_greater(a, b)[1], signed_rank_test_greater(b, a)[1]
+    assert pa + pb >= 1.0 - 1e-9
+    assert not (paired_drift_test(a, b, RATIO, ALPHA).drifted and paired_drift_test(b, a, RATIO, ALPHA).drifted)
+
+
+def test_paired_needs_enough_pairs_and_an_effect():
+    a, b = _gamma_pairs(0, 1.0, 0.002, 5000)
+    assert not paired_drift_test(3 * b[:19], b[:19], RATIO, ALPHA).drifted  # too few pairs
+    small = paired_drift_test(1.05 * b, b, RATIO, ALPHA)  # significant, but no effect
+    assert small.p < ALPHA and small.ratio < RATIO and not small.drifted
+    same = paired_drift_test(a, b, RATIO, ALPHA)  # two independent draws of the same noise
+    assert not same.drifted and same.ratio == pytest.approx(1.0, abs=0.1)
 
 
 def test_flip_budget_counts_what_noise_predicts():
@@ -158,6 +267,53 @@ def test_drift_below_every_near_tie_fails_as_a_distribution(tmp_path):
     c = r.check("logprobs_consistent")
     assert not c.passed and "drifted from the kernel-path noise" in c.message
     assert "logprobs_consistent failed for config mtp-k3" in gate_text(res)
+
+
+def _paired_suite(tmp_path, spec_factor, n=60, diverge_at=None):
+    """Two prompts of ``n`` tokens whose |Δ| is heavy-tailed (each position its own
+    sensitivity, as a flat softmax moves more): the baseline's decode path is off the prefill
+    path by ``site`` at each position, the spec path by ``spec_factor x site``. With
+    ``diverge_at``, the spec output of prompt a takes another token there (and keeps it)."""
+    rng = np.random.default_rng(11)
+    s = Store(tmp_path).suite("p", {"corpus_hash": "h", "engine": "t", "corpus": "c"})
+    toks = {p: rng.integers(0, V, n) for p in "ab"}
+    site = {p: rng.gamma(0.3, 0.01, n) for p in "ab"}
+    for name, factor in (("baseline", 1.0), ("mtp-k3", spec_factor)):
+        comps, scored = [], []
+        for p, t in toks.items():
+            t = t.copy()
+            if name != "baseline" and p == "a" and diverge_at is not None:
+                t[diverge_at:] = (t[diverge_at:] + 1) % V
+            ids, lp = _rows(t, np.random.default_rng(0), 0.0)  # the prefill path: exact rows
+            prefill = lp[:, 0].astype(np.float64)
+            spec = SpecCounters(20, 60, 39, [20, 12, 7]) if name != "baseline" else None
+            comps.append(Completion(p, [1, 2], t, (prefill - factor * site[p]).astype(np.float32), ids, lp,
+                                    ttft_s=0.01, decode_s=0.1, spec=spec))
+            scored.append(Scored(ids, lp, lp[:, 0]))
+        s.write_run(RunRecord(SpecConfig.from_name(name), {"engine": "t"}, "c", "h", 0, False, completions=comps))
+        s.write_rescore(name, 0, list(toks), scored)
+    return s
+
+
+def test_paired_test_catches_drift_the_unpaired_test_misses(tmp_path):
+    """1.5x the decode path's |Δ| at every position, 120 positions of heavy-tailed noise: the
+    two samples overlap too much for the unpaired rank test; position by position the spec
+    side is larger every time."""
+    r = evaluate_suite(_paired_suite(tmp_path / "drift", 1.5), Policy()).get("mtp-k3")
+    lc = r.logprobs
+    assert not lc.drift.drifted and lc.drift.p > ALPHA
+    assert lc.paired.n == 120 and lc.paired.ratio == pytest.approx(1.5) and lc.paired.p < ALPHA
+    c = r.check("logprobs_consistent")
+    assert not c.passed and "drifted from the baseline's decode path at the same positions" in c.message
+    clean = evaluate_suite(_paired_suite(tmp_path / "clean", 1.0), Policy()).get("mtp-k3")
+    assert clean.logprobs.paired.ratio == 1.0 and not clean.logprobs.paired.drifted
+    assert clean.check("logprobs_consistent").passed, clean.check("logprobs_consistent").message
+    assert "paired:" in clean.check("logprobs_consistent").message
+
+
+def test_paired_positions_end_at_the_first_divergence(tmp_path):
+    r = evaluate_suite(_paired_suite(tmp_path, 1.0, diverge_at=25), Policy()).get("mtp-k3")
+    assert r.logprobs.paired.n == 60 + 25
 
 
 def test_golden_sample_is_a_second_reference(tmp_path):

@@ -8,9 +8,10 @@ from speccheck.verify.acceptance import (Acceptance, acceptance_mismatches, acce
 from speccheck.verify.boundaries import Boundary, boundary_divergence, stop_tokens
 from speccheck.verify.divergence import (END, Divergence, find_divergences,
                                          teacher_forced_agreement, teacher_forced_divergences)
-from speccheck.verify.logprobs import (DeltaSummary, DriftTest, FlipBudget, abs_deltas,
-                                       drift_test, flip_budget, ks_greater,
-                                       rank_test_greater, summarize)
+from speccheck.verify.logprobs import (DeltaSummary, DriftTest, FlipBudget, PairedDriftTest,
+                                       abs_deltas, drift_test, flip_budget, hodges_lehmann,
+                                       ks_greater, paired_deltas, paired_drift_test, rank_test_greater,
+                                       typical_ratio, signed_rank_test_greater, summarize)
 from speccheck.verify.margins import (CLASSES, SEVERITY, Classification, calibrate_thresholds,
                                       classify_divergence, margins, path_noise, rank_of)
 from speccheck.verify.ties import canonical_rows, canonical_topk
@@ -24,7 +25,8 @@ __all__ = [
     "Boundary", "boundary_divergence", "stop_tokens",
     "END", "Divergence", "find_divergences", "teacher_forced_agreement", "teacher_forced_divergences",
     "DeltaSummary", "DriftTest", "FlipBudget", "abs_deltas", "drift_test", "flip_budget",
-    "ks_greater", "rank_test_greater", "summarize",
+    "ks_greater", "rank_test_greater", "summarize", "PairedDriftTest", "paired_deltas",
+    "paired_drift_test", "signed_rank_test_greater", "hodges_lehmann", "typical_ratio",
     "CLASSES", "SEVERITY", "Classification", "calibrate_thresholds", "classify_divergence",
     "margins", "path_noise", "rank_of",
     "canonical_rows", "canonical_topk",
