@@ -582,15 +582,16 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
                 (golden_noise or {}).get(name),
                 paired_logprob_deltas(base_ok[0], suite.load_rescore("baseline", base_ok[0].repeat), run0))
 
-        spec = run0.spec_total()
-        if spec is not None and is_spec:
-            try:
-                result.acceptance = acceptance_summary(spec.drafts, spec.draft_tokens,
-                                                       spec.accepted_tokens, spec.accepted_per_pos)
-            except ValueError:  # impossible counters: counters_consistent names them
-                result.acceptance = None
-        if golden_acceptance and name in golden_acceptance:
-            result.golden_tokens_per_iter = golden_acceptance[name]
+    # what drafting bought needs no baseline: a spec config stored alone still shows it
+    spec = ok[0].spec_total() if ok else None
+    if spec is not None and is_spec:
+        try:
+            result.acceptance = acceptance_summary(spec.drafts, spec.draft_tokens,
+                                                   spec.accepted_tokens, spec.accepted_per_pos)
+        except ValueError:  # impossible counters: counters_consistent names them
+            result.acceptance = None
+    if golden_acceptance and name in golden_acceptance:
+        result.golden_tokens_per_iter = golden_acceptance[name]
 
     result.checks = _checks(result, policy, is_baseline=(name == "baseline"))
     return result
