@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 __all__ = ["test_deterministic", "test_batch_invariant", "test_concurrent_identical",
-           "test_agrees_with_baseline", "test_divergences_are_low_confidence",
+           "test_agrees_with_baseline", "test_divergences_are_low_confidence", "test_logprobs_consistent",
            "test_same_stopping", "test_counters_consistent", "test_acceptance_deterministic",
            "test_acceptance_not_regressed", "test_baseline_matches_golden"]
 
