@@ -353,6 +353,21 @@ def make_dataset(target, cfg, stream: np.ndarray, T: int, prompt_lens: list[int]
     return d
 
 
+def sample_blocks(by_plen: dict, plens: list[int], step: int, batch: int, n_anchors: int,
+                  T: int, bs: int, gen: torch.Generator, device):
+    """One training batch of drafter blocks: ``batch`` sequences of one prompt length (by
+    turns), ``n_anchors`` anchors at generated positions, and block lengths that are the full
+    block half of the time and a random cut (2..bs) otherwise, so that K below bs - 1 drafts
+    what it was trained on. Returns (rows, anchors, lengths)."""
+    P = plens[step % len(plens)]
+    pool = by_plen[P]
+    rows = pool[torch.randint(0, len(pool), (batch,), generator=gen).to(device)]
+    anchors = (P + torch.randperm(T - bs + 1 - P, generator=gen)[:n_anchors]).to(device)
+    cut = torch.randint(2, bs + 1, (len(anchors),), generator=gen)
+    full = torch.rand(len(anchors), generator=gen) < 0.5
+    return rows, anchors, torch.where(full, bs, cut).to(device)
+
+
 def block_loss(drafter: DFlashDrafter, cfg: ReferenceConfig, E: torch.Tensor, seq, aux, labels,
                anchors: torch.Tensor, lengths: torch.Tensor, gamma: float):
     """Blocks [x_p, mask...] at ``anchors`` (shared by the batch), block a cut to
@@ -474,13 +489,8 @@ def train_drafter_only(a) -> int:
         lr = sched.lr(step)
         for g in opt.param_groups:
             g["lr"] = lr
-        P = plens[step % len(plens)]
-        pool = by_plen[P]
-        rows = pool[torch.randint(0, len(pool), (a.batch,), generator=gen).to(device)]
-        anchors = (P + torch.randperm(T - bs + 1 - P, generator=gen)[: a.anchors]).to(device)
-        cut = torch.randint(2, bs + 1, (len(anchors),), generator=gen)
-        full = torch.rand(len(anchors), generator=gen) < 0.5
-        lengths = torch.where(full, bs, cut).to(device)
+        rows, anchors, lengths = sample_blocks(by_plen, plens, step, a.batch, a.anchors, T, bs,
+                                               gen, device)
         with autocast():
             loss, ok, valid = block_loss(drafter, cfg, E, data["seq"][rows], data["aux"][rows],
                                          data["labels"][rows], anchors, lengths, a.gamma)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from .dflash2 import (DFLASH2_FILE, DFlash2Drafter, candidates, init_from_dflash, load_dflash2,
                       save_dflash2, walk)
-from .train import StepSchedule, block_hidden, log, make_dataset, token_stream
+from .train import StepSchedule, block_hidden, log, make_dataset, sample_blocks, token_stream
 
 
 def dflash2_block_loss(d2: DFlash2Drafter, cfg, E, seq, aux, labels, anchors, lengths,
@@ -204,13 +204,8 @@ def train_dflash2(a) -> int:
         lr = sched.lr(step)
         for g in opt.param_groups:
             g["lr"] = lr
-        P = plens[step % len(plens)]
-        pool = by_plen[P]
-        rows = pool[torch.randint(0, len(pool), (a.batch,), generator=gen).to(device)]
-        anchors = (P + torch.randperm(T - bs + 1 - P, generator=gen)[: a.anchors]).to(device)
-        cut = torch.randint(2, bs + 1, (len(anchors),), generator=gen)
-        full = torch.rand(len(anchors), generator=gen) < 0.5
-        lengths = torch.where(full, bs, cut).to(device)
+        rows, anchors, lengths = sample_blocks(by_plen, plens, step, a.batch, a.anchors, T, bs,
+                                               gen, device)
         with autocast():
             body, selector, _, _, _, _ = dflash2_block_loss(
                 d2, cfg, E, data["seq"][rows], data["aux"][rows], data["labels"][rows], anchors,
