@@ -786,13 +786,18 @@ def _logprobs_check(lc: LogprobConsistency | None, noise_missing: str | None = N
              f"({f.at_risk} of {f.positions} positions within the noise level; at most {f.allowed})")
     if f.excess:
         problems.append("more flips than the path noise explains: " + flips)
-    summary = _drift_str(lc.drift, "kernel-path noise") + "; " + flips
-    if lc.paired is not None:
-        summary += "; paired: " + _paired_str(lc.paired)
-    if lc.golden_drift is not None:
-        summary += "; golden ratio " + f"{lc.golden_drift.ratio:.2f}, p {lc.golden_drift.p:.2g}"
-    return Check("logprobs_consistent", not problems,
-                 summary if not problems else "; ".join(problems) + f" ({summary})")
+    # the figures, each once: those a problem already quotes are not repeated after it
+    figures = [] if lc.drift is not None and lc.drift.drifted else [_drift_str(lc.drift, "kernel-path noise")]
+    figures += [] if f.excess else [flips]
+    if lc.paired is not None and not lc.paired.drifted:
+        figures.append("paired: " + _paired_str(lc.paired))
+    if lc.golden_drift is not None and not lc.golden_drift.drifted:
+        figures.append(f"golden ratio {lc.golden_drift.ratio:.2f}, p {lc.golden_drift.p:.2g}")
+    summary = "; ".join(figures)
+    if not problems:
+        return Check("logprobs_consistent", True, summary)
+    return Check("logprobs_consistent", False,
+                 "; ".join(problems) + (f" ({summary})" if summary else ""))
 
 
 NOTHING_COMPARED = "evidence missing: no prompt was compared with a baseline output"
