@@ -420,42 +420,17 @@ def drafter_eval(drafter, cfg, E, data: dict, B: int, gen: torch.Generator, auto
     return res
 
 
-def train_drafter_only(a) -> int:
-    """Train only the drafter on the frozen target of ``a.init``; write ``a.out`` with
-    model.safetensors / config.json / tokenizer.json copied unchanged."""
-    from safetensors.torch import save_file
-
-    from .engine import load_networks
-
-    init = a.init
-    if init is None or not (init / "model.safetensors").is_file():
-        raise SystemExit(f"--drafter-only needs --init DIR with a trained model.safetensors "
-                         f"(and config.json); got {init}")
-    if a.out.resolve() == init.resolve():
-        raise SystemExit("--out must differ from --init: the init weights are read while "
-                         "the output is written; copy the result over afterwards")
+def drafter_data(a, init: Path, cfg: ReferenceConfig, target, device):
+    """What both drafter-only trainings (DFlash, DFlash2) learn from: the frozen target's
+    greedy continuations of stdlib text (train and held-out), generated here. Returns
+    (tokenizer path, train data, held-out data, generator, prompt lengths, autocast)."""
     from tokenizers import Tokenizer
 
     from .data import held_out_split, training_texts
 
-    torch.manual_seed(a.seed)
-    device = torch.device(a.device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-    cfg, target, _, drafter, _ = load_networks(init)
-    if drafter is None or a.fresh:
-        drafter = DFlashDrafter(cfg)
-        init_weights(drafter, a.seed * 10 + 2)
-        log("drafter: fresh init")
-    else:
-        log(f"drafter: warm start from {init / 'drafter.safetensors'}")
-    target = target.to(device, torch.bfloat16).eval().requires_grad_(False)
-    drafter = drafter.to(device).train()
-    E = target.embed_tokens.weight.detach().float()  # autocast casts it back on cuda
     tok_path = init / "tokenizer.json" if (init / "tokenizer.json").is_file() \
         else WEIGHTS_DIR / "tokenizer.json"
     tok = Tokenizer.from_file(str(tok_path))
-
     t0 = time.time()
     train_texts, held_texts = held_out_split(training_texts(a.max_bytes))
     train = token_stream(train_texts, tok, cfg.eos_token_id)
@@ -477,6 +452,39 @@ def train_drafter_only(a) -> int:
     data = make_dataset(target, cfg, train, T, plens, a.gen_batch,
                         0 if a.gen_batches else a.gen_seconds, gen, device,
                         min_batches=a.gen_batches or len(plens))
+    return tok_path, data, held_d, gen, plens, autocast
+
+
+def train_drafter_only(a) -> int:
+    """Train only the drafter on the frozen target of ``a.init``; write ``a.out`` with
+    model.safetensors / config.json / tokenizer.json copied unchanged."""
+    from safetensors.torch import save_file
+
+    from .engine import load_networks
+
+    init = a.init
+    if init is None or not (init / "model.safetensors").is_file():
+        raise SystemExit(f"--drafter-only needs --init DIR with a trained model.safetensors "
+                         f"(and config.json); got {init}")
+    if a.out.resolve() == init.resolve():
+        raise SystemExit("--out must differ from --init: the init weights are read while "
+                         "the output is written; copy the result over afterwards")
+    torch.manual_seed(a.seed)
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    cfg, target, _, drafter, _ = load_networks(init)
+    if drafter is None or a.fresh:
+        drafter = DFlashDrafter(cfg)
+        init_weights(drafter, a.seed * 10 + 2)
+        log("drafter: fresh init")
+    else:
+        log(f"drafter: warm start from {init / 'drafter.safetensors'}")
+    target = target.to(device, torch.bfloat16).eval().requires_grad_(False)
+    drafter = drafter.to(device).train()
+    E = target.embed_tokens.weight.detach().float()  # autocast casts it back on cuda
+    tok_path, data, held_d, gen, plens, autocast = drafter_data(a, init, cfg, target, device)
+    T = a.seq
     log(f"before: {drafter_eval(drafter, cfg, E, held_d, 64, torch.Generator().manual_seed(7), autocast)}")
 
     opt = torch.optim.AdamW(param_groups([drafter], 0.01), lr=a.lr, betas=(0.9, 0.95), eps=1e-8,

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from .dflash2 import (DFLASH2_FILE, DFlash2Drafter, candidates, init_from_dflash, load_dflash2,
                       save_dflash2, walk)
-from .train import StepSchedule, block_hidden, log, make_dataset, sample_blocks, token_stream
+from .train import StepSchedule, block_hidden, drafter_data, log, sample_blocks
 
 
 def dflash2_block_loss(d2: DFlash2Drafter, cfg, E, seq, aux, labels, anchors, lengths,
@@ -131,9 +131,6 @@ def param_groups(d2: DFlash2Drafter, wd: float) -> list[dict]:
 
 
 def train_dflash2(a) -> int:
-    from tokenizers import Tokenizer
-
-    from .data import held_out_split, training_texts
     from .engine import WEIGHTS_DIR, load_networks
 
     init = a.init or WEIGHTS_DIR
@@ -166,32 +163,8 @@ def train_dflash2(a) -> int:
                 if "_conv." in n or n.startswith("candidate_selector."))
     log(f"params: dflash2 {sum(p.numel() for p in d2.parameters()):,} ({n_new:,} new)")
     E = target.embed_tokens.weight.detach().float()
-    tok_path = init / "tokenizer.json" if (init / "tokenizer.json").is_file() \
-        else WEIGHTS_DIR / "tokenizer.json"
-    tok = Tokenizer.from_file(str(tok_path))
-
-    t0 = time.time()
-    train_texts, held_texts = held_out_split(training_texts(a.max_bytes))
-    train = token_stream(train_texts, tok, cfg.eos_token_id)
-    held = token_stream(held_texts, tok, cfg.eos_token_id) if held_texts else train[-200_000:]
-    log(f"data: {len(train):,} train / {len(held):,} held-out tokens ({time.time() - t0:.1f}s)")
-    gen = torch.Generator().manual_seed(a.seed + 1)
-    plens = [int(x) for x in a.prompt_lens.split(",")]
-    T = a.seq
-    bs = cfg.drafter.block_size
-    if max(plens) > T - bs - 1:
-        raise SystemExit(f"--prompt-lens {a.prompt_lens}: each must be < --seq {T} minus "
-                         f"block_size+1 so that blocks fit in the generated part")
-    use_amp = device.type == "cuda"
-
-    def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp)
-
-    held_d = make_dataset(target, cfg, held, T, plens, a.gen_batch, 0, gen, device,
-                          min_batches=len(plens))
-    data = make_dataset(target, cfg, train, T, plens, a.gen_batch,
-                        0 if a.gen_batches else a.gen_seconds, gen, device,
-                        min_batches=a.gen_batches or len(plens))
+    tok_path, data, held_d, gen, plens, autocast = drafter_data(a, init, cfg, target, device)
+    T, bs = a.seq, cfg.drafter.block_size
     eval_b = min(64, len(held_d["seq"]))
     log(f"before: {dflash2_eval(d2, cfg, E, held_d, eval_b, torch.Generator().manual_seed(7), autocast)}")
 
