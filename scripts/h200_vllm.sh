@@ -17,7 +17,8 @@
 #
 #   bash scripts/h200_vllm.sh pack
 #       here, before the device calls: if the working tree plus one staged part would not fit
-#       in one 64 MiB transfer, split .stage/{A,B,C} into pieces under .stage/pieces/NN that
+#       in one 64 MiB transfer, split .stage/{A,B,C} (and D, FlashInfer, when
+#       scripts/stage_flashinfer.sh made it) into pieces under .stage/pieces/NN that
 #       do, and print the device calls; otherwise print that the plain A/B/C steps fit.
 #   bash scripts/h200_vllm.sh unpack DIR
 #       on the GPU box: keep the pieces carried in DIR under $PIECES and unpack every
@@ -136,7 +137,8 @@ pack() {
   cd "$R" || exit 2
   local tree budget fits=1
   tree=${TREE_MIB:-$(tree_mib)}; budget=$((61 - tree))
-  for p in A B C; do
+  for p in A B C D; do
+    [ -f ".stage/$p/$p.tar.xz" ] || continue  # D (FlashInfer) only after scripts/stage_flashinfer.sh
     local sz=$(( $(stat -c %s ".stage/$p/$p.tar.xz") / 1048576 + 1 ))
     [ "$sz" -gt "$budget" ] && fits=0
     echo "part $p: ${sz} MiB (budget per call with a ${tree} MiB tree: ${budget} MiB)"
@@ -147,7 +149,8 @@ pack() {
   python3 - "$budget" <<'PY'
 import os, sys
 budget = (int(sys.argv[1]) - 1) << 20
-parts = {p: open(f".stage/{p}/{p}.tar.xz", "rb").read() for p in "ABC"}
+parts = {p: open(f".stage/{p}/{p}.tar.xz", "rb").read() for p in "ABCD"
+         if os.path.exists(f".stage/{p}/{p}.tar.xz")}
 whl = sum(os.path.getsize(f".stage/whl/{f}") for f in os.listdir(".stage/whl")) \
     if os.path.isdir(".stage/whl") else 0
 calls, room = [[]], budget - whl
@@ -178,7 +181,7 @@ unpack() {
   fi
   mkdir -p $PIECES "$SITE"
   cp "$dir"/* $PIECES/ || exit 3
-  for p in A B C; do
+  for p in A B C D; do
     f=$(ls $PIECES/"$p".of* 2>/dev/null | head -1)
     [ -n "$f" ] || continue
     m=${f#$PIECES/$p.of}; m=${m%%.*}

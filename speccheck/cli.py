@@ -154,6 +154,10 @@ run_options = [
                  help="Logprobs kept per position (the margin needs 2)."),
     click.option("--engine-arg", "engine_args", multiple=True, help=ENGINE_ARG_HELP),
     click.option("--no-attribution", is_flag=True, help="Skip kernel-path attribution of divergences."),
+    click.option("--attribution-paths", "attribution_paths", default=None, metavar="GLOBS",
+                 help="Attribute only with the kernel paths whose labels match these comma-separated "
+                      "globs, e.g. 'decode*,verify*' (default: all; each path costs an engine start; "
+                      "the run log lists the labels)."),
     click.option("--concurrent", default=2, show_default=True, type=click.IntRange(0, 64),
                  help="Also run each config on the whole corpus at once, every prompt N times: "
                       "batch-composition invariance and N identical concurrent requests (0: off)."),
@@ -189,7 +193,7 @@ def _attribute_with(items: tuple[str, ...], cls) -> dict[str, str]:
 
 def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args,
           no_attribution=False, base_url=None, served_model=None, api_key_env=None, concurrent=0,
-          attribute_with=(), max_tokens=None, ignore_eos=False):
+          attribute_with=(), max_tokens=None, ignore_eos=False, attribution_paths=None):
     from speccheck.runner import RunPlan
 
     from speccheck.engines import ENGINES
@@ -221,7 +225,9 @@ def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, eng
     return RunPlan(engine=engine, model=model, draft=draft, engine_args=args, corpus=corpus,
                    configs=matrix, repeats=repeats, top_k=top_k, attribute=not no_attribution,
                    concurrent=concurrent, attribute_with=_attribute_with(attribute_with, cls),
-                   max_tokens=max_tokens, ignore_eos=ignore_eos)
+                   max_tokens=max_tokens, ignore_eos=ignore_eos,
+                   attribution_paths=tuple(g.strip() for g in (attribution_paths or "").split(",")
+                                           if g.strip()))
 
 
 def _suite(store_dir: str, suite_id: str | None):
@@ -293,8 +299,8 @@ def main() -> None:
 @_apply(run_options)
 @store_option
 def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, top_k, engine_args,
-        no_attribution, concurrent, base_url, served_model, api_key_env, attribute_with, ignore_eos,
-        store_dir):
+        no_attribution, attribution_paths, concurrent, base_url, served_model, api_key_env, attribute_with,
+        ignore_eos, store_dir):
     """Run the matrix (baseline always included) into the store; resumes finished runs."""
     from speccheck.runner import run_suite
 
@@ -303,7 +309,8 @@ def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, 
                                TimeRemainingColumn)
 
     plan = _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args, no_attribution,
-                 base_url, served_model, api_key_env, concurrent, attribute_with, max_tokens, ignore_eos)
+                 base_url, served_model, api_key_env, concurrent, attribute_with, max_tokens, ignore_eos,
+                 attribution_paths)
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
