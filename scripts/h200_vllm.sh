@@ -11,8 +11,9 @@
 #       a path, e.g. Spec-Bench's question.jsonl, MAX_TOKENS its max_tokens); then
 #       attribution re-scores every divergence under vLLM's kernel variants; then diff, gate
 #       and report; then
-#       (time permitting) scripts/capture_vllm_fixtures.py for fixtures the run did not
-#       capture. Everything comes back under $OUT: run.log, summary.txt, h200.tgz (store,
+#       (time permitting, CAPTURE=1) scripts/capture_vllm_fixtures.py for fixtures the run did
+#       not capture. REPEATS, RUN_ARGS (more `speccheck run` options), EXTRA_ARGS (more
+#       --engine-arg options: one kernel switch flipped), ATTRIBUTION_PATHS, GPU_UTIL. Everything comes back under $OUT: run.log, summary.txt, h200.tgz (store,
 #       fixtures, worker logs, report). Stops launching work after DEADLINE_S (default 500).
 #
 #   bash scripts/h200_vllm.sh pack
@@ -37,6 +38,25 @@ GDN_PREFILL=${GDN_PREFILL:-}         # empty: vLLM's default (FlashInfer on SM90
 LEGACY_KERNELS=${LEGACY_KERNELS:-0}  # 1: enforce_eager + Triton GDN prefill, as before
 
 sc() { python3 -m speccheck.cli "$@"; }
+
+merge_corpora() {  # merge_corpora A+B+PATH DIR: one JSONL of built-ins and corpus files (Spec-Bench's
+  # question.jsonl is read through speccheck's importer, first turn, max_tokens ${MAX_TOKENS:-128})
+  python3 - "$1" "$2" "${MAX_TOKENS:-128}" <<'PY'
+import json, re, sys
+from speccheck.corpus import load_corpus
+names, out_dir, max_tokens = sys.argv[1].split("+"), sys.argv[2], int(sys.argv[3])
+path = f"{out_dir}/{re.sub(r'[^A-Za-z0-9]+', '_', '+'.join(n.split('/')[-1] for n in names))}.jsonl"
+with open(path, "w") as out:
+    for name in names:
+        for p in load_corpus(name, max_tokens=max_tokens).prompts:
+            rec = {"id": p.id, "category": p.category, "max_tokens": p.max_tokens}
+            rec.update({"messages": [dict(m) for m in p.messages]} if p.messages else {"text": p.text})
+            if getattr(p, "ignore_eos", False):
+                rec["ignore_eos"] = True
+            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+print(path)
+PY
+}
 left() { echo $((DEADLINE_S - SECONDS)); }
 
 run() {
@@ -58,10 +78,8 @@ run() {
     if [ ! -f "$ckpt/config.json" ] && [ ! -f "$ckpt/target/config.json" ]; then
       echo "== export-reference $ckpt"; sc export-reference "$ckpt" || exit 2
     fi
-    if [[ "$CORPUS" == *+* ]]; then  # e.g. smoke+code: one corpus file of several built-ins
-      local merged="$WORK/${CORPUS//+/_}.jsonl"; : > "$merged"
-      for c in ${CORPUS//+/ }; do cat "corpora/$c.jsonl" >> "$merged"; done
-      CORPUS=$merged
+    if [[ "$CORPUS" == *+* ]]; then  # e.g. smoke+code+PATH: one corpus file of several
+      CORPUS=$(merge_corpora "$CORPUS" "$WORK") || exit 2
     fi
     local target=$ckpt draft=$ckpt/drafter
     [ -f "$ckpt/target/config.json" ] && target=$ckpt/target
@@ -81,14 +99,17 @@ run() {
       GDN_PREFILL=${GDN_PREFILL:-triton}
     fi
     [ -n "$GDN_PREFILL" ] && ea+=(--engine-arg "additional_config={\"gdn_prefill_backend\": \"$GDN_PREFILL\"}")
+    [ -n "${GPU_UTIL:-}" ] && ea+=(--engine-arg "gpu_memory_utilization=$GPU_UTIL")  # room for a server beside
     echo "== kernel settings: attention=$ATTENTION gdn_prefill=${GDN_PREFILL:-vLLM default} legacy=$LEGACY_KERNELS"
     ea+=(--engine-arg dtype=bfloat16)
+    [ -n "${EXTRA_ARGS:-}" ] && read -r -a extra <<< "$EXTRA_ARGS" && ea+=("${extra[@]}")  # e.g. one switch flipped
     attempt() {  # attempt ARGS...: one `speccheck run` into the store, within the deadline
       echo "== run $* (t=${SECONDS}s, deadline ${DEADLINE_S}s)"
       [ "$(left)" -gt 20 ] || { echo "== skipped: deadline"; return 124; }
       timeout --kill-after=20 "$(left)" python3 -m speccheck.cli run --engine vllm \
-        --model "$target" --draft "$draft" --corpus "$CORPUS" --repeats 2 \
-        ${MAX_TOKENS:+--max-tokens "$MAX_TOKENS"} --store "$store" "${ea[@]}" "$@"
+        --model "$target" --draft "$draft" --corpus "$CORPUS" --repeats "${REPEATS:-2}" ${RUN_ARGS:-} \
+        ${MAX_TOKENS:+--max-tokens "$MAX_TOKENS"} ${ATTRIBUTION_PATHS:+--attribution-paths "$ATTRIBUTION_PATHS"} \
+        --store "$store" "${ea[@]}" "$@"
       local rc=$?
       echo "== run exit $rc (t=${SECONDS}s)"
       if [ "$rc" != 0 ]; then
@@ -100,12 +121,21 @@ run() {
     # the baseline first: if vLLM cannot load the export as configured, try once with its
     # own tokenizer initialised (the multimodal Qwen3.5 class may want one) before the matrix
     if ! attempt --method baseline; then
-      ea+=(--engine-arg skip_tokenizer_init=false)
+      if [ -z "$GDN_PREFILL" ] && [ "$LEGACY_KERNELS" != 1 ]; then
+        # vLLM 0.26 picks FlashInfer's GDN prefill on SM90 whatever the head dim; its kernel
+        # there takes head dim 128 only, and needs part D staged (scripts/stage_flashinfer.sh)
+        echo "== vLLM's default GDN prefill failed (log above); falling back to Triton/FLA"
+        GDN_PREFILL=triton
+        ea+=(--engine-arg 'additional_config={"gdn_prefill_backend": "triton"}')
+      else
+        ea+=(--engine-arg skip_tokenizer_init=false)
+      fi
       attempt --method baseline
     fi
+    echo "${GDN_PREFILL:-default}" > "$WORK/gdn_prefill_used"  # for a server started beside it
     local cfgs=()
     for c in $CONFIGS; do cfgs+=(--config "$c"); done
-    attempt "${cfgs[@]}"
+    [ ${#cfgs[@]} -gt 0 ] && attempt "${cfgs[@]}"  # CONFIGS='': the baseline alone
     if [ -d "$store" ]; then
       echo "== diff"; sc diff --store "$store" 2>&1
       echo "== gate"; sc gate --store "$store" --junit "$WORK/junit.xml" 2>&1; echo "gate exit $?"
@@ -113,7 +143,7 @@ run() {
     fi
     local missing=0
     for f in baseline mtp_k3 prompt_logprobs; do [ -f "$WORK/fixtures/$f.json" ] || missing=1; done
-    if [ "$missing" = 1 ] && [ "$(left)" -gt 150 ]; then
+    if [ "$missing" = 1 ] && [ "${CAPTURE:-1}" = 1 ] && [ "$(left)" -gt 150 ]; then
       echo "== capture fixtures (t=${SECONDS}s)"
       timeout --kill-after=20 "$(left)" python3 scripts/capture_vllm_fixtures.py \
         --model "$target" --draft "$draft" --out "$WORK/fixtures" "${ea[@]}" 2>&1 | tail -40
@@ -197,6 +227,7 @@ unpack() {
 case "${1:-}" in
   run) shift; run "$@" ;;
   pack) pack ;;
+  merge) shift; cd "$R" && PYTHONPATH="$R${PYTHONPATH:+:$PYTHONPATH}" merge_corpora "$@" ;;
   unpack) shift; unpack "$@" ;;
   *) sed -n 2,22p "$0"; exit 2 ;;
 esac
