@@ -563,38 +563,55 @@ def golden_check(suite, store_dir, golden_dir, policy_file, settings):
 
 
 @main.command()
-@click.option("--config", "config_name", default="baseline", show_default=True, help="Config to compare.")
+@click.option("--config", "config_names", multiple=True,
+              help="Config to compare (repeatable; default: every config both suites hold).")
 @suite_option
 @store_option
 @click.option("--with-store", "other_store", required=True, type=click.Path(file_okay=False),
-              help="Store holding the other suite (e.g. another engine's).")
+              help="Store holding the other suite (e.g. another engine's, or another TP size's).")
 @click.option("--with-suite", "other_suite", default=None, help="Suite id there (default: its last run).")
 @_apply(policy_options)
-def compare(config_name, suite, store_dir, other_store, other_suite, policy_file, settings):
-    """Cross-engine (or cross-machine) agreement: one config's first repeat in two suites,
-    compared stream by stream and classified like any divergence (exit 1 on high-confidence)."""
-    from speccheck.evaluate import compare_runs, suite_noise
-    from speccheck.verify import calibrate_thresholds
+def compare(config_names, suite, store_dir, other_store, other_suite, policy_file, settings):
+    """Cross-engine, cross-machine or cross-TP-size agreement: each config's first repeat in two
+    suites, compared stream by stream, classified like any divergence, and attributed to what
+    differs between the suites' identities (TP size, GPU model, engine version, ...) where each
+    side's stored rescoring reproduces its own token (exit 1 on high-confidence)."""
+    from speccheck.evaluate import changes_str, compare_suites
+    from speccheck.report import divergence_line
 
     a, b = _suite(store_dir, suite), _suite(other_store, other_suite)
-    for side, opt in ((a, "--store"), (b, "--with-store")):
-        if not side.is_complete(config_name, 0):
-            raise MatrixError(f"--config {config_name}: suite {side.id} ({opt}) holds no complete run of it "
-                              f"(stored: {', '.join(side.configs()) or 'none'}); run it there first with "
-                              f"`speccheck run --config {config_name}`.")
+    if config_names:
+        for name in config_names:
+            for side, opt in ((a, "--store"), (b, "--with-store")):
+                if not side.is_complete(name, 0):
+                    raise MatrixError(f"--config {name}: suite {side.id} ({opt}) holds no complete run of it "
+                                      f"(stored: {', '.join(side.configs()) or 'none'}); run it there first "
+                                      f"with `speccheck run --config {name}`.")
+        names = list(config_names)
+    else:
+        names = [c for c in a.configs() if a.is_complete(c, 0) and b.is_complete(c, 0)]
+        if not names:
+            raise MatrixError(f"suites {a.id} (--store) and {b.id} (--with-store) hold no config in common "
+                              f"with a complete first run (stored: {', '.join(a.configs()) or 'none'} / "
+                              f"{', '.join(b.configs()) or 'none'}); run the same configs into both.")
     if a.meta.get("corpus_hash") != b.meta.get("corpus_hash"):
         raise StoreError(f"suites {a.id} and {b.id} ran different corpora (hash {a.meta.get('corpus_hash')} "
                          f"vs {b.meta.get('corpus_hash')}); compare runs of the same corpus.")
     policy = load_policy(policy_file, _settings(settings))
-    noise = max(suite_noise(a), suite_noise(b))
-    tau_tie, tau_low = calibrate_thresholds(noise, policy.tie_noise_multiple, policy.low_noise_multiple,
-                                            policy.tie_floor, policy.low_floor)
-    cmp = compare_runs(a.load_run(config_name, 0), b.load_run(config_name, 0), tau_tie, tau_low, noise,
-                       _detok_for(a))
-    click.echo(f"{config_name}: {a.id} vs {b.id} (path noise {noise:.4f} nats, tau_tie {tau_tie:.3f}, "
-               f"tau_low {tau_low:.3f})")
-    for line in _comparison_lines(cmp, _detok_for(a)):
-        click.echo(line)
+    detok = _detok_for(a)
+    cmp = compare_suites(a, b, names, policy, detok)
+    click.echo(f"{a.id} vs {b.id} (path noise {cmp.noise:.4f} nats, tau_tie {cmp.tau_tie:.3f}, "
+               f"tau_low {cmp.tau_low:.3f})")
+    click.echo(f"  the suites differ in: {changes_str(cmp.changes)}")
+    for name, c in cmp.configs.items():
+        lines = _comparison_lines(c, detok)
+        click.echo(f"{name}: {lines[0]}")
+        if cmp.config_changes.get(name):
+            click.echo(f"    this config also differs in: {changes_str(cmp.config_changes[name])}")
+        for d, why in zip(c.divergences, cmp.attribution[name]):
+            click.echo("    " + divergence_line(d, detok))
+            click.echo(f"        attributed to {why['cause']}: {why['why']}")
+    click.echo(cmp.verdict())
     sys.exit(0 if cmp.passed else 1)
 
 
@@ -695,14 +712,17 @@ def selftest(method, corpus, faults, store_dir, as_json):
 @click.option("--engine", default="reference", show_default=True, help="reference | vllm | openai")
 @click.option("--model", default=None, help="Checkpoint directory to size the KV cache and weights for.")
 @click.option("--k", "k", default=7, show_default=True, type=click.IntRange(0, 32), help="K to size for.")
+@click.option("--tp", "tp", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="Tensor parallel size to check for (GPU count, links, P2P, memory per GPU, heads).")
 @click.option("--base-url", default=None, help="A server to check (with or without /v1).")
 @click.option("--api-key-env", default=None, help="Env var holding the server's API key (default OPENAI_API_KEY).")
-def doctor(engine, model, k, base_url, api_key_env):
+def doctor(engine, model, k, tp, base_url, api_key_env):
     """What this machine can run: GPU, driver, torch/vLLM, the GDN and attention backends, WSL2,
-    GPU memory vs the model's KV cache, a server; each finding with its fix (exit 1 if any FAIL)."""
+    GPU memory vs the model's KV cache, a server, and with --tp N the multi-GPU preconditions;
+    each finding with its fix (exit 1 if any FAIL)."""
     from speccheck.doctor import FAIL, diagnose
 
-    findings = diagnose(engine, model, base_url, api_key_env, k)
+    findings = diagnose(engine, model, base_url, api_key_env, k, tp)
     for f in findings:
         click.echo(f.line())
     sys.exit(1 if any(f.status == FAIL for f in findings) else 0)
