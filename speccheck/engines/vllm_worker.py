@@ -132,29 +132,34 @@ def nccl_version() -> str | None:
     as 2708 or 21903 before) as "2.21.5"; None without CUDA torch."""
     try:
         import torch
-        v = torch.cuda.nccl.version()
+        return format_nccl_version(torch.cuda.nccl.version())
     except Exception:  # noqa: BLE001 - a CPU build, or no NCCL
         return None
-    if isinstance(v, tuple):
+
+
+def format_nccl_version(v: Any) -> str:
+    """(2, 21, 5) -> "2.21.5"; the int forms NCCL reports: 21903 -> "2.19.3" (2.9 and
+    later: major*10000 + minor*100 + patch), 2708 -> "2.7.8" (before: major*1000 + ...)."""
+    if isinstance(v, (tuple, list)):
         return ".".join(str(x) for x in v[:3])
     v = int(v)
-    return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 10000 else \
-        f"{v // 1000}.{v // 100 % 10}.{v % 100}"
+    if v >= 10000:
+        return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+    return f"{v // 1000}.{v // 100 % 10}.{v % 100}"
 
 
-def gpu_links(world_size: int) -> dict:
-    """How the GPUs of one run are linked (``nvidia-smi topo -m``): vLLM's mp executor puts
-    rank i on visible GPU i, so the first ``world_size`` visible GPUs. ``interconnect`` is
-    the slowest link among them (what an all-reduce over all of them waits on); None with
-    one GPU, or when the topology or the GPUs' indices cannot be read."""
-    from speccheck.topology import host_topology, visible_gpus, weakest_link
+def gpu_links(world_size: int, topo: Any, cuda_visible_devices: str | None) -> dict:
+    """How the GPUs of one run are linked (``topo``: the parsed ``nvidia-smi topo -m``):
+    vLLM's mp executor puts rank i on visible GPU i, so the first ``world_size`` visible GPUs.
+    ``interconnect`` is the slowest link among them (what an all-reduce over all of them waits
+    on); None with one GPU, or when the topology or the GPUs' indices cannot be read."""
+    from speccheck.topology import visible_gpus, weakest_link
 
     if world_size <= 1:
         return {"interconnect": None}
-    topo = host_topology()
     if topo is None:
         return {"interconnect": None, "topology_error": "nvidia-smi topo -m gave no GPU matrix"}
-    _, indices = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), topo.gpus)
+    _, indices = visible_gpus(cuda_visible_devices, topo.gpus)
     if indices is None or len(indices) < world_size:
         return {"interconnect": None,
                 "topology_error": "the GPUs' nvidia-smi indices are unknown (CUDA_VISIBLE_DEVICES)"}
@@ -184,7 +189,10 @@ def parallel_facts(llm: Any) -> dict:
     except Exception as e:  # noqa: BLE001 - recorded: the identity then says it is unknown
         out["parallel_config_error"] = repr(e)[:300]
     out["nccl_version"] = nccl_version()
-    out.update(gpu_links(int(out.get("world_size") or 1)))
+    world = int(out.get("world_size") or 1)
+    from speccheck.topology import host_topology
+    out.update(gpu_links(world, host_topology() if world > 1 else None,
+                         os.environ.get("CUDA_VISIBLE_DEVICES")))
     return out
 
 
