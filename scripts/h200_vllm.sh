@@ -16,6 +16,17 @@
 #       --engine-arg options: one kernel switch flipped), ATTRIBUTION_PATHS, GPU_UTIL. Everything comes back under $OUT: run.log, summary.txt, h200.tgz (store,
 #       fixtures, worker logs, report). Stops launching work after DEADLINE_S (default 500).
 #
+#   TP=2 bash scripts/h200_vllm.sh tp [CKPT_DIR]
+#       tensor parallel on a host with >= TP GPUs (a 2-GPU kind: nvidia-h200-x2): `speccheck
+#       doctor --tp $TP`, `nvidia-smi topo -m`, then baseline + mtp-k3 + dflash-k7 (env
+#       TP_CONFIGS) on smoke+code at tensor_parallel_size=1 into $WORK/store-tp1 and at
+#       tensor_parallel_size=$TP into $WORK/store-tp$TP (2 repeats each: determinism x2 at
+#       each size; kernel attribution off unless ATTRIBUTION=1), `speccheck gate` on each
+#       store, then `speccheck compare` of the TP=1 suite with the TP=$TP suite (every
+#       difference classified; attributed to "TP size" where each size's stored rescoring
+#       reproduces its own token). Stops launching work after DEADLINE_S; the same command
+#       again resumes (stored runs are skipped). Under $OUT: tp.log, tp-summary.txt, tp.tgz.
+#
 #   bash scripts/h200_vllm.sh pack
 #       here, before the device calls: if the working tree plus one staged part would not fit
 #       in one 64 MiB transfer, split .stage/{A,B,C} (and D, FlashInfer, when
@@ -156,6 +167,76 @@ run() {
   ls -la "$OUT"
 }
 
+# ---------------------------------------------------------------- tensor parallel
+
+TP=${TP:-2}
+TP_CONFIGS=${TP_CONFIGS:-mtp-k3 dflash-k7}
+ATTRIBUTION=${ATTRIBUTION:-0}
+
+tp() {
+  local ckpt=${1:-/tmp/speccheck-ckpt}
+  mkdir -p "$OUT" "$WORK"
+  cd "$R" || exit 2
+  export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+  export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
+  export PYTHONPATH="$R:$SITE:$WORK/pydeps${PYTHONPATH:+:$PYTHONPATH}"
+  export SPECCHECK_VLLM_LOG_DIR="$WORK/logs"
+  {
+    echo "== $(date -u +%FT%TZ) tp mode: TP=1 vs TP=$TP; configs baseline $TP_CONFIGS; corpus $CORPUS"
+    nvidia-smi --query-gpu=index,name,driver_version,memory.free --format=csv,noheader 2>&1
+    echo "== nvidia-smi topo -m"; nvidia-smi topo -m 2>&1
+    if ls .stage/whl/*.whl >/dev/null 2>&1 && [ ! -d "$WORK/pydeps" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/pydeps" .stage/whl/*.whl
+    fi
+    python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, \
+'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+    if [ ! -f "$ckpt/config.json" ] && [ ! -f "$ckpt/target/config.json" ]; then
+      echo "== export-reference $ckpt"; sc export-reference "$ckpt" || exit 2
+    fi
+    local target=$ckpt draft=$ckpt/drafter corpus=$CORPUS
+    [ -f "$ckpt/target/config.json" ] && target=$ckpt/target
+    if [[ "$corpus" == *+* ]]; then
+      local merged="$WORK/${corpus//+/_}.jsonl"; : > "$merged"
+      for c in ${corpus//+/ }; do cat "corpora/$c.jsonl" >> "$merged"; done
+      corpus=$merged
+    fi
+    echo "== doctor --tp $TP"; sc doctor --engine vllm --model "$target" --tp "$TP" 2>&1
+    local ea=(--engine-arg env.VLLM_USE_FLASHINFER_SAMPLER=0
+              --engine-arg language_model_only=true
+              --engine-arg enable_prefix_caching=false
+              --engine-arg kv_cache_memory_bytes=4000000000
+              --engine-arg worker=per-config --engine-arg dtype=bfloat16)
+    [ "$ATTENTION" != auto ] && ea+=(--engine-arg "attention_backend=$ATTENTION")
+    [ -n "$GDN_PREFILL" ] && ea+=(--engine-arg "additional_config={\"gdn_prefill_backend\": \"$GDN_PREFILL\"}")
+    local attr=(--no-attribution); [ "$ATTRIBUTION" = 1 ] && attr=()
+    local cfgs=(--config baseline)
+    for c in $TP_CONFIGS; do cfgs+=(--config "$c"); done
+    local size
+    for size in 1 "$TP"; do
+      local store="$WORK/store-tp$size"
+      echo "== TP=$size: run ${cfgs[*]} into $store (t=${SECONDS}s, deadline ${DEADLINE_S}s)"
+      if [ "$(left)" -gt 30 ]; then
+        timeout --kill-after=20 "$(left)" python3 -m speccheck.cli run --engine vllm \
+          --model "$target" --draft "$draft" --corpus "$corpus" --repeats 2 --store "$store" \
+          "${ea[@]}" --engine-arg "tensor_parallel_size=$size" "${attr[@]}" "${cfgs[@]}"
+        echo "== TP=$size run exit $? (t=${SECONDS}s)"
+      else
+        echo "== TP=$size skipped: deadline (run the same command again: it resumes)"
+      fi
+      [ -d "$store" ] && { echo "== gate TP=$size"; sc gate --store "$store" 2>&1; echo "gate TP=$size exit $?"; }
+    done
+    if [ -d "$WORK/store-tp1" ] && [ -d "$WORK/store-tp$TP" ]; then
+      echo "== compare TP=1 vs TP=$TP"
+      sc compare --store "$WORK/store-tp1" --with-store "$WORK/store-tp$TP" 2>&1
+      echo "compare exit $?"
+    fi
+    echo "== done t=${SECONDS}s"
+  } 2>&1 | tee "$OUT/tp.log"
+  grep -A400 "^== gate TP=1" "$OUT/tp.log" > "$OUT/tp-summary.txt" 2>/dev/null
+  tar czf "$OUT/tp.tgz" -C "$WORK" "store-tp1" "store-tp$TP" logs 2>/dev/null
+  ls -la "$OUT"
+}
+
 # ---------------------------------------------------------------- transfer pieces
 
 tree_mib() {  # size of what one device call sends: tracked + untracked-not-ignored files
@@ -226,8 +307,9 @@ unpack() {
 
 case "${1:-}" in
   run) shift; run "$@" ;;
+  tp) shift; tp "$@" ;;
   pack) pack ;;
   merge) shift; cd "$R" && PYTHONPATH="$R${PYTHONPATH:+:$PYTHONPATH}" merge_corpora "$@" ;;
   unpack) shift; unpack "$@" ;;
-  *) sed -n 2,22p "$0"; exit 2 ;;
+  *) sed -n 2,33p "$0"; exit 2 ;;
 esac

@@ -516,3 +516,15 @@ def test_cli_doctor_tp_here(target):
     assert "GPUs for TP=2" in r.output and "model heads at TP=2" in r.output
     if "no CUDA device visible" in r.output:  # this CPU machine
         assert "[can't check] GPUs for TP=2" in r.output and r.exit_code == 0, r.output
+
+
+def test_h200_script_has_the_tp_mode():
+    """The GPU run's script parses and documents its tp mode (it runs only on the GPU box)."""
+    import subprocess
+
+    script = Path(__file__).parents[1] / "scripts" / "h200_vllm.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert usage.returncode == 2 and "TP=2 bash scripts/h200_vllm.sh tp" in usage.stdout
+    text = script.read_text()
+    assert '--engine-arg "tensor_parallel_size=$size"' in text and "compare --store" in text
