@@ -402,6 +402,14 @@ def test_compare_identical_outputs_and_missing_rescoring(tp_stores, tmp_path):
     assert cmp.configs["baseline"].divergences[0].cls == "near_tie"
 
 
+def test_compare_with_nothing_in_common_is_exit_2(tp_stores, tmp_path):
+    one, _, _, _ = tp_stores
+    other = tmp_path / "other"
+    write_suite(other, {"mtp-k7": recorded_completions()}, {}, lambda name: identity(2))
+    r = CliRunner().invoke(main, ["compare", "--store", str(one), "--with-store", str(other)])
+    assert r.exit_code == 2 and "hold no config in common" in r.output, r.output
+
+
 def test_other_identity_changes_are_named_and_blamed():
     a, b = identity(1), identity(1, device="NVIDIA H100 80GB HBM3", version="0.28.0", dtype="bf16")
     changes = identity_changes(a, b)

@@ -246,7 +246,8 @@ def parallel_problem(llm_kwargs: dict, model_config: dict, model: str,
             return (f"tensor_parallel_size={size} cannot shard {what} {path}: its config.json has "
                     f"{', '.join(bad)}, which do not split into {size} equal parts{draft_hint}. "
                     f"vLLM shards every attention, KV and GDN head group across the TP ranks; {hint}.")
-    multi_host = backend == "ray" or int(llm_kwargs.get("nnodes", 1) or 1) > 1
+    nnodes = llm_kwargs.get("nnodes", 1)
+    multi_host = backend == "ray" or (isinstance(nnodes, int) and nnodes > 1)
     if visible is not None and tp * pp > visible and not multi_host:
         return (f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {tp * pp} GPUs, "
                 f"and this process sees {visible} (nvidia-smi -L, narrowed by CUDA_VISIBLE_DEVICES). "

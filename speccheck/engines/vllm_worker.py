@@ -12,6 +12,7 @@ dicts into speccheck types (``speccheck.engines.vllm``).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -189,11 +190,15 @@ def parallel_facts(llm: Any) -> dict:
     except Exception as e:  # noqa: BLE001 - recorded: the identity then says it is unknown
         out["parallel_config_error"] = repr(e)[:300]
     out["nccl_version"] = nccl_version()
-    world = int(out.get("world_size") or 1)
-    from speccheck.topology import host_topology
-    out.update(gpu_links(world, host_topology() if world > 1 else None,
-                         os.environ.get("CUDA_VISIBLE_DEVICES")))
+    out.update(_host_links(int(out.get("world_size") or 1), os.environ.get("CUDA_VISIBLE_DEVICES")))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _host_links(world_size: int, cuda_visible_devices: str | None) -> dict:
+    """gpu_links of this host, read once per worker (nvidia-smi is not asked after every call)."""
+    from speccheck.topology import host_topology
+    return gpu_links(world_size, host_topology() if world_size > 1 else None, cuda_visible_devices)
 
 
 def nvidia_smi_driver() -> str | None:
