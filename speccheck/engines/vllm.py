@@ -233,8 +233,9 @@ def parallel_problem(llm_kwargs: dict, model_config: dict, model: str,
         if cfg is None:
             continue
         size = tp
-        if what == "--draft":
-            size = int((spec_extra or {}).get("draft_tensor_parallel_size") or tp)
+        draft_tp = (spec_extra or {}).get("draft_tensor_parallel_size")
+        if what == "--draft" and isinstance(draft_tp, int) and not isinstance(draft_tp, bool) and draft_tp >= 1:
+            size = draft_tp  # vLLM allows 1 or the target's TP
         heads = model_heads(cfg)
         bad = tp_fits(heads, size)
         if bad:
@@ -251,8 +252,8 @@ def parallel_problem(llm_kwargs: dict, model_config: dict, model: str,
     if visible is not None and tp * pp > visible and not multi_host:
         return (f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {tp * pp} GPUs, "
                 f"and this process sees {visible} (nvidia-smi -L, narrowed by CUDA_VISIBLE_DEVICES). "
-                "Expose more GPUs, lower the "
-                "sizes, or span hosts with --engine-arg distributed_executor_backend=ray.")
+                "Expose more GPUs, lower the sizes, or span hosts with --engine-arg "
+                "distributed_executor_backend=ray.")
     return None
 
 
