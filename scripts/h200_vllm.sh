@@ -21,7 +21,8 @@
 #       doctor --tp $TP`, `nvidia-smi topo -m`, then baseline + mtp-k3 + dflash-k7 (env
 #       TP_CONFIGS) on smoke+code at tensor_parallel_size=1 into $WORK/store-tp1 and at
 #       tensor_parallel_size=$TP into $WORK/store-tp$TP (2 repeats each: determinism x2 at
-#       each size; kernel attribution off unless ATTRIBUTION=1), `speccheck gate` on each
+#       each size; kernel attribution off unless ATTRIBUTION=1, then ATTRIBUTION_PATHS
+#       picks the paths), `speccheck gate` on each
 #       store, then `speccheck compare` of the TP=1 suite with the TP=$TP suite (every
 #       difference classified; attributed to "TP size" where each size's stored rescoring
 #       reproduces its own token). Stops launching work after DEADLINE_S; the same command
@@ -196,9 +197,7 @@ tp() {
     local target=$ckpt draft=$ckpt/drafter corpus=$CORPUS
     [ -f "$ckpt/target/config.json" ] && target=$ckpt/target
     if [[ "$corpus" == *+* ]]; then
-      local merged="$WORK/${corpus//+/_}.jsonl"; : > "$merged"
-      for c in ${corpus//+/ }; do cat "corpora/$c.jsonl" >> "$merged"; done
-      corpus=$merged
+      corpus=$(merge_corpora "$corpus" "$WORK") || exit 2
     fi
     echo "== doctor --tp $TP"; sc doctor --engine vllm --model "$target" --tp "$TP" 2>&1
     local ea=(--engine-arg env.VLLM_USE_FLASHINFER_SAMPLER=0
@@ -208,7 +207,8 @@ tp() {
               --engine-arg worker=per-config --engine-arg dtype=bfloat16)
     [ "$ATTENTION" != auto ] && ea+=(--engine-arg "attention_backend=$ATTENTION")
     [ -n "$GDN_PREFILL" ] && ea+=(--engine-arg "additional_config={\"gdn_prefill_backend\": \"$GDN_PREFILL\"}")
-    local attr=(--no-attribution); [ "$ATTRIBUTION" = 1 ] && attr=()
+    local attr=(--no-attribution)
+    [ "$ATTRIBUTION" = 1 ] && attr=(${ATTRIBUTION_PATHS:+--attribution-paths "$ATTRIBUTION_PATHS"})
     local cfgs=(--config baseline)
     for c in $TP_CONFIGS; do cfgs+=(--config "$c"); done
     local size
@@ -311,5 +311,5 @@ case "${1:-}" in
   pack) pack ;;
   merge) shift; cd "$R" && PYTHONPATH="$R${PYTHONPATH:+:$PYTHONPATH}" merge_corpora "$@" ;;
   unpack) shift; unpack "$@" ;;
-  *) sed -n 2,33p "$0"; exit 2 ;;
+  *) sed -n 2,38p "$0"; exit 2 ;;
 esac
