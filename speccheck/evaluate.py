@@ -1010,7 +1010,10 @@ def identity_changes(a: dict, b: dict) -> list[IdentityChange]:
         va, vb = a.get(key, default), b.get(key, default)
         if key == "dtype":
             va, vb = (_DTYPES.get(str(v).lower(), str(v).lower()) if v is not None else None for v in (va, vb))
-        if va != vb:
+        if isinstance(va, dict) and isinstance(vb, dict):  # name the entries that differ
+            out += [IdentityChange(f"{key}.{k}", f"{label[:-1]} {k}", va.get(k), vb.get(k))
+                    for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)]
+        elif va != vb:
             out.append(IdentityChange(key, label, va, vb))
     sizes = any(c.key in ("tensor_parallel_size", "pipeline_parallel_size") for c in out)
     for c in out:

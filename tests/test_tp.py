@@ -418,6 +418,10 @@ def test_other_identity_changes_are_named_and_blamed():
     ref = {"engine": "reference", "model_hash": "r" * 64, "dtype": "fp32", "device": "cpu"}
     cause = changes_cause(identity_changes(ref, identity(2)))
     assert cause.startswith("engine, engine version, model weights, tokenizer")
+    # a kernel knob of the reference engine, by name
+    knobs = identity_changes({"engine": "reference", "knobs": {"gdn_decode": "recurrent", "attn_decode": "single"}},
+                             {"engine": "reference", "knobs": {"gdn_decode": "chunked", "attn_decode": "single"}})
+    assert [str(c) for c in knobs] == ["kernel knob gdn_decode recurrent → chunked"]
     # TP and the links: the links follow TP; on their own (another host) they are the cause
     assert changes_cause(identity_changes(identity(2), identity(2, interconnect="SYS"))) == "interconnect"
 
