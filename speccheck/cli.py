@@ -631,15 +631,17 @@ def kernels() -> None:
 @click.option("--verify-block", default=8, show_default=True, type=click.IntRange(1, 64),
               help="Tokens per call of vLLM's fused verify kernel (K+1 for K speculative tokens).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic inputs.")
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the results as JSON (and the table to stderr: `> gdn.json 2> gdn.txt`).")
 def kernels_gdn(device, positions, heads, head_dim, verify_block, seed, as_json):
     """Every gated-delta-rule kernel here (reference recurrent/chunked; on CUDA FLA's Triton
     kernels, FlashInfer's GDN prefill and vLLM's fused decode/verify kernels) on the same bf16
     inputs against an fp64 recurrence: error, argmax flips, and flips by fp64 margin."""
     import torch
 
-    from speccheck.kernels.gdn import (compare, default_head_dim, form_flips, kernels as gdn_kernels,
-                                       make_inputs, margin_curves, margin_table, table)
+    from speccheck.kernels.gdn import (compare, default_head_dim, flashinfer_auto_path, form_flips,
+                                       kernels as gdn_kernels, make_inputs, margin_curves,
+                                       margin_table, table)
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -657,6 +659,13 @@ def kernels_gdn(device, positions, heads, head_dim, verify_block, seed, as_json)
                f"positions x {heads} heads ({device}{cpu_eta}) ...", err=True)
     comparison = compare(inputs, impls)
     results, curves = comparison.results, margin_curves(comparison)
+    fi_auto = flashinfer_auto_path(device, heads) if "flashinfer chunked" in impls else None
+    lines = [f"gated delta rule on {device}: {positions} positions x {heads} heads, head dim "
+             f"{head_dim}, bf16 q/k/v, fp32 g/beta/state, seed {seed}", table(results),
+             margin_table(curves), *([f"note: {fi_auto}"] if fi_auto else []),
+             *(f"not here: {why}" for why in missing)]
+    # with --json the table goes to stderr, so that one run gives both (`> x.json 2> x.txt`)
+    click.echo("\n".join(lines), err=as_json)
     if as_json:
         click.echo(json.dumps({"device": device, "positions": positions, "heads": heads,
                                "head_dim": head_dim, "verify_block": verify_block, "seed": seed,
@@ -665,18 +674,11 @@ def kernels_gdn(device, positions, heads, head_dim, verify_block, seed, as_json)
                                "chunked_vs_recurrent": [
                                    {"chunked": a, "recurrent": b, "flips": n, "compared": t}
                                    for a, b, n, t in form_flips(results)],
-                               "margin_bins": [{"label": b.label, "lo": b.to_dict()["lo"], "hi": b.to_dict()["hi"],
-                                                "count": b.count} for b in (curves[0][2] if curves else [])],
+                               "margin_bins": [{"label": b.label, **{k: v for k, v in b.to_dict().items() if k != "flips"}}
+                                               for b in (curves[0][2] if curves else [])],
                                "flips_by_margin": [{"a": a, "b": b, "flips": [x.flips for x in row]}
                                                    for a, b, row in curves],
-                               "not_here": missing}, indent=1))
-    else:
-        click.echo(f"gated delta rule on {device}: {positions} positions x {heads} heads, "
-                   f"head dim {head_dim}, bf16 q/k/v, fp32 g/beta/state, seed {seed}")
-        click.echo(table(results))
-        click.echo(margin_table(curves))
-        for why in missing:
-            click.echo(f"not here: {why}")
+                               "flashinfer_auto": fi_auto, "not_here": missing}, indent=1))
 
 
 @main.command()

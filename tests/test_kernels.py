@@ -69,6 +69,14 @@ def test_cli_json_and_bad_device():
     assert [k["name"] for k in data["kernels"]] == ["reference recurrent", "reference chunked"]
     pair = data["chunked_vs_recurrent"][0]
     assert pair["compared"] == 48 * 4 and 0 <= pair["flips"] <= pair["compared"]
+    assert data["head_dim"] == 64 and data["flashinfer_auto"] is None  # no FlashInfer on a CPU
+    assert sum(b["count"] for b in data["margin_bins"]) == 48 * 4
+    curves = {(c["a"], c["b"]): c["flips"] for c in data["flips_by_margin"]}
+    assert set(curves) == {("reference recurrent", "fp64"), ("reference chunked", "fp64"),
+                           ("reference recurrent", "reference chunked")}
+    for k in data["kernels"]:
+        assert sum(curves[(k["name"], "fp64")]) == k["flips"]
+    assert "readout argmax flips by fp64 top-1/top-2 margin" in r.stderr  # the table, on stderr
     if not torch.cuda.is_available():
         bad = CliRunner().invoke(main, ["kernels", "gdn", "--device", "cuda"])
         assert bad.exit_code == 2 and "CUDA is not available" in bad.output

@@ -312,6 +312,18 @@ def _flashinfer(use_cp: bool) -> Kernel:
     return call
 
 
+def flashinfer_auto_path(device: str, heads: int, sequences: int = 1) -> str:
+    """Which of FlashInfer's two rows vLLM runs at this shape: it leaves ``use_cp="auto"``,
+    which FlashInfer 0.6.14 turns into the CP kernel on SM90 when sequences x heads < SMs / 2."""
+    props = torch.cuda.get_device_properties(device)
+    half = max(1, props.multi_processor_count // 2)
+    if props.major == 9 and sequences * heads < half:
+        return (f"vLLM calls FlashInfer's GDN prefill with use_cp='auto': at {sequences} "
+                f"sequence(s) x {heads} heads < {half} (SMs / 2) that is 'flashinfer chunked cp'")
+    return (f"vLLM calls FlashInfer's GDN prefill with use_cp='auto': at {sequences} sequence(s) "
+            f"x {heads} heads that is 'flashinfer chunked' (CP only on SM90 below {half} = SMs / 2)")
+
+
 def default_head_dim(device: str) -> int:
     """128 where FlashInfer's GDN prefill runs (its only head dim), else 64."""
     return FLASHINFER_HEAD_DIM if isinstance(flashinfer_arch(device), int) else 64
