@@ -82,6 +82,19 @@ def test_cli_json_and_bad_device():
         assert bad.exit_code == 2 and "CUDA is not available" in bad.output
 
 
+def test_cli_json_to_a_file_keeps_the_table_on_stdout(tmp_path):
+    out = tmp_path / "gdn.json"
+    r = CliRunner().invoke(main, ["kernels", "gdn", "--device", "cpu", "--positions", "16",
+                                  "--heads", "1", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["positions"] == 16
+    assert "readout argmax flips by fp64 top-1/top-2 margin" in r.stdout
+    bad = CliRunner().invoke(main, ["kernels", "gdn", "--device", "cpu", "--positions", "16",
+                                    "--json", str(tmp_path / "no" / "such" / "gdn.json")])
+    assert bad.exit_code == 2 and "--json" in bad.output and "does not exist" in bad.output
+    assert "Traceback" not in bad.output
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_kernels_run():
     x = make_inputs(512, device="cuda")
@@ -266,3 +279,27 @@ def test_without_a_gpu_flashinfer_is_not_asked_for_and_the_head_dim_stays_64():
     assert isinstance(flashinfer_arch("cpu"), str)
     missing = []
     assert set(kernels("cpu", missing, head_dim=128)) == {"reference recurrent", "reference chunked"}
+
+
+@pytest.mark.parametrize("pth, line, folder", [
+    ("nvidia_cutlass_dsl.pth", "nvidia_cutlass_dsl/python_packages", "python_packages"),  # 4.5.0
+    ("nvidia_cutlass_dsl_packages.pth", "import sys, os, nvidia_cutlass_dsl; sys.path.insert(0, "
+     "os.path.join(nvidia_cutlass_dsl.__path__[0], 'dsl_packages'))", "dsl_packages")])  # 4.8.1
+def test_cutlass_dsl_pth_in_a_pythonpath_folder_is_read(tmp_path, monkeypatch, pth, line, folder):
+    """A staged site tree on PYTHONPATH (the .pth lines of nvidia-cutlass-dsl 4.5.0 and 4.8.1
+    as shipped): its .pth puts the cutlass package folder on sys.path, as site does only for
+    site-packages; other .pth files there are left alone."""
+    import sys
+
+    from speccheck.kernels.gdn import read_cutlass_dsl_pth
+
+    pkgs = tmp_path / "nvidia_cutlass_dsl" / folder
+    pkgs.mkdir(parents=True)
+    (tmp_path / pth).write_text(line + "\n")
+    (tmp_path / "other.pth").write_text(str(tmp_path / "elsewhere") + "\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    monkeypatch.delitem(sys.modules, "nvidia_cutlass_dsl", raising=False)
+    assert read_cutlass_dsl_pth() == [str(tmp_path / pth)]
+    assert str(pkgs) in sys.path and str(tmp_path / "elsewhere") not in sys.path
+    assert read_cutlass_dsl_pth() == []  # once per process

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import site
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -272,11 +275,33 @@ def _flashinfer_dsl_missing(major: int) -> str | None:
     return f"flashinfer.gdn_kernels.{attr} is unavailable"
 
 
+def read_cutlass_dsl_pth() -> list[str]:
+    """nvidia-cutlass-dsl puts its ``cutlass`` package on sys.path through a .pth file
+    (4.5: ``nvidia_cutlass_dsl/python_packages``, 4.8: ``.../dsl_packages``), which Python reads
+    in site-packages but not in a PYTHONPATH folder, where the GPU host's staged wheels are:
+    read those files in every sys.path folder. Returns the .pth files read."""
+    read = []
+    for entry in list(sys.path):
+        folder = Path(entry or ".")
+        if not folder.is_dir():
+            continue
+        for pth in sorted(folder.glob("nvidia_cutlass_dsl*.pth")):
+            if str(pth) not in _PTH_READ:
+                site.addpackage(str(folder), pth.name, None)
+                _PTH_READ.add(str(pth))
+                read.append(str(pth))
+    return read
+
+
+_PTH_READ: set[str] = set()
+
+
 def flashinfer_arch(device: str) -> int | str:
     """The compute capability major (9 or 10) if FlashInfer's GDN prefill can run on
     ``device``, or why not."""
     if not device.startswith("cuda"):
         return "flashinfer: CUDA only"
+    read_cutlass_dsl_pth()
     try:
         importlib.import_module("flashinfer.gdn_prefill")
     except Exception as e:  # noqa: BLE001 - not installed, or a dependency missing
