@@ -649,15 +649,24 @@ def kernels() -> None:
 @click.option("--positions", default=8192, show_default=True, type=click.IntRange(1, 1 << 20),
               help="Sequence length of the synthetic inputs.")
 @click.option("--heads", default=4, show_default=True, type=click.IntRange(1, 256), help="GDN heads.")
-@click.option("--head-dim", default=64, show_default=True, type=click.IntRange(1, 512), help="Key/value head dim.")
+@click.option("--head-dim", default=None, type=click.IntRange(1, 512),
+              help="Key/value head dim [default: 128 where FlashInfer's GDN prefill runs (its only "
+                   "head dim), else 64].")
+@click.option("--verify-block", default=8, show_default=True, type=click.IntRange(1, 64),
+              help="Tokens per call of vLLM's fused verify kernel (K+1 for K speculative tokens).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic inputs.")
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def kernels_gdn(device, positions, heads, head_dim, seed, as_json):
-    """Every gated-delta-rule kernel here (reference recurrent/chunked; on CUDA the FLA kernels
-    of vLLM or fla) on the same bf16 inputs against an fp64 recurrence: error and argmax flips."""
+@click.option("--json", "json_out", is_flag=False, flag_value="-", default=None, metavar="[PATH]",
+              help="Write the results as JSON to PATH (the table still to stdout); alone: print "
+                   "the JSON to stdout and the table to stderr.")
+def kernels_gdn(device, positions, heads, head_dim, verify_block, seed, json_out):
+    """Every gated-delta-rule kernel here (reference recurrent/chunked; on CUDA FLA's Triton
+    kernels, FlashInfer's GDN prefill and vLLM's fused decode/verify kernels) on the same bf16
+    inputs against an fp64 recurrence: error, argmax flips, and flips by fp64 margin."""
     import torch
 
-    from speccheck.kernels.gdn import compare, form_flips, kernels as gdn_kernels, make_inputs, table
+    from speccheck.kernels.gdn import (compare, default_head_dim, flashinfer_auto_path, form_flips,
+                                       kernels as gdn_kernels, make_inputs, margin_curves,
+                                       margin_table, table)
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -665,27 +674,42 @@ def kernels_gdn(device, positions, heads, head_dim, seed, as_json):
         raise click.BadParameter(f"{device!r}: use auto, cpu or cuda (cuda:N)", param_hint="--device")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise click.UsageError("--device cuda: CUDA is not available here; use --device cpu")
+    if json_out not in (None, "-") and not Path(json_out).resolve().parent.is_dir():
+        raise click.BadParameter(f"{json_out}: its folder does not exist; create it or give "
+                                 "another path (or --json alone for stdout)", param_hint="--json")
+    if head_dim is None:
+        head_dim = default_head_dim(device)
     inputs = make_inputs(positions, heads, head_dim, head_dim, seed, device)
     missing: list[str] = []
-    impls = gdn_kernels(device, missing)
+    impls = gdn_kernels(device, missing, head_dim, verify_block)
     cpu_eta = f"; about {186 * positions * heads / (8192 * 4):.0f} s on 2 CPU cores" if device == "cpu" else ""
     click.echo(f"kernels gdn: fp64 reference, then {len(impls)} kernel(s) x 3 timed repeats on {positions} "
                f"positions x {heads} heads ({device}{cpu_eta}) ...", err=True)
-    results = compare(inputs, impls)
-    if as_json:
-        click.echo(json.dumps({"device": device, "positions": positions, "heads": heads,
-                               "head_dim": head_dim, "seed": seed,
-                               "kernels": [r.to_dict() for r in results],
-                               "chunked_vs_recurrent": [
-                                   {"chunked": a, "recurrent": b, "flips": n, "compared": t}
-                                   for a, b, n, t in form_flips(results)],
-                               "not_here": missing}, indent=1))
-    else:
-        click.echo(f"gated delta rule on {device}: {positions} positions x {heads} heads, "
-                   f"head dim {head_dim}, bf16 q/k/v, fp32 g/beta/state, seed {seed}")
-        click.echo(table(results))
-        for why in missing:
-            click.echo(f"not here: {why}")
+    comparison = compare(inputs, impls)
+    results, curves = comparison.results, margin_curves(comparison)
+    fi_auto = flashinfer_auto_path(device, heads) if "flashinfer chunked" in impls else None
+    lines = [f"gated delta rule on {device}: {positions} positions x {heads} heads, head dim "
+             f"{head_dim}, bf16 q/k/v, fp32 g/beta/state, seed {seed}", table(results),
+             margin_table(curves), *([f"note: {fi_auto}"] if fi_auto else []),
+             *(f"not here: {why}" for why in missing)]
+    # JSON on stdout moves the table to stderr, so that one run gives both
+    click.echo("\n".join(lines), err=json_out == "-")
+    if json_out is not None:
+        text = json.dumps({
+            "device": device, "positions": positions, "heads": heads, "head_dim": head_dim,
+            "verify_block": verify_block, "seed": seed,
+            "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
+            "kernels": [r.to_dict() for r in results],
+            "chunked_vs_recurrent": [{"chunked": a, "recurrent": b, "flips": n, "compared": t}
+                                     for a, b, n, t in form_flips(results)],
+            "margin_bins": [{"label": b.label, **{k: v for k, v in b.to_dict().items() if k != "flips"}}
+                            for b in (curves[0][2] if curves else [])],
+            "flips_by_margin": [{"a": a, "b": b, "flips": [x.flips for x in row]} for a, b, row in curves],
+            "flashinfer_auto": fi_auto, "not_here": missing}, indent=1)
+        if json_out == "-":
+            click.echo(text)
+        else:
+            Path(json_out).write_text(text + "\n")
 
 
 @main.command()
