@@ -30,7 +30,7 @@ CORPUS=${CORPUS:-smoke+code}
 SERVER_KERNELS=${SERVER_KERNELS:---attention-backend TRITON_ATTN --additional-config {"gdn_prefill_backend":"triton"} --enforce-eager}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
-export PYTHONPATH="$R:$SITE:/tmp/speccheck-h200/pydeps${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$R:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:/tmp/speccheck-h200/pydeps${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT" "$WORK"
 cd "$R" || exit 2
 sc() { python3 -m speccheck.cli "$@"; }

@@ -40,7 +40,8 @@ prep() {
 }
 
 go() {
-  local env="PYTHONPATH=$R:$SITE:$WORK/pydeps"
+  # FlashInfer finds CuTe-DSL through a .pth file, which Python does not read on PYTHONPATH
+  local env="PYTHONPATH=$R:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$WORK/pydeps"
   bg doctor "$env python3 -m speccheck.cli doctor --engine vllm --model $CKPT/target --k 7; \
              $env python3 -m speccheck.cli doctor --engine vllm --model $CKPT/target --k 7 --tp 2"
   bg kernels "$env python3 -m speccheck.cli kernels gdn --device cuda --positions 4096 --head-dim 128 \

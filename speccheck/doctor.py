@@ -137,7 +137,8 @@ def backend_findings(info: dict) -> list[Finding]:
     else:
         out.append(Finding(OK, "vLLM", vv))
     triton = _version("triton")
-    fla_vendored = _importable("vllm.model_executor.layers.fla") if vv else False
+    fla_vendored = vv and any(_importable(m) for m in (  # 0.26 vendors it under third_party
+        "vllm.third_party.flash_linear_attention", "vllm.model_executor.layers.fla"))
     fla = _version("flash-linear-attention") or _version("fla-core")
     gdn = ("vLLM's vendored FLA Triton kernels" if fla_vendored else
            f"fla {fla}" if fla else None)
@@ -166,6 +167,43 @@ def backend_findings(info: dict) -> list[Finding]:
                            "attention_backend=TRITON_ATTN and gdn_prefill_backend=triton",
                            "" if pick != "TRITON_ATTN" else "install vLLM's flash-attn or FlashInfer for speed"))
     return out
+
+
+def gdn_prefill_finding(capability: tuple[int, int] | None, head_k_dim: int | None,
+                        flashinfer: str | None, cute_dsl: bool) -> Finding:
+    """The GDN prefill kernel vLLM 0.26 will run (``_resolve_gdn_prefill_backend`` in
+    model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py): FlashInfer's on SM90 whatever the
+    head dim, on SM10x only at head dim 128, else Triton/FLA. FlashInfer 0.6.14's SM90 kernel
+    (CuTe DSL) takes head dim 128 only and needs nvidia-cutlass-dsl importable, so a model or
+    an install that does not fit fails at its first prefill, not at start-up."""
+    fix = ("start vLLM with --gdn-prefill-backend triton (offline: additional_config="
+           "{\"gdn_prefill_backend\": \"triton\"})")
+    if capability is None:
+        return Finding(UNKNOWN, "GDN prefill kernel vLLM picks", "needs a GPU (FlashInfer's on Hopper, "
+                       "Triton/FLA on most others)", "")
+    if capability[0] == 9:
+        if not flashinfer:
+            return Finding(FAIL, "GDN prefill kernel vLLM picks", "FlashInfer's (vLLM 0.26 on SM90), but "
+                           "flashinfer-python is not installed", f"pip install flashinfer-python, or {fix}")
+        if not cute_dsl:
+            return Finding(FAIL, "GDN prefill kernel vLLM picks", f"FlashInfer {flashinfer}'s CuTe-DSL "
+                           "kernel (SM90), but `cutlass` (nvidia-cutlass-dsl) does not import here",
+                           "pip install nvidia-cutlass-dsl (a tree on PYTHONPATH also needs its "
+                           f"nvidia_cutlass_dsl/dsl_packages on PYTHONPATH: .pth files are not read there), or {fix}")
+        if head_k_dim is not None and head_k_dim != 128:
+            return Finding(FAIL, "GDN prefill kernel vLLM picks", f"FlashInfer {flashinfer}'s (SM90), which "
+                           f"takes head dim 128 only; this model's linear_key_head_dim is {head_k_dim}",
+                           f"{fix}, or export the model padded to 128 (speccheck export-reference "
+                           "--linear-head-dim 128 for the reference model)")
+        return Finding(OK, "GDN prefill kernel vLLM picks", f"FlashInfer {flashinfer}'s CuTe-DSL kernel "
+                       "(SM90; JIT-compiled at the first prefill)" + ("" if head_k_dim else
+                       "; give --model to check its head dim"))
+    if capability[0] == 10 and head_k_dim == 128:
+        return Finding(OK if flashinfer else FAIL, "GDN prefill kernel vLLM picks",
+                       "FlashInfer's (SM10x, head dim 128)" + ("" if flashinfer else ": not installed"),
+                       "" if flashinfer else f"pip install flashinfer-python, or {fix}")
+    return Finding(OK, "GDN prefill kernel vLLM picks", f"Triton/FLA (compute capability "
+                   f"{capability[0]}.{capability[1]})")
 
 
 def model_findings(model: str, info: dict, k: int, gpu_memory_utilization: float = 0.9,
@@ -338,6 +376,24 @@ def server_findings(base_url: str, api_key_env: str | None = None) -> list[Findi
     return out
 
 
+def _linear_key_head_dim(model: str | None) -> int | None:
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text()) if model else {}
+    except (OSError, json.JSONDecodeError):
+        return None
+    value = (cfg.get("text_config") or cfg).get("linear_key_head_dim")
+    return int(value) if value else None
+
+
+def _cute_dsl_importable() -> bool:
+    """``cutlass`` as FlashInfer imports it: installed, or staged with its dsl_packages dir."""
+    if _importable("cutlass"):
+        return True
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl") if _importable("nvidia_cutlass_dsl") else None
+    return bool(spec and spec.submodule_search_locations and any(
+        (Path(p) / "dsl_packages" / "cutlass").is_dir() for p in spec.submodule_search_locations))
+
+
 def diagnose(engine: str = "reference", model: str | None = None, base_url: str | None = None,
              api_key_env: str | None = None, k: int = 7, tp: int = 1) -> list[Finding]:
     from speccheck.topology import host_topology, visible_gpus
@@ -350,6 +406,11 @@ def diagnose(engine: str = "reference", model: str | None = None, base_url: str 
         indices = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), topo.gpus)[1] if topo else None
         findings += parallel_findings(tp, info, topo, indices,
                                       peer_access(tp) if len(info.get("gpus") or []) >= tp else None)
+    if engine == "vllm" or _version("vllm"):
+        gpus = info.get("gpus") or []
+        findings.append(gdn_prefill_finding(
+            tuple(gpus[0]["capability"]) if gpus else None, _linear_key_head_dim(model),
+            _version("flashinfer-python") or _version("flashinfer"), _cute_dsl_importable()))
     if model:
         findings += model_findings(model, info, k, tp=tp)
     elif engine == "vllm":

@@ -540,3 +540,24 @@ def test_h200_script_has_the_tp_mode():
     assert usage.returncode == 2 and "TP=2 bash scripts/h200_vllm.sh tp" in usage.stdout
     text = script.read_text()
     assert '--engine-arg "tensor_parallel_size=$size"' in text and "compare --store" in text
+
+
+@pytest.mark.parametrize("cap,head,fi,dsl,status,words", [
+    ((9, 0), 64, "0.6.14", True, "FAIL", "head dim 128 only"),
+    ((9, 0), 128, "0.6.14", True, "ok", "CuTe-DSL"),
+    ((9, 0), 128, None, False, "FAIL", "not installed"),
+    ((9, 0), 128, "0.6.14", False, "FAIL", "dsl_packages"),
+    ((10, 0), 64, "0.6.14", True, "ok", "Triton/FLA"),
+    ((8, 9), 128, None, False, "ok", "Triton/FLA"),
+    (None, 128, None, False, "can't check", "needs a GPU"),
+])
+def test_doctor_says_which_gdn_prefill_kernel_vllm_runs(cap, head, fi, dsl, status, words):
+    """vLLM 0.26 picks FlashInfer's GDN prefill on SM90 whatever the head dim; FlashInfer's SM90
+    kernel takes 128 only: doctor must say so before the first prefill fails."""
+    from speccheck.doctor import gdn_prefill_finding
+
+    f = gdn_prefill_finding(cap, head, fi, dsl)
+    assert f.status == status, f.line()
+    assert words in f.line()
+    if status == "FAIL":
+        assert "gdn-prefill-backend triton" in f.fix
