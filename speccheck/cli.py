@@ -755,11 +755,19 @@ def doctor(engine, model, k, tp, base_url, api_key_env):
 @main.command("export-reference")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--model", default=None, help="Reference weights dir (default: the shipped ones).")
-def export_reference_cmd(out_dir, model):
+@click.option("--linear-head-dim", type=click.IntRange(min=1), default=None,
+              help="Pad the GDN key/value head dims to this (128: what FlashInfer's Hopper GDN "
+                   "prefill kernel, vLLM's default there, requires); the same function, see config.json's "
+                   "speccheck key.")
+def export_reference_cmd(out_dir, model, linear_head_dim):
     """Write the reference checkpoint in the Hugging Face layouts vLLM loads (target + drafter)."""
-    from speccheck.engines.reference.export import export_reference
+    from speccheck.engines.reference.export import ExportError, export_reference
 
-    info = export_reference(out_dir, model)
+    try:
+        info = export_reference(out_dir, model, linear_head_dim)
+    except ExportError as e:
+        click.echo(f"speccheck: error: {e}", err=True)
+        sys.exit(EXIT_USAGE)
     click.echo(json.dumps(info, indent=1, default=str))
 
 
