@@ -4,7 +4,9 @@
 #
 #   bash scripts/h200_vllm.sh run [CKPT_DIR]
 #       exports the reference checkpoint to CKPT_DIR (default /tmp/speccheck-ckpt) unless it
-#       is there, then `speccheck run --engine vllm`: baseline, MTP K=1,3,7 and DFlash K=7
+#       is there (env PAD_HEAD_DIM=128: GDN heads padded to 128, the same network, as
+#       FlashInfer's SM90 GDN prefill kernel needs; default dir /tmp/speccheck-ckpt-pad128),
+#       then `speccheck run --engine vllm`: baseline, MTP K=1,3,7 and DFlash K=7
 #       (env CONFIGS), 2 repeats and the corpus all at once (each prompt twice), with CUDA
 #       graphs and vLLM's default GDN prefill backend (env LEGACY_KERNELS=1: enforce_eager +
 #       Triton GDN prefill as before; GDN_PREFILL, ATTENTION: one switch each; CORPUS may be
@@ -48,6 +50,7 @@ PIECES=${PIECES:-/root/pieces}
 ATTENTION=${ATTENTION:-TRITON_ATTN}   # the staged tree's target ran with it; auto = vLLM's choice
 GDN_PREFILL=${GDN_PREFILL:-}         # empty: vLLM's default (FlashInfer on SM90)
 LEGACY_KERNELS=${LEGACY_KERNELS:-0}  # 1: enforce_eager + Triton GDN prefill, as before
+PAD_HEAD_DIM=${PAD_HEAD_DIM:-}       # e.g. 128: export-reference --linear-head-dim (FlashInfer needs 128)
 
 sc() { python3 -m speccheck.cli "$@"; }
 
@@ -72,7 +75,7 @@ PY
 left() { echo $((DEADLINE_S - SECONDS)); }
 
 run() {
-  local ckpt=${1:-/tmp/speccheck-ckpt}
+  local ckpt=${1:-/tmp/speccheck-ckpt${PAD_HEAD_DIM:+-pad$PAD_HEAD_DIM}}
   mkdir -p "$OUT" "$WORK"
   cd "$R" || exit 2
   export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
@@ -88,7 +91,8 @@ run() {
     fi
     python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
     if [ ! -f "$ckpt/config.json" ] && [ ! -f "$ckpt/target/config.json" ]; then
-      echo "== export-reference $ckpt"; sc export-reference "$ckpt" || exit 2
+      echo "== export-reference $ckpt ${PAD_HEAD_DIM:+(GDN heads padded to $PAD_HEAD_DIM)}"
+      sc export-reference "$ckpt" ${PAD_HEAD_DIM:+--linear-head-dim "$PAD_HEAD_DIM"} || exit 2
     fi
     if [[ "$CORPUS" == *+* ]]; then  # e.g. smoke+code+PATH: one corpus file of several
       CORPUS=$(merge_corpora "$CORPUS" "$WORK") || exit 2
@@ -311,5 +315,5 @@ case "${1:-}" in
   pack) pack ;;
   merge) shift; cd "$R" && PYTHONPATH="$R${PYTHONPATH:+:$PYTHONPATH}" merge_corpora "$@" ;;
   unpack) shift; unpack "$@" ;;
-  *) sed -n 2,38p "$0"; exit 2 ;;
+  *) sed -n 2,40p "$0"; exit 2 ;;
 esac
