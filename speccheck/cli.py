@@ -756,9 +756,9 @@ def doctor(engine, model, k, tp, base_url, api_key_env):
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--model", default=None, help="Reference weights dir (default: the shipped ones).")
 @click.option("--linear-head-dim", type=click.IntRange(min=1), default=None,
-              help="Pad the GDN key/value head dims to this (128: what FlashInfer's Hopper GDN "
-                   "prefill kernel, vLLM's default there, requires); the same function, see config.json's "
-                   "speccheck key.")
+              help="Pad the target's GDN key/value head dims to this (128: what FlashInfer's GDN "
+                   "prefill kernel, vLLM's default on Hopper, requires); the same network, see the "
+                   "speccheck key of its config.json.")
 def export_reference_cmd(out_dir, model, linear_head_dim):
     """Write the reference checkpoint in the Hugging Face layouts vLLM loads (target + drafter)."""
     from speccheck.engines.reference.export import ExportError, export_reference

@@ -388,12 +388,12 @@ def pad_gdn_head_dims(text_state: Mapping[str, torch.Tensor], text: Mapping,
     text = dict(text)
     nk, nv = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
     dk, dv = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
-    rep = head_dim // dv if head_dim % dv == 0 else 0
     if not all(head_dim % d == 0 and (head_dim // d) & (head_dim // d - 1) == 0 for d in (dk, dv)):
         raise ExportError(f"--linear-head-dim {head_dim}: the GDN heads are {dk} (key) and {dv} "
                           f"(value) wide; the padded dim must be a power-of-two multiple of both "
                           f"(e.g. 128 for 64/64), so that the value copies and the scale change "
                           f"divide exactly")
+    rep = head_dim // dv
 
     def keys(w: torch.Tensor) -> torch.Tensor:  # [nk*dk, ...] -> [nk*head_dim, ...], zeros appended
         w = w.reshape(nk, dk, *w.shape[1:])
