@@ -27,7 +27,8 @@ OUT=${OUT:-/tmp/h200-out}
 WORK=${WORK:-/tmp/speccheck-srv}
 CKPT=${CKPT:-/tmp/speccheck-ckpt}
 CORPUS=${CORPUS:-smoke+code}
-SERVER_KERNELS=${SERVER_KERNELS:---attention-backend TRITON_ATTN --additional-config {"gdn_prefill_backend":"triton"} --enforce-eager}
+LEGACY_SERVER_KERNELS='--attention-backend TRITON_ATTN --additional-config {"gdn_prefill_backend":"triton"} --enforce-eager'
+SERVER_KERNELS=${SERVER_KERNELS:-$LEGACY_SERVER_KERNELS}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 export VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$R:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:/tmp/speccheck-h200/pydeps${PYTHONPATH:+:$PYTHONPATH}"

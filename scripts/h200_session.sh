@@ -92,7 +92,7 @@ job_flips() {  # once the offline matrix is generated (its attribution running):
 
 go() {
   local j
-  for j in doctor kernels offline server flips; do bg "$j" "bash scripts/h200_session.sh job_$j"; done
+  for j in ${GO_JOBS:-doctor kernels offline server flips}; do bg "$j" "bash scripts/h200_session.sh job_$j"; done
 }
 
 wait_jobs() {
@@ -113,7 +113,17 @@ wait_jobs() {
   ls -la "$OUT"
 }
 
+restart() {  # end every job of an earlier `go` (and its servers and workers), keep the staging
+  local p
+  for p in 'h200_session.sh job_' 'h200_server.sh' 'h200_vllm.sh run' 'vllm.entrypoints' 'vllm_worker' \
+           'speccheck.cli'; do pkill -f "$p"; done
+  sleep 3
+  rm -rf "$WORK/store" "$WORK/gdn_prefill_used" /tmp/speccheck-srv /tmp/speccheck-flip* "$JOBS"
+  mkdir -p "$JOBS"
+}
+
 case "${1:-}" in
+  restart) restart ;;
   prep) prep ;;
   go) go ;;
   job_*) "$1" ;;
