@@ -255,8 +255,10 @@ def _counters(d: dict | None) -> SpecCounters | None:
     store more), keys it knows but the store lacks take their defaults (``iterations``)."""
     if not d:
         return None
-    known = {f.name for f in fields(SpecCounters)}
-    return SpecCounters(**{k: v for k, v in d.items() if k in known})
+    return SpecCounters(**{k: v for k, v in d.items() if k in _COUNTER_FIELDS})
+
+
+_COUNTER_FIELDS = frozenset(f.name for f in fields(SpecCounters))
 
 
 def read_manifest(d: Path, redo: str = _REDO_DEFAULT) -> dict:

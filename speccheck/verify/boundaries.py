@@ -66,9 +66,12 @@ def stop_tokens(streams: Iterable[tuple[Sequence[int], str]]) -> set[int]:
         t = np.asarray(tokens).ravel()
         if finish == "stop" and len(t):
             last.add(int(t[-1]))
-            inside.append(t[:-1].astype(np.int64))
-    seen = np.unique(np.concatenate(inside)) if inside else np.zeros(0, np.int64)
-    return {x for x in last if not np.isin(x, seen)}
+            inside.append(t[:-1])
+    if not inside:
+        return last
+    inside = np.concatenate(inside)
+    candidates = np.fromiter(last, dtype=np.int64, count=len(last))
+    return last - set(inside[np.isin(inside, candidates)].tolist())
 
 
 def boundary_divergence(prompt_id: str, base_tokens, base_finish: str, spec_tokens,

@@ -238,22 +238,24 @@ _WALSH_LIST = 1 << 21
 _WALSH_SAMPLE = 1 << 16
 
 
-def _walsh_upto(x: np.ndarray, v: float) -> np.ndarray:
-    """Per row i of the Walsh averages of sorted ``x`` (columns j >= i), the first column
-    whose average ``0.5 * (x[i] + x[j])`` exceeds v (i where none is at or below v). The
-    search for ``2 v - x[i]`` can be off by a rounding; the averages as computed are
-    monotone in j, so the edge is moved until they say so."""
+def _walsh_upto(x: np.ndarray, v: float, rows: np.ndarray | None = None) -> np.ndarray:
+    """Per row i (all, or ``rows``) of the Walsh averages of sorted ``x`` (columns j >= i),
+    the first column whose average ``0.5 * (x[i] + x[j])`` exceeds v (i where none is at or
+    below v). The search for ``2 v - x[i]`` can be off by a rounding; the averages as
+    computed are monotone in j, so the edge is moved until they say so."""
     n = len(x)
-    edge = np.searchsorted(x, 2.0 * v - x, side="right")
+    rows = np.arange(n) if rows is None else rows
+    xi = x[rows]
+    edge = np.searchsorted(x, 2.0 * v - xi, side="right")
     while True:
         up = np.flatnonzero(edge < n)
-        up = up[0.5 * (x[up] + x[edge[up]]) <= v]
+        up = up[0.5 * (xi[up] + x[edge[up]]) <= v]
         edge[up] = np.searchsorted(x, x[edge[up]], side="right")
         down = np.flatnonzero(edge > 0)
-        down = down[0.5 * (x[down] + x[edge[down] - 1]) > v]
+        down = down[0.5 * (xi[down] + x[edge[down] - 1]) > v]
         edge[down] = np.searchsorted(x, x[edge[down] - 1], side="left")
         if not len(up) and not len(down):
-            return np.maximum(edge, np.arange(n))
+            return np.maximum(edge, rows)
 
 
 def _walsh_next(x: np.ndarray, v: float, k: int) -> float:
@@ -277,35 +279,37 @@ def _walsh_kth(x: np.ndarray, k: int) -> float:
     chooses the bounds); a value many averages share is caught when the sample repeats it.
     """
     n = len(x)
-    row = np.arange(n)
-    start, stop = row.copy(), np.full(n, n)  # averages in play: row i, columns [start, stop)
+    rows = np.arange(n)  # rows with averages in play: columns [start, stop)
+    start, stop = rows.copy(), np.full(n, n)
     below = 0  # averages below those in play
     rng = np.random.default_rng(0)
     last = None
     while True:
+        keep = start < stop
+        rows, start, stop = rows[keep], start[keep], stop[keep]
         width = stop - start
         cum = np.cumsum(width)
         m = int(cum[-1])
         if m <= _WALSH_LIST:
-            rows = np.repeat(row, width)
-            w = 0.5 * (x[rows] + x[start[rows] + np.arange(m) - (cum[rows] - width[rows])])
+            at = np.repeat(np.arange(len(rows)), width)
+            w = 0.5 * (x[rows[at]] + x[start[at] + np.arange(m) - (cum[at] - width[at])])
             return float(np.partition(w, k - below - 1)[k - below - 1])
         stalled, last = m == last, m
         pick = rng.integers(0, m, _WALSH_SAMPLE)
-        rows = np.searchsorted(cum, pick, side="right")
-        sample = np.sort(0.5 * (x[rows] + x[start[rows] + pick - (cum[rows] - width[rows])]))
+        at = np.searchsorted(cum, pick, side="right")
+        sample = np.sort(0.5 * (x[rows[at]] + x[start[at] + pick - (cum[at] - width[at])]))
         q = (k - below) / m
         spread = 4.0 * math.sqrt(q * (1 - q) / _WALSH_SAMPLE) + 2.0 / _WALSH_SAMPLE
         s = len(sample)
         for v in (sample[max(int((q - spread) * s), 0)], sample[min(int(math.ceil((q + spread) * s)), s - 1)]):
-            edge = np.clip(_walsh_upto(x, v), start, stop)
+            edge = np.clip(_walsh_upto(x, v, rows), start, stop)
             count = below + int((edge - start).sum())
             if count < k:  # the wanted average lies above v
                 below, start = count, edge
                 continue
             stop = edge
             if stalled or np.count_nonzero(sample == v) > 1:  # is v, a value shared, the answer?
-                under = np.clip(_walsh_upto(x, np.nextafter(v, -np.inf)), start, stop)
+                under = np.clip(_walsh_upto(x, np.nextafter(v, -np.inf), rows), start, stop)
                 if below + int((under - start).sum()) < k:
                     return float(v)
                 stop = under
