@@ -334,10 +334,11 @@ class Suite:
         sig = _signature(paths)
         if sig is None:
             return load()
-        key = (kind, sig)
-        if key not in self._reads:
-            self._reads[key] = load()
-        return self._reads[key]
+        key = (kind, paths)
+        kept = self._reads.get(key)
+        if kept is None or kept[0] != sig:  # one version per file: a replaced file's old one goes
+            self._reads[key] = (sig, load())
+        return self._reads[key][1]
 
     @property
     def id(self) -> str:
