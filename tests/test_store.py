@@ -74,7 +74,8 @@ def test_each_file_is_read_once_until_it_changes(suite, monkeypatch):
                                                     np.array([-0.1, -0.2]))])
     loads = []
     real = store_mod._load_npz
-    monkeypatch.setattr(store_mod, "_load_npz", lambda path, *a, **k: loads.append(path.name) or real(path, *a, **k))
+    monkeypatch.setattr(store_mod, "_load_npz",
+                        lambda path, *a, **k: loads.append(path.name) or real(path, *a, **k))
     first = suite.load_run("mtp-k3", 0)
     assert suite.load_run("mtp-k3", 0) is first and suite.is_complete("mtp-k3", 0)
     assert suite.load_rescore("mtp-k3", 0) is suite.load_rescore("mtp-k3", 0)
