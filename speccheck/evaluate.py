@@ -282,13 +282,23 @@ def kernel_noise_sample(suite: Suite) -> np.ndarray:
 @dataclass
 class LogprobEvidence:
     """Per agreeing position of a spec run (its token = the baseline's teacher-forced argmax):
-    where, the spec-reported and the baseline's logprob; and the baseline's teacher-forced
-    margin at every position (flip risk)."""
+    where (``prompts[prompt_index[i]]``, ``positions[i]``), the spec-reported and the
+    baseline's logprob; and the baseline's teacher-forced margin at every position (flip risk)."""
 
-    where: list[tuple[str, int]]
+    prompts: list[str]
+    prompt_index: np.ndarray
+    positions: np.ndarray
     spec_lp: np.ndarray
     base_lp: np.ndarray
     margins: np.ndarray
+
+    def at(self, i: int) -> tuple[str, int]:
+        """(prompt id, position) of the i-th agreeing position."""
+        return self.prompts[int(self.prompt_index[i])], int(self.positions[i])
+
+    @property
+    def where(self) -> list[tuple[str, int]]:
+        return [self.at(i) for i in range(len(self.positions))]
 
     @property
     def deltas(self) -> np.ndarray:
@@ -297,19 +307,21 @@ class LogprobEvidence:
 
 
 def logprob_evidence(run: RunRecord, scored: dict | None) -> LogprobEvidence:
-    where, s_lp, b_lp, marg = [], [], [], []
+    prompts, index, pos, s_lp, b_lp, marg = [], [], [], [], [], []
     for c in run.completions:
         s = (scored or {}).get(c.prompt_id)
-        if s is None or len(s.token_logprobs) != c.n_tokens or len(c.logprobs) != c.n_tokens:
+        if s is None or len(s.token_logprobs) != c.n_tokens or len(c.logprobs) != c.n_tokens or not c.n_tokens:
             continue
-        if c.n_tokens:
-            marg.append(margins(s.topk_logprobs))
-        for i in np.flatnonzero(s.topk_ids[:, 0] == c.token_ids) if c.n_tokens else ():
-            where.append((c.prompt_id, int(i)))
-            s_lp.append(c.logprobs[i])
-            b_lp.append(s.token_logprobs[i])
-    return LogprobEvidence(where, np.asarray(s_lp, np.float64), np.asarray(b_lp, np.float64),
-                           np.concatenate(marg) if marg else np.zeros(0))
+        marg.append(margins(s.topk_logprobs))
+        agree = np.flatnonzero(s.topk_ids[:, 0] == c.token_ids)
+        index.append(np.full(len(agree), len(prompts)))
+        prompts.append(c.prompt_id)
+        pos.append(agree)
+        s_lp.append(c.logprobs[agree])
+        b_lp.append(s.token_logprobs[agree])
+    cat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
+    return LogprobEvidence(prompts, cat(index, np.int64), cat(pos, np.int64), cat(s_lp, np.float64),
+                           cat(b_lp, np.float64), cat(marg, np.float64))
 
 
 def spec_delta_sample(suite: Suite, name: str) -> np.ndarray:
@@ -348,7 +360,7 @@ def logprob_consistency(ev: LogprobEvidence, flips: int, noise: float, kernel_no
     d = ev.deltas
     bad = np.flatnonzero(~(d <= limit))  # NaN on one side is over the limit too
     worst = bad[np.argsort(-np.nan_to_num(d[bad], nan=np.inf))][:5]
-    over = [f"prompt {ev.where[i][0]} position {ev.where[i][1]}: spec logprob {ev.spec_lp[i]:.4f} vs "
+    over = [f"prompt {ev.at(i)[0]} position {ev.at(i)[1]}: spec logprob {ev.spec_lp[i]:.4f} vs "
             f"baseline {ev.base_lp[i]:.4f} (|Δ| {d[i]:.4f} nats > {limit:.4f})" for i in worst]
     finite = d[np.isfinite(d)]
     drift = drift_test(finite, kernel_noise, policy.max_logprob_drift, policy.logprob_drift_alpha)
@@ -490,7 +502,7 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
     if len(ok) >= 2:
         ids = [c.prompt_id for c in ok[0].completions]
         empty = Completion("", [], [], [], [], [])
-        comps = [[rec.by_prompt().get(p, empty) for p in ids] for rec in ok]
+        comps = [[by.get(p, empty) for p in ids] for by in (rec.by_prompt() for rec in ok)]
         det = determinism([[c.token_ids for c in run] for run in comps],
                           [[c.logprobs for c in run] for run in comps],
                           policy.determinism_logprob_tolerance)
@@ -547,7 +559,8 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
         result.prefix_agreement = free.prefix_agreement
         if is_spec:
             result.missing_evidence += rescore_gaps(suite, name, run0.repeat, run0.completions)
-            lacking = [p for p in base if p not in run0.by_prompt()]
+            run0_prompts = run0.by_prompt()
+            lacking = [p for p in base if p not in run0_prompts]
             if lacking:
                 result.missing_evidence.append(
                     f"{name} r{run0.repeat} has no output for baseline prompt(s) "
@@ -637,8 +650,8 @@ def _judge_counters(result: ConfigResult, ok: Sequence[RunRecord], name: str,
     runs = [rec for rec in ok if any(c.spec is not None for c in rec.completions)]
     if len(runs) >= 2:
         ids = [c.prompt_id for c in runs[0].completions]
-        tuples = [[_counter_tuple(rec.by_prompt()[p]) if p in rec.by_prompt() else None for p in ids]
-                  for rec in runs]
+        tuples = [[_counter_tuple(by[p]) if p in by else None for p in ids]
+                  for by in (rec.by_prompt() for rec in runs)]
         bad = acceptance_mismatches(tuples)
         result.acceptance_identical = not bad
         for ri, pi in bad:

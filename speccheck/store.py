@@ -36,7 +36,7 @@ import shutil
 import tempfile
 import time
 import zipfile
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -255,8 +255,10 @@ def _counters(d: dict | None) -> SpecCounters | None:
     store more), keys it knows but the store lacks take their defaults (``iterations``)."""
     if not d:
         return None
-    known = {f.name for f in fields(SpecCounters)}
-    return SpecCounters(**{k: v for k, v in d.items() if k in known})
+    return SpecCounters(**{k: v for k, v in d.items() if k in _COUNTER_FIELDS})
+
+
+_COUNTER_FIELDS = frozenset(f.name for f in fields(SpecCounters))
 
 
 def read_manifest(d: Path, redo: str = _REDO_DEFAULT) -> dict:
@@ -273,9 +275,10 @@ def read_manifest(d: Path, redo: str = _REDO_DEFAULT) -> dict:
     return m
 
 
-def read_run(d: Path, redo: str = _REDO_DEFAULT) -> RunRecord:
-    """One stored run directory (manifest.json + arrays.npz) as a RunRecord."""
-    m = read_manifest(d, redo)
+def read_run(d: Path, redo: str = _REDO_DEFAULT, manifest: dict | None = None) -> RunRecord:
+    """One stored run directory (manifest.json + arrays.npz) as a RunRecord (``manifest``:
+    its :func:`read_manifest`, when already read)."""
+    m = manifest if manifest is not None else read_manifest(d, redo)
     comps: list[Completion] = []
     try:
         if m["completions"]:
@@ -305,11 +308,37 @@ def read_run(d: Path, redo: str = _REDO_DEFAULT) -> RunRecord:
                          f"damaged: {redo}.") from None
 
 
+def _signature(paths: tuple[Path, ...]) -> tuple | None:
+    """What identifies these files' contents without reading them (path, mtime, size, inode:
+    every stored file is replaced by a rename, never rewritten in place); None if one is absent."""
+    try:
+        return tuple((str(p), st.st_mtime_ns, st.st_size, st.st_ino) for p in paths for st in (p.stat(),))
+    except OSError:
+        return None
+
+
 @dataclass
 class Suite:
-    """One suite directory: the runs of one engine/model/args/corpus combination."""
+    """One suite directory: the runs of one engine/model/args/corpus combination.
+
+    Each stored file is read (and its sum checked) once per Suite object while it stays
+    unchanged on disk: an evaluation asks for the baseline's runs and rescoring many times.
+    What the loaders return is shared between callers, so it is never modified."""
 
     root: Path
+    _reads: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def _read_once(self, kind: str, paths: tuple[Path, ...], load: Callable):
+        """``load()``, or what it returned last for these files while they are unchanged
+        (failures are not kept: a damaged file fails every time it is asked for)."""
+        sig = _signature(paths)
+        if sig is None:
+            return load()
+        key = (kind, paths)
+        kept = self._reads.get(key)
+        if kept is None or kept[0] != sig:  # one version per file: a replaced file's old one goes
+            self._reads[key] = (sig, load())
+        return self._reads[key][1]
 
     @property
     def id(self) -> str:
@@ -317,7 +346,9 @@ class Suite:
 
     @property
     def meta(self) -> dict:
-        m = _load_checked_json(self.root / "suite.json", "run `speccheck run` again into a fresh --store")
+        path = self.root / "suite.json"
+        m = self._read_once("json", (path, _sidecar(path)), lambda: _load_checked_json(
+            path, "run `speccheck run` again into a fresh --store"))
         if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("engine", "corpus", "corpus_hash")):
             raise StoreError(f"{self.root / 'suite.json'}: lacks engine/corpus/corpus_hash; the suite is "
                              "damaged: run `speccheck run` again into a fresh --store.")
@@ -358,12 +389,21 @@ class Suite:
         if not (d / "manifest.json").exists():
             return False
         try:
-            return bool(read_manifest(d)["complete"])
+            return bool(self._manifest(config_name, repeat, _REDO_DEFAULT)["complete"])
         except StoreError:
             return False
 
+    def _run_files(self, config_name: str, repeat: int) -> tuple[Path, Path]:
+        d = self.run_dir(config_name, repeat)
+        return d / "manifest.json", d / "arrays.npz"
+
+    def _manifest(self, config_name: str, repeat: int, redo: str | None = None) -> dict:
+        """read_manifest of that run, once while its files are unchanged."""
+        return self._read_once("manifest", self._run_files(config_name, repeat), lambda: read_manifest(
+            self.run_dir(config_name, repeat), redo or self._redo_run(config_name, repeat)))
+
     def run_identity(self, config_name: str, repeat: int) -> dict:
-        return read_manifest(self.run_dir(config_name, repeat), self._redo_run(config_name, repeat))["identity"]
+        return self._manifest(config_name, repeat)["identity"]
 
     def _redo_run(self, config_name: str, repeat: int) -> str:
         return self.redo_hint(config_name, f"that run ({config_name} " + ("all at once" if repeat < 0 else f"r{repeat}") + ")")
@@ -423,12 +463,14 @@ class Suite:
         share_mode(tmp / "manifest.json")
 
     def load_run(self, config_name: str, repeat: int) -> RunRecord:
-        return read_run(self.run_dir(config_name, repeat), self._redo_run(config_name, repeat))
+        return self._read_once("run", self._run_files(config_name, repeat), lambda: read_run(
+            self.run_dir(config_name, repeat), self._redo_run(config_name, repeat),
+            self._manifest(config_name, repeat)))
 
     def load_together(self, config_name: str) -> RunRecord | None:
         """The config's run of the whole corpus at once, if one is stored."""
         d = self.run_dir(config_name, -1)
-        return read_run(d, self._redo_run(config_name, -1)) if (d / "manifest.json").exists() else None
+        return self.load_run(config_name, -1) if (d / "manifest.json").exists() else None
 
     def configs(self) -> list[str]:
         """Config names with at least one stored run, baseline first, then by method and K."""
@@ -478,6 +520,9 @@ class Suite:
         path = self.rescore_path(config_name, repeat)
         if not path.exists():
             return None
+        return self._read_once("rescore", (path, _sidecar(path)), lambda: self._read_rescore(path, config_name))
+
+    def _read_rescore(self, path: Path, config_name: str) -> dict[str, Scored]:
         redo = self.redo_hint(config_name, f"its rescoring")
         a = _load_npz(path, redo, ("ids", "topk_ids", "topk_logprobs", "token_logprobs", "offsets"))
         off = a["offsets"]
@@ -524,6 +569,10 @@ class Suite:
             _atomic_write_text(self.root / "plan.json", json.dumps(plan, indent=1))
         return plan
 
+    def _json(self, path: Path):
+        """A stored JSON file as it is (no schema or sum check), once while it is unchanged."""
+        return self._read_once("json", (path,), lambda: _load_json(path))
+
     def planned_configs(self) -> list[str]:
         plan = self.load_plan()
         return list(plan["configs"]) if plan else []
@@ -561,11 +610,11 @@ class Suite:
                 if not (self.run_dir(config_name, r) / "manifest.json").exists()]
         if want["concurrent"]:
             together = self.run_dir(config_name, -1) / "manifest.json"
-            if not together.exists() or _load_json(together).get("copies") != want["concurrent"]:
+            if not together.exists() or self._json(together).get("copies") != want["concurrent"]:
                 gaps.append(f"{config_name} all at once (x{want['concurrent']})")
         ok = [r for r in range(want["repeats"]) if self.is_complete(config_name, r)]
         if (want["fresh_process_repeat"] and want["repeats"] > 1 and len(ok) == want["repeats"]
-                and not any(_load_json(self.run_dir(config_name, r) / "manifest.json").get("fresh_process")
+                and not any(self._json(self.run_dir(config_name, r) / "manifest.json").get("fresh_process")
                             for r in ok)):
             gaps.append(f"the fresh-process repeat of {config_name} (every stored repeat ran in "
                         "one process)")

@@ -51,3 +51,28 @@ def test_profile_reference_prints_every_phase_and_the_loop_split(capsys):
     assert float(loop["baseline"][3]) == 1.0
     assert "MTP drafting" in loop["mtp-k3"][4] and "DFlash draft" in loop["dflash-k7"][4]
     assert "target forward" in loop["baseline"][4] and "commit" not in loop["baseline"][4]
+
+
+def test_bench_verify_builds_a_tiny_store_and_times_both_commands(tmp_path, capsys):
+    """The verifier benchmark's store builder still writes a store the evaluator reads (run
+    here on 12 short prompts; the speed target itself lives in the benchmark, not here): every
+    config is judged, the one it plants high-confidence divergences in fails on them, and
+    the others pass."""
+    bench = _load("bench_verify")
+    assert bench.main(["--prompts", "12", "--min-len", "16", "--max-len", "48", "--rounds", "1",
+                       "--no-cli", "--cache", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"12 prompts, 12 runs, (\d+) completions, ([\d,]+) generated tokens", out)
+    assert m and int(m[1]) == 12 * 4 * 4, out  # 4 configs x (r0, r1, 2 copies all at once)
+    for command in ("diff", "gate"):
+        assert re.search(rf"^speccheck {command}\s+[\d.]+ s", out, re.M), out
+    from speccheck.cli import main
+
+    root = next(p for p in tmp_path.iterdir() if (p / "BUILT").exists())
+    with pytest.raises(SystemExit) as e:
+        main.main(["gate", "--store", str(root)], standalone_mode=False)
+    gate = capsys.readouterr().out
+    assert e.value.code == 1, gate
+    assert re.findall(r"^(PASS|FAIL)  (\S+)$", gate, re.M) == [
+        ("PASS", "baseline"), ("PASS", "dflash-k7"), ("FAIL", "dflash2-k7"), ("PASS", "mtp-k3")], gate
+    assert "divergences_are_low_confidence failed for config dflash2-k7: 2 high-confidence" in gate, gate

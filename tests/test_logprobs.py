@@ -116,6 +116,23 @@ def test_hodges_lehmann_is_the_median_of_walsh_averages(xs):
     assert hodges_lehmann(d) == pytest.approx(float(np.median(walsh)), rel=1e-9, abs=1e-9)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([-2.0, -0.1, 0.0, 0.1, 0.3, 1.0 / 3, 7.5]) | st.floats(-50, 50, allow_nan=False),
+                min_size=60, max_size=400))
+def test_hodges_lehmann_selection_rounds_are_exact(xs):
+    """Large samples are not listed whole: rounds of sampled bounds narrow the Walsh averages
+    in play (forced here on small samples, many values tied) and must still give exactly the
+    median of all of them."""
+    import speccheck.verify.logprobs as logprobs
+
+    d = np.asarray(xs)
+    walsh = ((d[:, None] + d[None, :]) / 2)[np.triu_indices(len(d))]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(logprobs, "_WALSH_LIST", 50)
+        mp.setattr(logprobs, "_WALSH_SAMPLE", 64)
+        assert hodges_lehmann(d) == float(np.median(walsh))
+
+
 def test_typical_ratio_reads_as_times_the_reference():
     b = np.random.default_rng(2).gamma(0.5, 1.0, 501)  # heavy-tailed, like |Δ|
     assert typical_ratio(b, b) == 1.0

@@ -63,6 +63,32 @@ def test_corrupted_arrays_give_clear_error(suite):
         suite.load_run("mtp-k3", 0)
 
 
+def test_each_file_is_read_once_until_it_changes(suite, monkeypatch):
+    """An evaluation asks for the same runs and rescoring many times: one Suite reads (and
+    sum-checks) each file once while it is unchanged, and again once it is replaced or
+    damaged, so a damaged file still fails every later read."""
+    import speccheck.store as store_mod
+
+    suite.write_run(record())
+    suite.write_rescore("mtp-k3", 0, ["a"], [Scored(np.arange(10).reshape(2, 5), -np.ones((2, 5)),
+                                                    np.array([-0.1, -0.2]))])
+    loads = []
+    real = store_mod._load_npz
+    monkeypatch.setattr(store_mod, "_load_npz",
+                        lambda path, *a, **k: loads.append(path.name) or real(path, *a, **k))
+    first = suite.load_run("mtp-k3", 0)
+    assert suite.load_run("mtp-k3", 0) is first and suite.is_complete("mtp-k3", 0)
+    assert suite.load_rescore("mtp-k3", 0) is suite.load_rescore("mtp-k3", 0)
+    assert loads == ["arrays.npz", "mtp-k3-r0.npz"]
+    suite.write_run(record(comps=[completion("b", 3)]))  # replaced: read again
+    assert [c.prompt_id for c in suite.load_run("mtp-k3", 0).completions] == ["b"]
+    path = suite.run_dir("mtp-k3", 0) / "arrays.npz"
+    path.write_bytes(path.read_bytes()[:-1] + b"x")  # damaged in place, same size
+    with pytest.raises(StoreError, match="changed since it was written"):
+        suite.load_run("mtp-k3", 0)
+    assert not suite.is_complete("mtp-k3", 0)
+
+
 def test_pickled_object_arrays_are_refused(suite):
     suite.write_run(record())
     path = suite.run_dir("mtp-k3", 0) / "arrays.npz"

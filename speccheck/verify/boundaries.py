@@ -61,13 +61,17 @@ def stop_tokens(streams: Iterable[tuple[Sequence[int], str]]) -> set[int]:
     token of each stream that finished with ``"stop"``, less any token seen before the end of
     such a stream (a stop string can end a stream on an ordinary token; that token is then
     seen mid-stream elsewhere and does not count)."""
-    last, inside = set(), set()
+    last, inside = set(), []
     for tokens, finish in streams:
         t = np.asarray(tokens).ravel()
         if finish == "stop" and len(t):
             last.add(int(t[-1]))
-            inside.update(int(x) for x in t[:-1])
-    return last - inside
+            inside.append(t[:-1])
+    if not inside:
+        return last
+    inside = np.concatenate(inside)
+    candidates = np.fromiter(last, dtype=np.int64, count=len(last))
+    return last - set(inside[np.isin(inside, candidates)].tolist())
 
 
 def boundary_divergence(prompt_id: str, base_tokens, base_finish: str, spec_tokens,
@@ -88,16 +92,19 @@ def boundary_divergence(prompt_id: str, base_tokens, base_finish: str, spec_toke
     """
     b, s = np.asarray(base_tokens).ravel(), np.asarray(spec_tokens).ravel()
     nb, ns = len(b), len(s)
+    if nb == ns and base_finish == spec_finish and np.array_equal(b, s):
+        return None  # the same stream, stopped the same way: nothing below can fire
     make = lambda kind, pos, why=None, past=(): Boundary(  # noqa: E731
         prompt_id, kind, int(pos), nb, ns, str(base_finish), str(spec_finish), why,
         tuple(int(x) for x in past[:8]))
     tolerated = first is not None and first.base_token >= 0 and first.spec_token >= 0 \
         and first.cls != "high_confidence"
-    honoured = not any(int(x) in stops for x in b[:-1])
-    after_stop = [i for i in range(ns - 1) if int(s[i]) in stops] if honoured else []
+    stop_ids = np.fromiter(stops, dtype=np.int64, count=len(stops))
+    honoured = not np.isin(b[:-1], stop_ids).any()
+    after_stop = np.flatnonzero(np.isin(s[:-1], stop_ids)) if honoured else ()
     past_eos = None
-    if after_stop:
-        i = after_stop[0] + 1
+    if len(after_stop):
+        i = int(after_stop[0]) + 1
         # a baseline that stopped at end-of-sequence shows it is honoured; one cut at
         # max_tokens does not (ignore_eos), so there a tolerated flip may lead to one
         unsure = base_finish != "stop" and tolerated

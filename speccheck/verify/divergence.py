@@ -50,7 +50,7 @@ def _topk(ids, lp, name: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _pairs(ids_row, lp_row) -> list[tuple[int, float]]:
-    return [(int(i), float(v)) for i, v in zip(ids_row, lp_row)]
+    return list(zip(np.asarray(ids_row).tolist(), np.asarray(lp_row, dtype=np.float64).tolist()))
 
 
 def _in_noise(margin: float, noise: float) -> float:
@@ -90,6 +90,8 @@ def find_divergences(prompt_id: str, base_tokens, base_topk_ids, base_topk_lp,
         raise ValueError("find_divergences: each stream needs one top-k row per token "
                          f"(baseline {len(base_tokens)} tokens / {len(b_ids)} rows, "
                          f"spec {len(spec_tokens)} tokens / {len(s_ids)} rows)")
+    if base_tokens.ndim == spec_tokens.ndim == 1 and np.array_equal(base_tokens, spec_tokens):
+        return []
     p = first_divergence(base_tokens, spec_tokens)
     if p is None:
         return []

@@ -218,8 +218,7 @@ def signed_rank_test_greater(a, b) -> tuple[float, float]:
 def hodges_lehmann(d) -> float:
     """The Hodges-Lehmann estimate of the shift of paired differences ``d``: the median of
     the Walsh averages ``(d_i + d_j) / 2`` over ``i <= j`` (the estimator that goes with the
-    signed-rank test). Found by bisection on the value, counting averages below it with a
-    sorted search, so it costs O(n log n) per step instead of the O(n^2) of listing them.
+    signed-rank test), selected without listing all n(n+1)/2 of them (:func:`_walsh_kth`).
     NaN for an empty sample."""
     x = np.sort(np.asarray(d, dtype=np.float64).ravel())
     x = x[np.isfinite(x)]
@@ -227,27 +226,93 @@ def hodges_lehmann(d) -> float:
     if not n:
         return math.nan
     total = n * (n + 1) // 2
-    idx = np.arange(n)
-
-    def at_most(v: float) -> int:  # how many Walsh averages are <= v
-        k = np.searchsorted(x, 2.0 * v - x, side="right")
-        return int(np.maximum(k - idx, 0).sum())
-
-    def kth(k: int) -> float:  # the k-th smallest Walsh average (1-based)
-        lo, hi = float(x[0]), float(x[-1])
-        for _ in range(200):
-            mid = 0.5 * (lo + hi)
-            if mid <= lo or mid >= hi:
-                break
-            if at_most(mid) >= k:
-                hi = mid
-            else:
-                lo = mid
-        return lo if at_most(lo) >= k else hi
-
+    k = total // 2 + 1
     if total % 2:
-        return kth(total // 2 + 1)
-    return 0.5 * (kth(total // 2) + kth(total // 2 + 1))
+        return _walsh_kth(x, k)
+    below = _walsh_kth(x, k - 1)
+    return 0.5 * (below + _walsh_next(x, below, k))
+
+
+#: at most this many Walsh averages are listed at once (then selected by np.partition)
+_WALSH_LIST = 1 << 21
+_WALSH_SAMPLE = 1 << 16
+
+
+def _walsh_upto(x: np.ndarray, v: float, rows: np.ndarray | None = None) -> np.ndarray:
+    """Per row i (all, or ``rows``) of the Walsh averages of sorted ``x`` (columns j >= i),
+    the first column whose average ``0.5 * (x[i] + x[j])`` exceeds v (i where none is at or
+    below v). The search for ``2 v - x[i]`` can be off by a rounding; the averages as
+    computed are monotone in j, so the edge is moved until they say so."""
+    n = len(x)
+    rows = np.arange(n) if rows is None else rows
+    xi = x[rows]
+    edge = np.searchsorted(x, 2.0 * v - xi, side="right")
+    while True:
+        up = np.flatnonzero(edge < n)
+        up = up[0.5 * (xi[up] + x[edge[up]]) <= v]
+        edge[up] = np.searchsorted(x, x[edge[up]], side="right")
+        down = np.flatnonzero(edge > 0)
+        down = down[0.5 * (xi[down] + x[edge[down] - 1]) > v]
+        edge[down] = np.searchsorted(x, x[edge[down] - 1], side="left")
+        if not len(up) and not len(down):
+            return np.maximum(edge, rows)
+
+
+def _walsh_next(x: np.ndarray, v: float, k: int) -> float:
+    """The k-th smallest Walsh average, given that the (k-1)-th is ``v``: v again when at least
+    k averages are at or below it, else the smallest average above it."""
+    edge = _walsh_upto(x, v)
+    if int((edge - np.arange(len(x))).sum()) >= k:
+        return v
+    rows = np.flatnonzero(edge < len(x))
+    return float(np.min(0.5 * (x[rows] + x[edge[rows]])))
+
+
+def _walsh_kth(x: np.ndarray, k: int) -> float:
+    """The k-th smallest (1-based) Walsh average of sorted, finite ``x``.
+
+    The averages form a matrix sorted along rows and columns (row i holds j >= i), so how
+    many lie at or below a value is one sorted search per row. Each round samples the
+    averages still in play, takes two sample quantiles just either side of the wanted rank
+    as new bounds and counts exactly below them: the averages in play shrink ~100-fold a
+    round until few enough are left to list and partition. Exact whatever the sample (it only
+    chooses the bounds); a value many averages share is caught when the sample repeats it.
+    """
+    n = len(x)
+    rows = np.arange(n)  # rows with averages in play: columns [start, stop)
+    start, stop = rows.copy(), np.full(n, n)
+    below = 0  # averages below those in play
+    rng = np.random.default_rng(0)
+    last = None
+    while True:
+        keep = start < stop
+        rows, start, stop = rows[keep], start[keep], stop[keep]
+        width = stop - start
+        cum = np.cumsum(width)
+        m = int(cum[-1])
+        if m <= _WALSH_LIST:
+            at = np.repeat(np.arange(len(rows)), width)
+            w = 0.5 * (x[rows[at]] + x[start[at] + np.arange(m) - (cum[at] - width[at])])
+            return float(np.partition(w, k - below - 1)[k - below - 1])
+        stalled, last = m == last, m
+        pick = rng.integers(0, m, _WALSH_SAMPLE)
+        at = np.searchsorted(cum, pick, side="right")
+        sample = np.sort(0.5 * (x[rows[at]] + x[start[at] + pick - (cum[at] - width[at])]))
+        q = (k - below) / m
+        spread = 4.0 * math.sqrt(q * (1 - q) / _WALSH_SAMPLE) + 2.0 / _WALSH_SAMPLE
+        s = len(sample)
+        for v in (sample[max(int((q - spread) * s), 0)], sample[min(int(math.ceil((q + spread) * s)), s - 1)]):
+            edge = np.clip(_walsh_upto(x, v, rows), start, stop)
+            count = below + int((edge - start).sum())
+            if count < k:  # the wanted average lies above v
+                below, start = count, edge
+                continue
+            stop = edge
+            if stalled or np.count_nonzero(sample == v) > 1:  # is v, a value shared, the answer?
+                under = np.clip(_walsh_upto(x, np.nextafter(v, -np.inf), rows), start, stop)
+                if below + int((under - start).sum()) < k:
+                    return float(v)
+                stop = under
 
 
 def typical_ratio(a, b) -> float:

@@ -31,8 +31,8 @@ def margins(topk_logprobs: np.ndarray) -> np.ndarray:
 
 def rank_of(token: int, topk_ids_row: np.ndarray) -> int | None:
     """0-based rank of ``token`` in one row of top-k ids, or None if it is not in the top-k."""
-    hits = np.flatnonzero(np.asarray(topk_ids_row).ravel() == int(token))
-    return int(hits[0]) if len(hits) else None
+    ids, token = np.asarray(topk_ids_row).ravel().tolist(), int(token)
+    return ids.index(token) if token in ids else None
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,9 @@ def determinism(runs: Sequence[Sequence[np.ndarray]],
     mismatches, lp_mismatches = [], []
     for ri, run in enumerate(runs[1:], start=1):
         for pi, (ref, got) in enumerate(zip(runs[0], run)):
+            if (logprob_tolerance >= 0 and np.array_equal(ref, got) and np.ndim(ref) == 1
+                    and (lps is None or np.array_equal(lps[0][pi], lps[ri][pi]))):
+                continue  # the same tokens and logprobs, bit for bit: nothing to report
             p = first_divergence(ref, got)
             if p is not None:
                 mismatches.append((ri, pi, p))
