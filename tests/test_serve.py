@@ -104,7 +104,9 @@ def test_rejects_what_it_cannot_honour(mtp_url, ids):
     no_temp = httpx.post(mtp_url + "/v1/completions", json={"prompt": ids}, timeout=30)
     assert no_temp.status_code == 400 and "temperature" in no_temp.json()["error"]["message"]
     assert _complete(mtp_url, prompt=ids, temperature=0.7).status_code == 400
-    assert _complete(mtp_url, prompt=ids, stream=True).status_code == 400
+    assert _complete(mtp_url, prompt=ids, stream="yes").status_code == 400
+    assert _complete(mtp_url, prompt=ids, stream_options={"include_usage": True}).status_code == 400
+    assert _complete(mtp_url, prompt=ids, echo=True).status_code == 400
     assert _complete(mtp_url, prompt=[]).status_code == 400
     wrong = _complete(mtp_url, prompt=ids, model="gpt-4")
     assert wrong.status_code == 404
