@@ -125,7 +125,8 @@ def diff_text(result: SuiteResult, detok=None) -> str:
         sp = r.speed
         out.append(f"  speed         warm {_num(sp.warm_tok_s)} tok/s"
                    + (f" ({sp.speedup:.2f}x baseline)" if sp.speedup else "")
-                   + f" · cold {_num(sp.cold_tok_s)} tok/s · TTFT {_num(sp.ttft_s and sp.ttft_s * 1000)} ms")
+                   + f" · cold {_num(sp.cold_tok_s)} tok/s · "
+                   + (f"TTFT {sp.ttft_s * 1000:.1f} ms" if sp.ttft_s else "TTFT not measured"))
         for c in r.checks:
             if not c.passed and not c.skipped:
                 out.append(f"  FAIL {c.name}: {c.message}")

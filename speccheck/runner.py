@@ -172,14 +172,12 @@ def run_one(engine: Engine, suite: Suite, corpus: Corpus, inputs: dict[str, np.n
 def _summary_line(record: RunRecord) -> str:
     if record.status != "ok":
         first = (record.error or "").splitlines()[0] if record.error else ""
-        return f"{record.config.name:>12} r{record.repeat}  FAILED  {first}"
+        return f"{record.config.name:>12} {record.label}  FAILED  {first}"
     n = sum(c.n_tokens for c in record.completions)
     dec = sum(c.decode_s for c in record.completions)
     spec = record.spec_total()
     tpi = f"  {1 + spec.accepted_tokens / spec.drafts:.2f} tok/iter" if spec and spec.drafts else ""
-    # against a server only the client is new: the server keeps its state across repeats
-    fresh = ("  [new client, same server]" if record.identity.get("base_url") else "  [fresh process]") \
-        if record.fresh_process else ""
+    fresh = f"  [{record.fresh_note}]" if record.fresh_note else ""
     rate = f"{n / dec:7.1f} tok/s" if dec > 0 else "      - tok/s"
     if record.copies:
         return (f"{record.config.name:>12} all at once: {len(record.completions)} requests "

@@ -40,6 +40,11 @@ class Engine(ABC):
     #: speculative methods this engine runs besides "baseline"; None = passes any through.
     methods: ClassVar[tuple[str, ...] | None] = ("mtp", "dflash")
 
+    @classmethod
+    def preflight(cls, engine_args: dict[str, str]) -> None:
+        """Checks that need no engine start (a package this engine needs, its option syntax),
+        made by `speccheck run` before anything is written or torch loads: EngineUsageError."""
+
     def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
                  draft: str | None = None) -> None:
         self.model = model
