@@ -738,7 +738,8 @@ class OpenAIEngine(Engine):
         if prompt.ignore_eos:  # vLLM's extra parameter; sent only when asked for
             body["ignore_eos"] = True
         choice, wall, ttft = self._stream("/v1/completions", body, f"prompt {prompt.id}")
-        self._ttft_seen.add(ttft is not None)
+        if _choice_tokens(choice) > 1:  # one token: streamed or not, its time is the TTFT
+            self._ttft_seen.add(ttft is not None)
         return choice, wall, ttft
 
     def _check_drafted(self, config: SpecConfig, out: list[Completion]) -> None:
