@@ -387,6 +387,9 @@ def test_bad_engine_args_leave_no_suite_directory(tmp_path):
     (["--method", "mtp", "--k", "1-x"], "--k '1-x'"),
     (["--config", "mtp-kk"], "--config 'mtp-kk'"),
     (["--engine-arg", "novalue"], "--engine-arg"),
+    pytest.param(["--engine", "vllm", "--model", "DIR"], "cannot import it",
+                 marks=pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None,
+                                          reason="vLLM is importable here"), id="vllm-not-installed"),
 ])
 def test_cheap_errors_come_before_torch_loads(tmp_path, args, needle):
     args = [a.replace("DIR", str(tmp_path)) for a in args]
@@ -719,3 +722,142 @@ def test_compare_a_config_never_run_says_so(store):
     r = invoke("compare", "--store", str(store), "--with-store", str(store), "--config", "dflash-k7")
     assert_clean(r, 2)
     assert "holds no complete run" in r.output and "delete" not in r.output
+
+
+# --- 9. streamed requests that go wrong, and an engine that is not installed ----------------------
+
+STREAM_KEY_ENV = "SPECCHECK_TEST_STREAM_KEY"
+OPENAI_RUN = ["--engine", "openai", "--method", "baseline", "--corpus", "smoke", "--repeats", "1",
+              "--concurrent", "0", "--no-attribution", "--engine-arg", "retries=1",
+              "--engine-arg", "backoff=0", "--api-key-env", STREAM_KEY_ENV]
+#: (misbehaviour of the stream, exit code by the contract, what the paragraph must say)
+STREAM_FAULTS = [
+    ("drop", 3, "the stream broke off after 1 event ("),
+    ("no_done", 3, "without data: [DONE]"),
+    ("garbage", 3, "sent a stream event that is not JSON"),
+    ("truncated_json", 3, "sent a stream event that is not JSON"),
+    ("error_event", 3, "in the middle of the stream (event 2): Internal server error"),
+    ("nan_event", 3, "produced NaN logprobs"),
+    ("second_choice", 3, "a choice other than the one asked for"),
+    ("list_event", 3, "not a JSON object"),
+    ("empty", 3, "carried no tokens"),
+    ("bad_types", 3, "is malformed"),
+    ("status_401", 2, f"HTTP 401 (Unauthorized): the API key comes from the environment variable "
+                      f"{STREAM_KEY_ENV}, which is set but the server rejected its value"),
+    ("status_403", 2, "HTTP 403 (Forbidden: this key may not stream)"),
+    ("status_400", 2, "rejected /v1/completions (streamed) with HTTP 400: logprobs must be"),
+    ("status_404", 2, "answered 404 for /v1/completions (streamed)"),
+    ("status_503", 3, "after 2 attempts (last: HTTP 503: engine is sleeping)"),
+    ("html_200", 3, "with non-JSON text"),
+]
+
+
+@pytest.fixture(scope="module")
+def served_store(tmp_path_factory):
+    """A real `speccheck serve` (reference engine, baseline) and a store holding one complete
+    run made through it with `speccheck run --engine openai`."""
+    from speccheck.serve import running_server
+
+    st = tmp_path_factory.mktemp("served") / "st"
+    mp = pytest.MonkeyPatch()
+    mp.setenv(STREAM_KEY_ENV, "sk-stream-test")
+    with running_server("baseline", served_model="ref") as url:
+        r = invoke("run", "--store", str(st), "--base-url", url, *OPENAI_RUN)
+        assert r.exit_code == 0 and "baseline r0" in r.output, r.output
+        yield url, st
+    mp.undo()
+
+
+@pytest.mark.parametrize("behaviour,code,needle", STREAM_FAULTS, ids=[f[0] for f in STREAM_FAULTS])
+def test_streams_that_go_wrong_exit_per_contract_and_keep_the_store(served_store, tmp_path,
+                                                                     monkeypatch, behaviour, code,
+                                                                     needle):
+    """`speccheck run --engine openai` through a server whose streamed completions go wrong
+    (test double: stream_doubles' proxy in front of the real `speccheck serve`): a refusal
+    the user must fix is exit 2, a server fault exit 3 with the run recorded as failed; the
+    paragraph says what the server did; no traceback; the run stored before is intact."""
+    from stream_doubles import misbehaving_proxy
+
+    url, made = served_store
+    st = tmp_path / "st"
+    shutil.copytree(made, st)
+    before = snapshot(st)
+    monkeypatch.setenv(STREAM_KEY_ENV, "sk-stream-test")
+    with misbehaving_proxy(url, behaviour) as proxy:
+        r = invoke("run", "--store", str(st), "--base-url", f"http://127.0.0.1:{proxy.server_port}",
+                   *OPENAI_RUN)
+        assert proxy.streamed >= 1
+    assert_clean(r, code)
+    assert needle in r.output, r.output
+    if code == 3:
+        assert "FAILED runs: baseline r0" in r.output, r.output
+    assert "sk-stream-test" not in r.output
+    after = snapshot(st)  # LATEST moves to the new run's suite; every stored file is as it was
+    assert {k: v for k, v in after.items() if k in before and k != "LATEST"} == \
+        {k: v for k, v in before.items() if k != "LATEST"}
+    assert invoke("gate", "--store", str(st), "--suite", (made / "LATEST").read_text().strip(),
+                  "--set", "require_deterministic=false").exit_code == 0
+
+
+def _fake_interpreter(tmp_path: Path, with_vllm: bool) -> Path:
+    """Test double: a 'python' that is this interpreter with a fake (empty) vllm package on
+    its path, or with none -- another environment, as --engine-arg python= names one."""
+    site = tmp_path / "other-site"
+    if with_vllm:
+        (site / "vllm").mkdir(parents=True)
+        (site / "vllm" / "__init__.py").write_text("__version__ = '0.0-fake'\n")
+    exe = tmp_path / "other-python"
+    exe.write_text(f"#!/bin/sh\nPYTHONPATH={site}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} \"$@\"\n")
+    exe.chmod(0o755)
+    return exe
+
+
+NO_VLLM_HERE = pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None,
+                                  reason="vLLM is importable here")
+
+
+@pytest.mark.parametrize("python,needles", [
+    pytest.param(None, ["this Python", "cannot import it", "pip install vllm==0.26.0",
+                        "--engine-arg python="], marks=NO_VLLM_HERE, id="no-vllm-here"),
+    pytest.param("/nonexistent/bin/python3", ["python=/nonexistent/bin/python3",
+                                              "no executable there"], id="no-such-interpreter"),
+    pytest.param("DIR", ["no executable there"], id="a-directory"),
+    pytest.param("/bin/false", ["/bin/false", "cannot import vLLM", "-m pip install vllm==0.26.0"],
+                 id="not-a-python"),
+    pytest.param("OTHER-WITHOUT", ["other-python", "cannot import vLLM",
+                                   "ModuleNotFoundError: No module named 'vllm'"],
+                 id="other-python-without-vllm"),
+])
+def test_vllm_engine_without_vllm_fails_at_once(tmp_path, python, needles):
+    """`--engine vllm` where the worker's interpreter cannot import vLLM: exit 2 (bad input:
+    the setup, found before anything runs -- 3 is for runs that crashed), one paragraph, the
+    store untouched (not even created)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    args = []
+    if python == "DIR":
+        args = ["--engine-arg", f"python={tmp_path}"]
+    elif python == "OTHER-WITHOUT":
+        args = ["--engine-arg", f"python={_fake_interpreter(tmp_path, with_vllm=False)}"]
+    elif python:
+        args = ["--engine-arg", f"python={python}"]
+    r = invoke("run", "--engine", "vllm", "--model", str(ckpt), "--store", str(tmp_path / "st"),
+               "--corpus", "smoke", "--method", "mtp", "--k", "3", *args)
+    assert_clean(r, 2)
+    for needle in needles:
+        assert needle in r.output, r.output
+    assert not (tmp_path / "st").exists()
+
+
+def test_vllm_check_is_made_against_the_named_interpreter(tmp_path):
+    """With --engine-arg python=PATH the check runs PATH, not this Python: an interpreter
+    that has vllm (test double: a fake vllm package on its path) passes it here, where this
+    Python has none, and the run goes on to the next check (the checkpoint: exit 2 naming
+    --model)."""
+    other = _fake_interpreter(tmp_path, with_vllm=True)
+    r = invoke("run", "--engine", "vllm", "--model", str(tmp_path / "nockpt"), "--store",
+               str(tmp_path / "st"), "--corpus", "smoke", "--method", "mtp", "--k", "3",
+               "--engine-arg", f"python={other}")
+    assert_clean(r, 2)
+    assert "cannot import" not in r.output and "--model" in r.output, r.output

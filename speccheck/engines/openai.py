@@ -213,9 +213,12 @@ def merge_stream_events(events: Sequence[Any], where: str) -> tuple[dict, int]:
                               "object (is this an OpenAI-compatible completions stream?)")
         if "error" in ev:
             err = ev["error"]
-            msg = err.get("message", err) if isinstance(err, dict) else err
+            msg = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+            if "nan" in msg.lower().split() or "not json compliant" in msg.lower():
+                raise EngineError(f"{where}: the server produced NaN logprobs (stream event "
+                                  f"{n + 1}: {msg}): an engine fault, not a request error")
             raise EngineError(f"{where}: the server reported a failure in the middle of the "
-                              f"stream (event {n + 1}): {str(msg)[:300]}")
+                              f"stream (event {n + 1}): {msg}")
         choices = ev.get("choices") or []
         if not isinstance(choices, list):
             raise EngineError(f"{where}: stream event {n + 1} has `choices` of type "
@@ -313,6 +316,10 @@ def _error_message(r: httpx.Response) -> str:
             return str(err.get("message") or err)
         return str(err or body.get("message") or body.get("detail") or body)[:300]
     return str(body)[:300]
+
+
+def _events(n: int) -> str:
+    return f"{n} event" + ("" if n == 1 else "s")
 
 
 def _transport_error(e: httpx.TransportError) -> str:
@@ -494,10 +501,10 @@ class OpenAIEngine(Engine):
                         events.append(ev)
                 wall = time.perf_counter() - t0
             except httpx.TransportError as e:
-                last = f"the stream broke off after {len(events)} events ({_transport_error(e)})"
+                last = f"the stream broke off after {_events(len(events))} ({_transport_error(e)})"
                 continue
             if not done:
-                last = f"the stream ended after {len(events)} events without data: [DONE]"
+                last = f"the stream ended after {_events(len(events))} without data: [DONE]"
                 continue
             choice, carrying = merge_stream_events(events, where)
             n_tokens = max(len(choice.get("token_ids") or []), len(choice["logprobs"]["tokens"]))

@@ -539,7 +539,8 @@ class VllmEngine(Engine):
         would)."""
         args = split_engine_args(engine_args)
         python = args["own"].get("python")
-        if python and not (shutil.which(str(python)) or os.access(str(python), os.X_OK)):
+        exe = shutil.which(str(python)) if python else None
+        if python and not (exe and os.path.isfile(exe)):
             raise EngineUsageError(
                 f"--engine-arg python={python}: no executable there; give the path of the Python "
                 "interpreter the vLLM worker should run under (one that can import vllm), or "
