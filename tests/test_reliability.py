@@ -540,9 +540,34 @@ def test_every_option_has_help_and_engine_args_are_listed():
 
     walk(main, [])
     assert missing == []
-    text = " ".join(invoke("run", "--help").output.split())
-    for key in ("gdn_verify", "attn_decode", "dtype", "fault", "base_url", "speculative_config"):
-        assert key in text
+
+
+def test_serve_help_names_the_reference_engine_s_keys_only():
+    from speccheck.engines.reference.engine import ENGINE_ARGS
+
+    text = "".join(invoke("serve", "--help").output.split())
+    assert all(key in text for key in ENGINE_ARGS) and "score_base_url" not in text
+
+
+@pytest.mark.parametrize("command", [["run"], ["sweep", "--method", "mtp"]])
+def test_engine_arg_help_names_every_key_each_engine_takes(command):
+    """Every key the engines accept is named in --engine-arg's help (and the pytest plugin's
+    --spec-engine-arg), from the engines' own lists, so the two cannot drift apart; and the
+    help does not offer a key an engine refuses (vllm's speculative_config)."""
+    from speccheck.engines.openai import ARGS as OPENAI_ARGS
+    from speccheck.engines.reference.engine import ENGINE_ARGS
+    from speccheck.engines.vllm import OWN_OPTIONS
+
+    text = "".join(invoke(*command, "--help").output.split())
+    keys = [*ENGINE_ARGS, *OWN_OPTIONS, "env.NAME", "sampling.NAME", "spec.NAME",
+            *(k for k, doc in OPENAI_ARGS.items() if not doc.startswith("ignored"))]
+    for key in keys:
+        assert key in text, key
+    assert "speculative_configasJSON" not in text
+    plugin = subprocess.run([sys.executable, "-m", "pytest", "--help", "-p", "no:randomly"],
+                            capture_output=True, text=True, timeout=120).stdout
+    plugin = "".join(plugin.split())
+    assert all(key in plugin for key in keys), [k for k in keys if k not in plugin]
 
 
 def test_diff_k_without_method_is_an_error(store):
@@ -716,6 +741,23 @@ def test_pytest_plugin_progress_is_visible_without_s(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "speccheck: [0/2] baseline r0" in r.stdout and "speccheck: [2/2] rescoring" in r.stdout, r.stdout
+
+
+def test_rescoring_says_what_it_will_score_and_how_long_is_left(tmp_path):
+    """A run whose spec configs diverge (the planted conv-not-rolled-back fault) announces
+    the rescoring (outputs, configs, tokens) before it starts, and each later config's share
+    with the time left at the pace so far."""
+    r = invoke("run", "--store", str(tmp_path / "st"), "--corpus", "smoke", "--config", "mtp-k2",
+               "--config", "dflash-k3", "--repeats", "1", "--concurrent", "0", "--no-attribution",
+               "--engine-arg", "fault=conv-not-rolled-back")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("rescoring teacher-forced: "))
+    m = re.match(r"rescoring teacher-forced: (\d+) output\(s\) of (\d+) config\(s\), (\d+) tokens", lines[start])
+    assert m and int(m.group(1)) > 0 and int(m.group(3)) > 0, lines[start]
+    done = [i for i, ln in enumerate(lines) if "rescored teacher-forced" in ln]
+    assert done and min(done) > start
+    assert any(re.match(r"rescoring \S+ \(\d+ output\(s\); about \d+ s left\)", ln) for ln in lines), r.output
 
 
 def test_compare_a_config_never_run_says_so(store):
