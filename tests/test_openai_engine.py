@@ -324,6 +324,15 @@ def _replay(cap: dict):
                                          full, len(cap["prompt_ids"]), k)
     delta = counters_delta(parse_metrics(cap["metrics_before"])["spec"],
                            parse_metrics(cap["metrics_after"])["spec"])
+    if cap.get("generate_stream"):  # the same request streamed: its chunks join to the same
+        events = [json.loads(d) for d in cap["generate_stream"] if d.strip() != "[DONE]"]
+        streamed = completion_from_choice(Prompt("cap", "capture", 12), cap["prompt_ids"],
+                                          merge_stream_events(events, "capture")[0], k, 0.0, None)
+        np.testing.assert_array_equal(streamed.token_ids, comp.token_ids)
+        np.testing.assert_array_equal(streamed.topk_ids, comp.topk_ids)
+        np.testing.assert_allclose(streamed.topk_logprobs, comp.topk_logprobs)
+        assert streamed.text == comp.text and streamed.finish_reason == comp.finish_reason
+        assert cap["generate_stream"][-1].strip() == "[DONE]"
     return comp, scored, delta
 
 
@@ -336,6 +345,7 @@ def test_capture_of_serve_replays_to_the_engine_s_own_outputs(ref, tmp_path):
     with running_server("mtp", 2) as url:
         capture(url, str(tmp_path / "cap.json"), text=cap_text, max_tokens=12, top_k=4)
     cap = json.loads((tmp_path / "cap.json").read_text())
+    assert len(cap["generate_stream"]) > 2  # chunks, then [DONE]
     comp, scored, delta = _replay(cap)
     assert cap["prompt_ids"] == ref.tokenize(Prompt("cap", "code", 12, text=cap_text))
     want = ref.generate([Prompt("cap", "code", 12)], [cap["prompt_ids"]], SpecConfig("mtp", 2),

@@ -607,8 +607,21 @@ def test_server_repeats_are_not_called_fresh_processes():
 
     rec = RunRecord(SpecConfig(), {"engine": "openai", "base_url": "http://h"}, "smoke", "x", 1, True)
     assert "same server" in _summary_line(rec) and "[fresh process]" not in _summary_line(rec)
+    assert rec.fresh_note == "new client, same server"  # diff's nondeterminism lines use it too
     rec.identity = {"engine": "reference"}
-    assert "[fresh process]" in _summary_line(rec)
+    assert "[fresh process]" in _summary_line(rec) and rec.fresh_note == "fresh process"
+    rec.fresh_process = False
+    assert rec.fresh_note == "" and "[" not in _summary_line(rec)
+
+
+def test_the_run_all_at_once_is_never_called_r_minus_1():
+    from speccheck.runner import _summary_line
+    from speccheck.types import RunRecord, SpecConfig
+
+    rec = RunRecord(SpecConfig(), {"engine": "vllm"}, "smoke", "x", -1, True, status="failed",
+                    error="EngineError: vLLM worker died", copies=2)
+    assert rec.label == "all at once" and "r-1" not in _summary_line(rec)
+    assert "baseline all at once  FAILED  EngineError: vLLM worker died" in _summary_line(rec)
 
 
 def test_kernels_gdn_unknown_device_is_exit_2():

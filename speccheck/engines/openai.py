@@ -18,6 +18,9 @@ everything the non-streamed answer does, per chunk: the new ``token_ids`` (with
 ``return_token_ids``), their ``logprobs`` (tokens, token_logprobs, top_logprobs) and the
 finish reason, so the chunks are joined into that answer (merge_stream_events) and no
 second request is needed -- a second one would double the server's load and its counters.
+(As read in vLLM 0.26's completion_stream_generator: one chunk per engine step, empty
+prefill chunks skipped, a failure after the first chunk sent as ``data: {"error": ...}``;
+where it cannot stream it sends the whole answer as one event, which counts as buffered.)
 ``ttft_s`` is the time from sending the request to the first chunk that carries a token;
 ``decode_s`` the rest of the request. A server that answers a stream request with plain
 JSON (it does not stream), or sends a completion of several tokens in one chunk (it
@@ -814,8 +817,9 @@ def server_root(url: str) -> str:
 def capture(base_url: str, out_path: str, text: str = "def fibonacci(n):\n    ",
             max_tokens: int = 12, top_k: int = 5, served_model: str | None = None,
             api_key_env: str | None = None) -> dict:
-    """Record one generation and one rescoring, raw, with the metrics around them, as
-    small JSON (no key, no pickles): the wire format the `openai` engine parses."""
+    """Record one generation (plain, and the same request streamed: the SSE data payloads)
+    and one rescoring, raw, with the metrics around them, as small JSON (no key, no
+    pickles): the wire format the `openai` engine parses."""
     import json
 
     args = {"base_url": base_url, "retries": "1"}
@@ -834,6 +838,10 @@ def capture(base_url: str, out_path: str, text: str = "def fibonacci(n):\n    ",
         gen = eng._json("POST", "/v1/completions", gen_req)
         time.sleep(0.5)  # let the server record its stats
         after = eng._request("GET", "/metrics").text
+        # the same request streamed, as the engine sends it (after the metrics: they cover one)
+        with eng._client.stream("POST", eng.base_url + "/v1/completions",
+                                json={**gen_req, "stream": True}) as r:
+            stream = list(sse_data(r.iter_lines())) if r.status_code == 200 else None
         full = ids + list(gen["choices"][0].get("token_ids") or [])
         score_req = {"model": eng._served, "prompt": full, "max_tokens": 1, "temperature": 0,
                      "prompt_logprobs": top_k, "return_token_ids": True}
@@ -842,6 +850,7 @@ def capture(base_url: str, out_path: str, text: str = "def fibonacci(n):\n    ",
         eng.close()
     cap = {"version": info["version"], "model": info["model"], "prompt_ids": ids,
            "top_k": top_k, "generate_request": gen_req, "generate_response": gen,
+           "generate_stream": stream,
            "metrics_before": _metric_lines(before), "metrics_after": _metric_lines(after),
            "score_request": score_req, "score_response": score}
     with open(out_path, "w") as f:

@@ -503,15 +503,16 @@ def vllm_import_problem(python: str | None, env_args: dict[str, str]) -> str | N
     """Why the worker's interpreter (``python``, else this one) cannot import vllm, or None.
     This interpreter finding vllm is enough (no import: torch stays unloaded); otherwise, and
     for another interpreter, ``PYTHON -c "import vllm"`` runs in the worker's environment
-    (its PYTHONPATH may hold vLLM), once per process."""
-    key = (python, tuple(sorted(env_args.items())))
+    (its PYTHONPATH may hold vLLM), once per interpreter and environment."""
+    env = worker_env(env_args)
+    key = (python, tuple(sorted(env.items())))
     if key in _import_problems:
         return _import_problems[key]
     problem: str | None = None
     if python or importlib.util.find_spec("vllm") is None:
         exe = python or sys.executable
         try:
-            r = subprocess.run([exe, "-c", "import vllm"], env=worker_env(env_args),
+            r = subprocess.run([exe, "-c", "import vllm"], env=env,
                                capture_output=True, text=True, timeout=IMPORT_CHECK_S)
         except subprocess.TimeoutExpired:
             pass
