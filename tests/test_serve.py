@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -281,3 +282,30 @@ def test_stream_refusals_before_the_first_token_are_plain_http_errors(mtp_url, i
     assert too_long.status_code == 400 and "maximum context length" in too_long.json()["error"]["message"]
     wrong = _complete(mtp_url, prompt=ids, model="other", stream=True)
     assert wrong.status_code == 404
+
+
+@pytest.mark.parametrize("config,fault", [("baseline", None), ("mtp-k3", None), ("dflash-k7", None),
+                                          ("dflash2-k3", None), ("mtp-k3", "past-eos"),
+                                          ("mtp-k3", "past-max-tokens")])
+def test_reference_engine_streams_exactly_its_completion(engine, config, fault):
+    """Engine.generate_streaming on the reference engine: the steps handed out, joined, are the
+    completion generate() returns (tokens, logprobs, top-k), one step per decode or verify
+    forward -- also where a planted fault emits past a stop."""
+    from speccheck.corpus import load_corpus
+
+    eng = engine if fault is None else make_engine("reference", engine_args={"fault": fault})
+    cfg = SpecConfig.from_name(config)
+    for p in load_corpus("smoke").prompts[:2]:
+        p = dataclasses.replace(p, max_tokens=12)
+        ids = eng.tokenize(p)
+        steps = []
+        got = eng.generate_streaming(p, ids, cfg, 4, lambda *step: steps.append(step))
+        want = eng.generate([p], [ids], cfg, 4)[0]
+        assert [t for s in steps for t in s[0]] == want.token_ids.tolist() == got.token_ids.tolist()
+        np.testing.assert_allclose([x for s in steps for x in s[1]], want.logprobs, atol=1e-6)
+        assert [r for s in steps for r in s[2]] == want.topk_ids.tolist()
+        np.testing.assert_allclose([r for s in steps for r in s[3]], want.topk_logprobs, atol=1e-6)
+        if not cfg.is_baseline and want.spec.iterations:
+            assert len(steps) == 1 + want.spec.iterations  # the prefill's token, then each verify
+    if fault is not None:
+        eng.close()
