@@ -208,7 +208,7 @@ def markdown_report(result: SuiteResult, detok=None) -> str:
              f"**Verdict: {'PASS' if result.passed else 'FAIL'}**", "",
              "| | |", "|---|---|"]
     for key in ("engine", "version", "model_id", "model_hash", "tokenizer_hash", "dtype", "device",
-                "torch", "vllm_version", "gpu"):
+                "torch", "vllm_version", "gpu", "ttft"):
         if key in ident:
             lines.append(f"| {key} | `{ident[key]}` |")
     lines += [f"| corpus | {result.meta.get('corpus')} (`{str(result.meta.get('corpus_hash'))[:16]}`) |",

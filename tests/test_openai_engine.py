@@ -454,6 +454,11 @@ def test_diff_says_ttft_not_measured_for_a_server_that_does_not_stream(ref, tmp_
     streamed = cli.invoke(main, ["diff", "--store", str(tmp_path / "streamed")])
     assert "TTFT not measured" in plain.output and " ms" not in plain.output.split("TTFT")[-1]
     assert re.search(r"TTFT \d+\.\d ms", streamed.output), streamed.output
+    for store, says in (("plain", "not measured: the server answered stream requests with plain "
+                                  "JSON"), ("streamed", "measured from the stream")):
+        assert cli.invoke(main, ["report", "--store", str(tmp_path / store)]).exit_code == 0
+        md = next((tmp_path / store).rglob("report.md")).read_text()
+        assert f"| ttft | `{says}" in md, md[:600]
 
 
 def test_sse_data_follows_the_event_stream_format():
