@@ -247,6 +247,21 @@ def test_files_are_shared_as_the_umask_says(store, tmp_path):
         assert p.stat().st_mode & 0o044, p  # group/others can read what `run` stored
 
 
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_exported_checkpoint_is_shared_as_the_umask_says(tmp_path, umask, mode):
+    """export-reference's files (safetensors included, which safetensors itself writes 0600)
+    can be read by a vLLM container running as another user unless the umask says no."""
+    old = os.umask(umask)
+    try:
+        r = invoke("export-reference", str(tmp_path / "ckpt"))
+    finally:
+        os.umask(old)
+    assert r.exit_code == 0, r.output
+    files = [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".safetensors" for p in files)
+    assert {str(p): oct(p.stat().st_mode & 0o777) for p in files} == {str(p): oct(mode) for p in files}
+
+
 @pytest.mark.parametrize("store_arg,needle", [
     ("/proc/speccheck-store", "/proc/speccheck-store"),
     ("/dev/full/store", "/dev/full"),
