@@ -161,6 +161,10 @@ run_options = [
                  help="Logprobs kept per position (the margin needs 2)."),
     click.option("--engine-arg", "engine_args", multiple=True, help=ENGINE_ARG_HELP),
     click.option("--no-attribution", is_flag=True, help="Skip kernel-path attribution of divergences."),
+    click.option("--attribution-paths", "attribution_paths", default=None, metavar="GLOBS",
+                 help="Attribute only with the kernel paths whose labels match these comma-separated "
+                      "globs, e.g. 'decode*,verify*' (default: all; each path costs an engine start; "
+                      "the run log lists the labels)."),
     click.option("--concurrent", default=2, show_default=True, type=click.IntRange(0, 64),
                  help="Also run each config on the whole corpus at once, every prompt N times: "
                       "batch-composition invariance and N identical concurrent requests (0: off)."),
@@ -196,7 +200,7 @@ def _attribute_with(items: tuple[str, ...], cls) -> dict[str, str]:
 
 def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args,
           no_attribution=False, base_url=None, served_model=None, api_key_env=None, concurrent=0,
-          attribute_with=(), max_tokens=None, ignore_eos=False):
+          attribute_with=(), max_tokens=None, ignore_eos=False, attribution_paths=None):
     from speccheck.runner import RunPlan
 
     from speccheck.engines import ENGINES
@@ -229,7 +233,9 @@ def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, eng
     return RunPlan(engine=engine, model=model, draft=draft, engine_args=args, corpus=corpus,
                    configs=matrix, repeats=repeats, top_k=top_k, attribute=not no_attribution,
                    concurrent=concurrent, attribute_with=_attribute_with(attribute_with, cls),
-                   max_tokens=max_tokens, ignore_eos=ignore_eos)
+                   max_tokens=max_tokens, ignore_eos=ignore_eos,
+                   attribution_paths=tuple(g.strip() for g in (attribution_paths or "").split(",")
+                                           if g.strip()))
 
 
 def _suite(store_dir: str, suite_id: str | None):
@@ -301,8 +307,8 @@ def main() -> None:
 @_apply(run_options)
 @store_option
 def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, top_k, engine_args,
-        no_attribution, concurrent, base_url, served_model, api_key_env, attribute_with, ignore_eos,
-        store_dir):
+        no_attribution, attribution_paths, concurrent, base_url, served_model, api_key_env, attribute_with,
+        ignore_eos, store_dir):
     """Run the matrix (baseline always included) into the store; resumes finished runs."""
     from speccheck.runner import run_suite
 
@@ -311,7 +317,8 @@ def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, 
                                TimeRemainingColumn)
 
     plan = _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args, no_attribution,
-                 base_url, served_model, api_key_env, concurrent, attribute_with, max_tokens, ignore_eos)
+                 base_url, served_model, api_key_env, concurrent, attribute_with, max_tokens, ignore_eos,
+                 attribution_paths)
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
@@ -564,38 +571,55 @@ def golden_check(suite, store_dir, golden_dir, policy_file, settings):
 
 
 @main.command()
-@click.option("--config", "config_name", default="baseline", show_default=True, help="Config to compare.")
+@click.option("--config", "config_names", multiple=True,
+              help="Config to compare (repeatable; default: every config both suites hold).")
 @suite_option
 @store_option
 @click.option("--with-store", "other_store", required=True, type=click.Path(file_okay=False),
-              help="Store holding the other suite (e.g. another engine's).")
+              help="Store holding the other suite (e.g. another engine's, or another TP size's).")
 @click.option("--with-suite", "other_suite", default=None, help="Suite id there (default: its last run).")
 @_apply(policy_options)
-def compare(config_name, suite, store_dir, other_store, other_suite, policy_file, settings):
-    """Cross-engine (or cross-machine) agreement: one config's first repeat in two suites,
-    compared stream by stream and classified like any divergence (exit 1 on high-confidence)."""
-    from speccheck.evaluate import compare_runs, suite_noise
-    from speccheck.verify import calibrate_thresholds
+def compare(config_names, suite, store_dir, other_store, other_suite, policy_file, settings):
+    """Cross-engine, cross-machine or cross-TP-size agreement: each config's first repeat in two
+    suites, compared stream by stream, classified like any divergence, and attributed to what
+    differs between the suites' identities (TP size, GPU model, engine version, ...) where each
+    side's stored rescoring reproduces its own token (exit 1 on high-confidence)."""
+    from speccheck.evaluate import changes_str, compare_suites
+    from speccheck.report import divergence_line
 
     a, b = _suite(store_dir, suite), _suite(other_store, other_suite)
-    for side, opt in ((a, "--store"), (b, "--with-store")):
-        if not side.is_complete(config_name, 0):
-            raise MatrixError(f"--config {config_name}: suite {side.id} ({opt}) holds no complete run of it "
-                              f"(stored: {', '.join(side.configs()) or 'none'}); run it there first with "
-                              f"`speccheck run --config {config_name}`.")
+    if config_names:
+        for name in config_names:
+            for side, opt in ((a, "--store"), (b, "--with-store")):
+                if not side.is_complete(name, 0):
+                    raise MatrixError(f"--config {name}: suite {side.id} ({opt}) holds no complete run of it "
+                                      f"(stored: {', '.join(side.configs()) or 'none'}); run it there first "
+                                      f"with `speccheck run --config {name}`.")
+        names = list(config_names)
+    else:
+        names = [c for c in a.configs() if a.is_complete(c, 0) and b.is_complete(c, 0)]
+        if not names:
+            raise MatrixError(f"suites {a.id} (--store) and {b.id} (--with-store) hold no config in common "
+                              f"with a complete first run (stored: {', '.join(a.configs()) or 'none'} / "
+                              f"{', '.join(b.configs()) or 'none'}); run the same configs into both.")
     if a.meta.get("corpus_hash") != b.meta.get("corpus_hash"):
         raise StoreError(f"suites {a.id} and {b.id} ran different corpora (hash {a.meta.get('corpus_hash')} "
                          f"vs {b.meta.get('corpus_hash')}); compare runs of the same corpus.")
     policy = load_policy(policy_file, _settings(settings))
-    noise = max(suite_noise(a), suite_noise(b))
-    tau_tie, tau_low = calibrate_thresholds(noise, policy.tie_noise_multiple, policy.low_noise_multiple,
-                                            policy.tie_floor, policy.low_floor)
-    cmp = compare_runs(a.load_run(config_name, 0), b.load_run(config_name, 0), tau_tie, tau_low, noise,
-                       _detok_for(a))
-    click.echo(f"{config_name}: {a.id} vs {b.id} (path noise {noise:.4f} nats, tau_tie {tau_tie:.3f}, "
-               f"tau_low {tau_low:.3f})")
-    for line in _comparison_lines(cmp, _detok_for(a)):
-        click.echo(line)
+    detok = _detok_for(a)
+    cmp = compare_suites(a, b, names, policy, detok)
+    click.echo(f"{a.id} vs {b.id} (path noise {cmp.noise:.4f} nats, tau_tie {cmp.tau_tie:.3f}, "
+               f"tau_low {cmp.tau_low:.3f})")
+    click.echo(f"  the suites differ in: {changes_str(cmp.changes)}")
+    for name, c in cmp.configs.items():
+        lines = _comparison_lines(c, detok)
+        click.echo(f"{name}: {lines[0]}")
+        if cmp.config_changes.get(name):
+            click.echo(f"    this config also differs in: {changes_str(cmp.config_changes[name])}")
+        for d, why in zip(c.divergences, cmp.attribution[name]):
+            click.echo("    " + divergence_line(d, detok))
+            click.echo(f"        attributed to {why['cause']}: {why['why']}")
+    click.echo(cmp.verdict())
     sys.exit(0 if cmp.passed else 1)
 
 
@@ -633,15 +657,24 @@ def kernels() -> None:
 @click.option("--positions", default=8192, show_default=True, type=click.IntRange(1, 1 << 20),
               help="Sequence length of the synthetic inputs.")
 @click.option("--heads", default=4, show_default=True, type=click.IntRange(1, 256), help="GDN heads.")
-@click.option("--head-dim", default=64, show_default=True, type=click.IntRange(1, 512), help="Key/value head dim.")
+@click.option("--head-dim", default=None, type=click.IntRange(1, 512),
+              help="Key/value head dim [default: 128 where FlashInfer's GDN prefill runs (its only "
+                   "head dim), else 64].")
+@click.option("--verify-block", default=8, show_default=True, type=click.IntRange(1, 64),
+              help="Tokens per call of vLLM's fused verify kernel (K+1 for K speculative tokens).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the synthetic inputs.")
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def kernels_gdn(device, positions, heads, head_dim, seed, as_json):
-    """Every gated-delta-rule kernel here (reference recurrent/chunked; on CUDA the FLA kernels
-    of vLLM or fla) on the same bf16 inputs against an fp64 recurrence: error and argmax flips."""
+@click.option("--json", "json_out", is_flag=False, flag_value="-", default=None, metavar="[PATH]",
+              help="Write the results as JSON to PATH (the table still to stdout); alone: print "
+                   "the JSON to stdout and the table to stderr.")
+def kernels_gdn(device, positions, heads, head_dim, verify_block, seed, json_out):
+    """Every gated-delta-rule kernel here (reference recurrent/chunked; on CUDA FLA's Triton
+    kernels, FlashInfer's GDN prefill and vLLM's fused decode/verify kernels) on the same bf16
+    inputs against an fp64 recurrence: error, argmax flips, and flips by fp64 margin."""
     import torch
 
-    from speccheck.kernels.gdn import compare, form_flips, kernels as gdn_kernels, make_inputs, table
+    from speccheck.kernels.gdn import (compare, default_head_dim, flashinfer_auto_path, form_flips,
+                                       kernels as gdn_kernels, make_inputs, margin_curves,
+                                       margin_table, table)
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -649,27 +682,42 @@ def kernels_gdn(device, positions, heads, head_dim, seed, as_json):
         raise click.BadParameter(f"{device!r}: use auto, cpu or cuda (cuda:N)", param_hint="--device")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise click.UsageError("--device cuda: CUDA is not available here; use --device cpu")
+    if json_out not in (None, "-") and not Path(json_out).resolve().parent.is_dir():
+        raise click.BadParameter(f"{json_out}: its folder does not exist; create it or give "
+                                 "another path (or --json alone for stdout)", param_hint="--json")
+    if head_dim is None:
+        head_dim = default_head_dim(device)
     inputs = make_inputs(positions, heads, head_dim, head_dim, seed, device)
     missing: list[str] = []
-    impls = gdn_kernels(device, missing)
+    impls = gdn_kernels(device, missing, head_dim, verify_block)
     cpu_eta = f"; about {186 * positions * heads / (8192 * 4):.0f} s on 2 CPU cores" if device == "cpu" else ""
     click.echo(f"kernels gdn: fp64 reference, then {len(impls)} kernel(s) x 3 timed repeats on {positions} "
                f"positions x {heads} heads ({device}{cpu_eta}) ...", err=True)
-    results = compare(inputs, impls)
-    if as_json:
-        click.echo(json.dumps({"device": device, "positions": positions, "heads": heads,
-                               "head_dim": head_dim, "seed": seed,
-                               "kernels": [r.to_dict() for r in results],
-                               "chunked_vs_recurrent": [
-                                   {"chunked": a, "recurrent": b, "flips": n, "compared": t}
-                                   for a, b, n, t in form_flips(results)],
-                               "not_here": missing}, indent=1))
-    else:
-        click.echo(f"gated delta rule on {device}: {positions} positions x {heads} heads, "
-                   f"head dim {head_dim}, bf16 q/k/v, fp32 g/beta/state, seed {seed}")
-        click.echo(table(results))
-        for why in missing:
-            click.echo(f"not here: {why}")
+    comparison = compare(inputs, impls)
+    results, curves = comparison.results, margin_curves(comparison)
+    fi_auto = flashinfer_auto_path(device, heads) if "flashinfer chunked" in impls else None
+    lines = [f"gated delta rule on {device}: {positions} positions x {heads} heads, head dim "
+             f"{head_dim}, bf16 q/k/v, fp32 g/beta/state, seed {seed}", table(results),
+             margin_table(curves), *([f"note: {fi_auto}"] if fi_auto else []),
+             *(f"not here: {why}" for why in missing)]
+    # JSON on stdout moves the table to stderr, so that one run gives both
+    click.echo("\n".join(lines), err=json_out == "-")
+    if json_out is not None:
+        text = json.dumps({
+            "device": device, "positions": positions, "heads": heads, "head_dim": head_dim,
+            "verify_block": verify_block, "seed": seed,
+            "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
+            "kernels": [r.to_dict() for r in results],
+            "chunked_vs_recurrent": [{"chunked": a, "recurrent": b, "flips": n, "compared": t}
+                                     for a, b, n, t in form_flips(results)],
+            "margin_bins": [{"label": b.label, **{k: v for k, v in b.to_dict().items() if k != "flips"}}
+                            for b in (curves[0][2] if curves else [])],
+            "flips_by_margin": [{"a": a, "b": b, "flips": [x.flips for x in row]} for a, b, row in curves],
+            "flashinfer_auto": fi_auto, "not_here": missing}, indent=1)
+        if json_out == "-":
+            click.echo(text)
+        else:
+            Path(json_out).write_text(text + "\n")
 
 
 @main.command()
@@ -696,14 +744,17 @@ def selftest(method, corpus, faults, store_dir, as_json):
 @click.option("--engine", default="reference", show_default=True, help="reference | vllm | openai")
 @click.option("--model", default=None, help="Checkpoint directory to size the KV cache and weights for.")
 @click.option("--k", "k", default=7, show_default=True, type=click.IntRange(0, 32), help="K to size for.")
+@click.option("--tp", "tp", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="Tensor parallel size to check for (GPU count, links, P2P, memory per GPU, heads).")
 @click.option("--base-url", default=None, help="A server to check (with or without /v1).")
 @click.option("--api-key-env", default=None, help="Env var holding the server's API key (default OPENAI_API_KEY).")
-def doctor(engine, model, k, base_url, api_key_env):
+def doctor(engine, model, k, tp, base_url, api_key_env):
     """What this machine can run: GPU, driver, torch/vLLM, the GDN and attention backends, WSL2,
-    GPU memory vs the model's KV cache, a server; each finding with its fix (exit 1 if any FAIL)."""
+    GPU memory vs the model's KV cache, a server, and with --tp N the multi-GPU preconditions;
+    each finding with its fix (exit 1 if any FAIL)."""
     from speccheck.doctor import FAIL, diagnose
 
-    findings = diagnose(engine, model, base_url, api_key_env, k)
+    findings = diagnose(engine, model, base_url, api_key_env, k, tp)
     for f in findings:
         click.echo(f.line())
     sys.exit(1 if any(f.status == FAIL for f in findings) else 0)
@@ -712,11 +763,19 @@ def doctor(engine, model, k, base_url, api_key_env):
 @main.command("export-reference")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--model", default=None, help="Reference weights dir (default: the shipped ones).")
-def export_reference_cmd(out_dir, model):
+@click.option("--linear-head-dim", type=click.IntRange(min=1), default=None,
+              help="Pad the target's GDN key/value head dims to this (128: what FlashInfer's GDN "
+                   "prefill kernel, vLLM's default on Hopper, requires); the same network, see the "
+                   "speccheck key of its config.json.")
+def export_reference_cmd(out_dir, model, linear_head_dim):
     """Write the reference checkpoint in the Hugging Face layouts vLLM loads (target + drafter)."""
-    from speccheck.engines.reference.export import export_reference
+    from speccheck.engines.reference.export import ExportError, export_reference
 
-    info = export_reference(out_dir, model)
+    try:
+        info = export_reference(out_dir, model, linear_head_dim)
+    except ExportError as e:
+        click.echo(f"speccheck: error: {e}", err=True)
+        sys.exit(EXIT_USAGE)
     click.echo(json.dumps(info, indent=1, default=str))
 
 

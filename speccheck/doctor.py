@@ -49,18 +49,43 @@ def _importable(module: str) -> bool:
 def platform_findings() -> list[Finding]:
     out = [Finding(OK, "python", f"{platform.python_version()} on {platform.system()} {platform.machine()}")]
     try:
-        release = Path("/proc/version").read_text().lower()
+        proc_version = Path("/proc/version").read_text()
     except OSError:
-        release = ""
-    if "microsoft" in release or "wsl" in release:
-        pin = os.environ.get("VLLM_WSL2_ENABLE_PIN_MEMORY")
-        out.append(Finding(OK if pin == "1" else WARN, "WSL2",
-                           f"running under WSL2; VLLM_WSL2_ENABLE_PIN_MEMORY={pin or 'unset'}",
-                           "" if pin == "1" else "export VLLM_WSL2_ENABLE_PIN_MEMORY=1 (vLLM disables pinned "
-                           "memory on WSL2 otherwise, which slows host-device copies)"))
-    else:
-        out.append(Finding(OK, "WSL2", "not WSL2 (VLLM_WSL2_ENABLE_PIN_MEMORY does not apply)"))
-    return out
+        proc_version = ""
+    return out + [wsl_finding(proc_version, platform.uname().release,
+                              os.environ.get("VLLM_WSL2_ENABLE_PIN_MEMORY"))]
+
+
+#: the first WSL2 kernel with (limited) pinned-memory support for CUDA (vLLM 0.26,
+#: platforms/cuda.py ``is_pin_memory_available``)
+WSL_PIN_KERNEL = (4, 19, 121)
+
+
+def wsl_finding(proc_version: str, release: str, pin: str | None) -> Finding:
+    """Pinned memory under WSL2, as vLLM 0.26 decides it: off below kernel 4.19.121 whatever
+    the setting, else only with VLLM_WSL2_ENABLE_PIN_MEMORY=1 (an int; anything but 0 is on).
+    Without it host-device copies are slower, and what needs pinned memory or UVA (CPU
+    offload, the V2 model runner that DFlash2 runs in) is not available."""
+    text = proc_version.lower()
+    if "microsoft" not in text and "wsl" not in text:
+        return Finding(OK, "WSL2", "not WSL2 (VLLM_WSL2_ENABLE_PIN_MEMORY does not apply)")
+    try:
+        kernel = tuple(int(x) for x in release.split("-")[0].split(".")[:3])
+    except ValueError:
+        kernel = None
+    if kernel is None or kernel < WSL_PIN_KERNEL:
+        return Finding(WARN, "WSL2", f"running under WSL2, kernel {release or 'unknown'}: vLLM turns pinned "
+                       "memory off below 4.19.121 whatever VLLM_WSL2_ENABLE_PIN_MEMORY says",
+                       "run `wsl --update` (Windows side), then export VLLM_WSL2_ENABLE_PIN_MEMORY=1")
+    try:
+        on = pin is not None and int(pin) != 0
+    except ValueError:
+        return Finding(FAIL, "WSL2", f"VLLM_WSL2_ENABLE_PIN_MEMORY={pin!r}: vLLM reads it as an integer and "
+                       "fails to start", "export VLLM_WSL2_ENABLE_PIN_MEMORY=1")
+    return Finding(OK if on else WARN, "WSL2",
+                   f"running under WSL2 (kernel {release}); VLLM_WSL2_ENABLE_PIN_MEMORY={pin or 'unset'}",
+                   "" if on else "export VLLM_WSL2_ENABLE_PIN_MEMORY=1 (vLLM disables pinned memory on WSL2 "
+                   "otherwise: slower host-device copies, and no V2 model runner, which DFlash2 needs)")
 
 
 def gpu_findings() -> tuple[list[Finding], dict]:
@@ -112,7 +137,8 @@ def backend_findings(info: dict) -> list[Finding]:
     else:
         out.append(Finding(OK, "vLLM", vv))
     triton = _version("triton")
-    fla_vendored = _importable("vllm.model_executor.layers.fla") if vv else False
+    fla_vendored = vv and any(_importable(m) for m in (  # 0.26 vendors it under third_party
+        "vllm.third_party.flash_linear_attention", "vllm.model_executor.layers.fla"))
     fla = _version("flash-linear-attention") or _version("fla-core")
     gdn = ("vLLM's vendored FLA Triton kernels" if fla_vendored else
            f"fla {fla}" if fla else None)
@@ -143,9 +169,50 @@ def backend_findings(info: dict) -> list[Finding]:
     return out
 
 
-def model_findings(model: str, info: dict, k: int, gpu_memory_utilization: float = 0.9) -> list[Finding]:
-    """Weights + the KV cache (attention layers) + the GDN state the model and K need, against
-    free GPU memory."""
+def gdn_prefill_finding(capability: tuple[int, int] | None, head_k_dim: int | None,
+                        flashinfer: str | None, cute_dsl: bool) -> Finding:
+    """The GDN prefill kernel vLLM 0.26 will run (``_resolve_gdn_prefill_backend`` in
+    model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py): FlashInfer's on SM90 whatever the
+    head dim, on SM10x only at head dim 128, else Triton/FLA. FlashInfer 0.6.14's SM90 kernel
+    (CuTe DSL) takes head dim 128 only and needs nvidia-cutlass-dsl importable, so a model or
+    an install that does not fit fails at its first prefill, not at start-up."""
+    fix = ("start vLLM with --gdn-prefill-backend triton (offline: additional_config="
+           "{\"gdn_prefill_backend\": \"triton\"})")
+    if capability is None:
+        return Finding(UNKNOWN, "GDN prefill kernel vLLM picks", "needs a GPU (FlashInfer's on Hopper, "
+                       "Triton/FLA on most others)", "")
+    if capability[0] == 9:
+        if not flashinfer:
+            return Finding(FAIL, "GDN prefill kernel vLLM picks", "FlashInfer's (vLLM 0.26 on SM90), but "
+                           "flashinfer-python is not installed", f"pip install flashinfer-python, or {fix}")
+        if not cute_dsl:
+            return Finding(FAIL, "GDN prefill kernel vLLM picks", f"FlashInfer {flashinfer}'s CuTe-DSL "
+                           "kernel (SM90), but `cutlass` (nvidia-cutlass-dsl) does not import here",
+                           "pip install nvidia-cutlass-dsl (a tree on PYTHONPATH also needs its "
+                           f"nvidia_cutlass_dsl/dsl_packages on PYTHONPATH: .pth files are not read there), or {fix}")
+        if head_k_dim is not None and head_k_dim != 128:
+            return Finding(FAIL, "GDN prefill kernel vLLM picks", f"FlashInfer {flashinfer}'s (SM90), which "
+                           f"takes head dim 128 only; this model's linear_key_head_dim is {head_k_dim}",
+                           f"{fix}, or export the model padded to 128 (speccheck export-reference "
+                           "--linear-head-dim 128 for the reference model)")
+        return Finding(OK, "GDN prefill kernel vLLM picks", f"FlashInfer {flashinfer}'s CuTe-DSL kernel "
+                       "(SM90; JIT-compiled at the first prefill)" + ("" if head_k_dim else
+                       "; give --model to check its head dim"))
+    if capability[0] == 10 and head_k_dim == 128:
+        return Finding(OK if flashinfer else FAIL, "GDN prefill kernel vLLM picks",
+                       "FlashInfer's (SM10x, head dim 128)" + ("" if flashinfer else ": not installed"),
+                       "" if flashinfer else f"pip install flashinfer-python, or {fix}")
+    return Finding(OK, "GDN prefill kernel vLLM picks", f"Triton/FLA (compute capability "
+                   f"{capability[0]}.{capability[1]})")
+
+
+def model_findings(model: str, info: dict, k: int, gpu_memory_utilization: float = 0.9,
+                   tp: int = 1) -> list[Finding]:
+    """Weights + the KV cache (attention layers) + the GDN state the model and K need, per GPU
+    at tensor parallel size ``tp`` (weights and GDN heads split ``tp`` ways, KV heads split or
+    replicated as vLLM does), against the free memory of each of the first ``tp`` GPUs."""
+    from speccheck.engines.vllm import HEAD_KEYS, model_heads, tp_fits
+
     path = Path(model)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
@@ -164,27 +231,113 @@ def model_findings(model: str, info: dict, k: int, gpu_memory_utilization: float
     head_dim = int(text.get("head_dim", text.get("hidden_size", 0) // max(int(text.get("num_attention_heads", 1)), 1)))
     positions = int(text.get("max_position_embeddings", 8192))
     dtype_bytes = 4 if str(text.get("torch_dtype") or cfg.get("torch_dtype")) in ("float32", "fp32") else 2
-    kv_per_token = 2 * attn * kv_heads * head_dim * dtype_bytes
+    kv_rank = max(1, kv_heads // tp)  # KV heads per rank: split, or one replica each when tp > kv
+    kv_per_token = 2 * attn * kv_rank * head_dim * dtype_bytes
     kv_seq = kv_per_token * (positions + k + 1)
     v_heads = int(text.get("linear_num_value_heads", 0))
-    gdn_state = gdn * v_heads * int(text.get("linear_key_head_dim", 0)) * int(text.get("linear_value_head_dim", 0)) * 4
+    gdn_state = gdn * v_heads * int(text.get("linear_key_head_dim", 0)) * int(text.get("linear_value_head_dim", 0)) * 4 // tp
     weights = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    need = weights + kv_seq + gdn_state * (k + 2)  # spec decode keeps per-draft-step GDN states
+    need = weights / tp + kv_seq + gdn_state * (k + 2)  # spec decode keeps per-draft-step GDN states
+    per = f" per GPU at TP={tp}" if tp > 1 else ""
     out = [Finding(OK, "model", f"{path.name}: {attn} attention + {gdn} GDN layers, {positions} positions, "
-                   f"weights {weights / 2**30:.2f} GiB, KV cache {kv_seq / 2**20:.1f} MiB for one full-length "
-                   f"sequence at K={k}, GDN state {gdn_state / 2**20:.1f} MiB per sequence")]
-    gpus = info.get("gpus") or []
+                   f"weights {weights / 2**30:.2f} GiB{f' ({weights / tp / 2**30:.2f} GiB per GPU)' if tp > 1 else ''}, "
+                   f"KV cache {kv_seq / 2**20:.1f} MiB{per} for one full-length sequence at K={k}, "
+                   f"GDN state {gdn_state / 2**20:.1f} MiB{per} per sequence")]
+    if tp > 1:
+        heads = model_heads(cfg)
+        bad = tp_fits(heads, tp)
+        shown = ", ".join(f"{n} {HEAD_KEYS[key]}" for key, n in heads.items())
+        fits = [n for n in range(1, 65) if not tp_fits(heads, n)][:8]
+        out.append(Finding(FAIL if bad else OK, f"model heads at TP={tp}",
+                           f"{', '.join(bad)} do not split {tp} ways" if bad else f"{shown} shard {tp} ways",
+                           f"use a TP size that fits: {', '.join(map(str, fits))}" if bad else ""))
+    gpus = (info.get("gpus") or [])[:tp]
     if not gpus:
-        out.append(Finding(UNKNOWN, "GPU memory for this model", f"needs ~{need / 2**30:.2f} GiB; no GPU here to compare with"))
+        out.append(Finding(UNKNOWN, "GPU memory for this model",
+                           f"needs ~{need / 2**30:.2f} GiB{per}; no GPU here to compare with"))
+    elif len(gpus) < tp:
+        out.append(Finding(UNKNOWN, "GPU memory for this model",
+                           f"needs ~{need / 2**30:.2f} GiB{per}; only {len(gpus)} GPU(s) visible for TP={tp} "
+                           "(see the TP finding)"))
     else:
-        budget = gpus[0]["free"] * gpu_memory_utilization
+        low = min(range(len(gpus)), key=lambda i: gpus[i]["free"])
+        budget = gpus[low]["free"] * gpu_memory_utilization
         ok = budget > need * 1.2
+        where = f" on GPU {low}, the fullest of the {tp}" if tp > 1 else ""
         out.append(Finding(OK if ok else FAIL, "GPU memory for this model",
-                           f"needs ~{need / 2**30:.2f} GiB (+ activations), {budget / 2**30:.1f} GiB available at "
-                           f"gpu_memory_utilization={gpu_memory_utilization}",
-                           "" if ok else "free the GPU, raise --engine-arg gpu_memory_utilization, or lower "
-                           "--engine-arg max_model_len"))
+                           f"needs ~{need / 2**30:.2f} GiB{per} (+ activations), {budget / 2**30:.1f} GiB available"
+                           f"{where} at gpu_memory_utilization={gpu_memory_utilization}",
+                           "" if ok else "free the GPU(s), raise --engine-arg gpu_memory_utilization, lower "
+                           "--engine-arg max_model_len, or raise tensor_parallel_size"))
     return out
+
+
+def parallel_findings(tp: int, info: dict, topo, visible_indices: list[int] | None,
+                      peer: dict[tuple[int, int], bool] | None) -> list[Finding]:
+    """What a TP run over ``tp`` GPUs needs: that many visible GPUs, the links between the
+    first ``tp`` of them (``nvidia-smi topo -m``, parsed: a Topology or None), and P2P access
+    between them (``torch.cuda.can_device_access_peer``; None: not checked). vLLM 0.26 turns
+    its custom all-reduce off on more than two GPUs not all joined by NVLink, and wherever P2P
+    fails; all-reduce then runs through NCCL alone -- another kernel, so near-ties may flip
+    differently than on a host where it runs."""
+    from speccheck.topology import describe_link, is_nvlink, weakest_link
+
+    if tp <= 1:
+        return []
+    gpus = info.get("gpus")
+    if gpus is None:
+        return [Finding(UNKNOWN, f"GPUs for TP={tp}", "no CUDA device visible: the GPU count, the links "
+                        "between the GPUs (nvidia-smi topo -m) and P2P access cannot be checked here",
+                        f"run `speccheck doctor --engine vllm --tp {tp}` on the GPU host")]
+    out = []
+    if len(gpus) < tp:
+        cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+        out.append(Finding(FAIL, f"GPUs for TP={tp}", f"{len(gpus)} GPU(s) visible"
+                           + (f" (CUDA_VISIBLE_DEVICES={cvd})" if cvd is not None else ""),
+                           f"expose {tp} GPUs (e.g. CUDA_VISIBLE_DEVICES={','.join(map(str, range(tp)))}) or "
+                           f"lower --engine-arg tensor_parallel_size to {len(gpus)} or less"))
+        return out
+    out.append(Finding(OK, f"GPUs for TP={tp}", f"{len(gpus)} visible; ranks 0..{tp - 1} on GPUs "
+                       + ", ".join(g["name"] for g in gpus[:tp])))
+    used = (visible_indices or [])[:tp]
+    if topo is None or len(used) < tp:
+        out.append(Finding(UNKNOWN, "GPU links", "nvidia-smi topo -m gave no GPU matrix" if topo is None else
+                           "which nvidia-smi GPUs CUDA_VISIBLE_DEVICES names is unknown (UUIDs)",
+                           "check `nvidia-smi topo -m` by hand: NV# between the GPUs is NVLink"))
+    else:
+        link = weakest_link(topo, used)
+        nv = is_nvlink(link)
+        custom_off = tp > 2 and not nv
+        slow = link in ("PHB", "NODE", "SYS")
+        seen = f"GPUs {', '.join(map(str, used))}: slowest link {describe_link(link)}"
+        if custom_off:
+            seen += "; vLLM turns custom all-reduce off on more than two GPUs not all joined by NVLink"
+        out.append(Finding(WARN if slow or custom_off else OK, "GPU links", seen,
+                           "pick GPUs joined by NVLink or one PCIe switch (CUDA_VISIBLE_DEVICES; see "
+                           "`nvidia-smi topo -m`); every layer all-reduces across them" if slow or custom_off
+                           else ""))
+    if peer is None:
+        out.append(Finding(UNKNOWN, "P2P access", "not checked"))
+    else:
+        missing = [f"{i}->{j}" for (i, j), ok in sorted(peer.items()) if not ok]
+        out.append(Finding(WARN if missing else OK, "P2P access",
+                           f"no P2P between GPUs {', '.join(missing)}: vLLM turns custom all-reduce off and "
+                           "NCCL goes through host memory" if missing else
+                           f"every pair of the {tp} GPUs can access each other's memory",
+                           "on bare metal enable P2P (IOMMU/ACS settings of the PCIe switch); in a VM or "
+                           "WSL2 P2P is often unavailable: expect slower all-reduce, and pass --engine-arg "
+                           "disable_custom_all_reduce=true to say so" if missing else ""))
+    return out
+
+
+def peer_access(n: int) -> dict[tuple[int, int], bool] | None:
+    """``torch.cuda.can_device_access_peer`` for every ordered pair of the first ``n`` GPUs."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < n:
+        return None
+    return {(i, j): bool(torch.cuda.can_device_access_peer(i, j))
+            for i in range(n) for j in range(n) if i != j}
 
 
 def server_findings(base_url: str, api_key_env: str | None = None) -> list[Finding]:
@@ -223,13 +376,43 @@ def server_findings(base_url: str, api_key_env: str | None = None) -> list[Findi
     return out
 
 
+def _linear_key_head_dim(model: str | None) -> int | None:
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text()) if model else {}
+    except (OSError, json.JSONDecodeError):
+        return None
+    value = (cfg.get("text_config") or cfg).get("linear_key_head_dim")
+    return int(value) if value else None
+
+
+def _cute_dsl_importable() -> bool:
+    """``cutlass`` as FlashInfer imports it: installed, or staged with its dsl_packages dir."""
+    if _importable("cutlass"):
+        return True
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl") if _importable("nvidia_cutlass_dsl") else None
+    return bool(spec and spec.submodule_search_locations and any(
+        (Path(p) / "dsl_packages" / "cutlass").is_dir() for p in spec.submodule_search_locations))
+
+
 def diagnose(engine: str = "reference", model: str | None = None, base_url: str | None = None,
-             api_key_env: str | None = None, k: int = 7) -> list[Finding]:
+             api_key_env: str | None = None, k: int = 7, tp: int = 1) -> list[Finding]:
+    from speccheck.topology import host_topology, visible_gpus
+
     findings = platform_findings()
     gpu, info = gpu_findings()
     findings += gpu + backend_findings(info)
+    if tp > 1:
+        topo = host_topology() if info.get("gpus") else None
+        indices = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), topo.gpus)[1] if topo else None
+        findings += parallel_findings(tp, info, topo, indices,
+                                      peer_access(tp) if len(info.get("gpus") or []) >= tp else None)
+    if engine == "vllm" or _version("vllm"):
+        gpus = info.get("gpus") or []
+        findings.append(gdn_prefill_finding(
+            tuple(gpus[0]["capability"]) if gpus else None, _linear_key_head_dim(model),
+            _version("flashinfer-python") or _version("flashinfer"), _cute_dsl_importable()))
     if model:
-        findings += model_findings(model, info, k)
+        findings += model_findings(model, info, k, tp=tp)
     elif engine == "vllm":
         findings.append(Finding(UNKNOWN, "model", "no --model given: the KV cache it needs cannot be estimated",
                                 "speccheck doctor --engine vllm --model PATH"))

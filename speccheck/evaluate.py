@@ -956,3 +956,209 @@ def evaluate_suite(suite: Suite, policy: Policy, configs: Sequence[str] | None =
                                golden_noise, base_variant) for n in names]
     return SuiteResult(suite.id, suite.meta, identity, noise, tau_tie, tau_low, policy.to_dict(), results,
                        noise_missing, suite.load_plan())
+
+
+# --- two suites: what changed between them and what it changed ---------------------------------
+
+#: identity keys a comparison of two suites names when they differ (key, label, value when a
+#: suite's identity lacks the key: a run without TP ran on one GPU)
+IDENTITY_FIELDS = (
+    ("engine", "engine", None), ("version", "engine version", None),
+    ("model_hash", "model weights", None), ("draft_hash", "draft weights", None),
+    ("tokenizer_hash", "tokenizer", None), ("dtype", "dtype", None),
+    ("device", "GPU model", None), ("gpu_driver", "GPU driver", None),
+    ("torch", "torch version", None), ("cuda", "CUDA version", None),
+    ("tensor_parallel_size", "TP size", 1), ("pipeline_parallel_size", "PP size", 1),
+    ("gpus_used", "GPUs used", 1), ("interconnect", "interconnect", None),
+    ("distributed_executor_backend", "executor", None), ("all_reduce", "all-reduce", None),
+    ("nccl_version", "NCCL version", None),
+    ("attention_backend", "attention backend", None),
+    ("draft_attention_backend", "drafter attention backend", None),
+    ("gdn_prefill_backend", "GDN prefill backend", None),
+    ("gdn_decode_kernel", "GDN decode kernel", None), ("gdn_verify_kernel", "GDN verify kernel", None),
+    ("cudagraph_mode", "CUDA graphs", None), ("knobs", "kernel knobs", None),
+)
+#: fields that follow from the TP and PP sizes (vLLM runs one GPU without an executor process
+#: or all-reduce, and TP x PP GPUs over their links otherwise): named, not blamed, when the
+#: sizes themselves differ
+FOLLOW_PARALLEL = {"gpus_used", "interconnect", "distributed_executor_backend", "all_reduce"}
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+@dataclass
+class IdentityChange:
+    key: str
+    label: str
+    a: object
+    b: object
+    follows: bool = False  # a consequence of another change (GPUs and links follow TP/PP)
+
+    def __str__(self) -> str:
+        return f"{self.label} {_show(self.a)} → {_show(self.b)}"
+
+
+def _show(v) -> str:
+    """An identity value, short: a sha256 by its first 12 digits, nothing as a dash."""
+    return "—" if v is None else (v[:12] if isinstance(v, str) and len(v) == 64 else str(v))
+
+
+def identity_changes(a: dict, b: dict) -> list[IdentityChange]:
+    """The IDENTITY_FIELDS in which two runs' identities differ, those that follow from a TP/PP
+    change marked ``follows``."""
+    out = []
+    for key, label, default in IDENTITY_FIELDS:
+        va, vb = a.get(key, default), b.get(key, default)
+        if key == "dtype":
+            va, vb = (_DTYPES.get(str(v).lower(), str(v).lower()) if v is not None else None for v in (va, vb))
+        if isinstance(va, dict) and isinstance(vb, dict):  # name the entries that differ
+            out += [IdentityChange(f"{key}.{k}", f"{label[:-1]} {k}", va.get(k), vb.get(k))
+                    for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)]
+        elif va != vb:
+            out.append(IdentityChange(key, label, va, vb))
+    sizes = any(c.key in ("tensor_parallel_size", "pipeline_parallel_size") for c in out)
+    for c in out:
+        c.follows = sizes and c.key in FOLLOW_PARALLEL
+    return out
+
+
+def changes_cause(changes: Sequence[IdentityChange]) -> str:
+    """What a difference between the suites is blamed on: the changed fields' labels."""
+    primary = [c.label for c in changes if not c.follows]
+    if not primary:
+        return "nothing recorded in the identity"
+    return ", ".join(primary[:4]) + (f" and {len(primary) - 4} more" if len(primary) > 4 else "")
+
+
+def changes_str(changes: Sequence[IdentityChange]) -> str:
+    if not changes:
+        return "identical identities (the same engine, model, GPUs and layout)"
+    primary = [str(c) for c in changes if not c.follows]
+    follows = [str(c) for c in changes if c.follows]
+    return "; ".join(primary) + (f" (with it: {'; '.join(follows)})" if follows else "")
+
+
+_SHORT = {"tensor_parallel_size": "TP", "pipeline_parallel_size": "PP"}
+
+
+def side_names(changes: Sequence[IdentityChange]) -> tuple[str, str]:
+    """Names for the two sides from their first changed field ("TP=1", "TP=2"), else A and B."""
+    for c in changes:
+        if not c.follows and not (isinstance(c.a, (dict, list)) or isinstance(c.b, (dict, list))):
+            short = _SHORT.get(c.key, c.label)
+            return f"{short}={_show(c.a)}", f"{short}={_show(c.b)}"
+    return ("A", "B")
+
+
+def _scored_top1(scored: dict | None, prompt_id: str, pos: int) -> tuple[int, float] | None:
+    """The teacher-forced argmax at ``pos`` of one stored rescoring, with its margin."""
+    s = (scored or {}).get(prompt_id)
+    if s is None or not 0 <= pos < len(s.topk_ids) or s.topk_ids[pos, 0] < 0:
+        return None
+    row = s.topk_logprobs[pos]
+    margin = float(row[0] - row[1]) if len(row) > 1 and np.isfinite(row[1]) else float("inf")
+    return int(s.topk_ids[pos, 0]), margin
+
+
+def attribute_across(d: Divergence, a_scored: dict | None, b_scored: dict | None, cause: str,
+                     a_name: str = "A", b_name: str = "B") -> dict:
+    """Why suite A's run chose ``d.base_token`` and suite B's ``d.spec_token`` at the same
+    prefix, from each side's stored teacher-forced rescoring (the baseline of that suite,
+    prefill path, fed that run's own tokens -- identical up to the divergence): when each
+    side's scoring gives its own side's token, the same computation gives the other token
+    under the other identity, so the difference is ``cause`` (e.g. "TP size"); when both
+    scorings agree, the identity change does not flip the prefill path there and the side
+    that differs chose its token on its own decode/verify path ("kernel path in B")."""
+    a_tok, b_tok, pos = d.base_token, d.spec_token, d.position
+    ta, tb = _scored_top1(a_scored, d.prompt_id, pos), _scored_top1(b_scored, d.prompt_id, pos)
+    out = {"cause": "unattributed", "a_scores": ta and ta[0], "b_scores": tb and tb[0],
+           "a_margin": ta and ta[1], "b_margin": tb and tb[1]}
+    if END in (a_tok, b_tok):
+        out["why"] = "one stream had ended there: nothing to score"
+    elif ta is None or tb is None:
+        out["why"] = (f"no stored rescoring of this position in suite {a_name if ta is None else b_name} "
+                      f"({RESUME})")
+    elif ta[0] == a_tok and tb[0] == b_tok:
+        out["cause"] = cause
+        out["why"] = (f"each side's teacher-forced score gives its own token ({a_name} {a_tok}, margin "
+                      f"{ta[1]:.3f}; {b_name} {b_tok}, margin {tb[1]:.3f})")
+    elif ta[0] == tb[0] in (a_tok, b_tok):
+        odd = b_name if ta[0] == a_tok else a_name
+        out["cause"] = f"kernel path in {odd}"
+        out["why"] = (f"both teacher-forced scores give {ta[0]}: {cause} does not flip the prefill path "
+                      f"here; {odd}'s run chose its token on its own decode/verify path")
+    else:
+        out["why"] = f"the teacher-forced scores give {ta[0]} ({a_name}) and {tb[0]} ({b_name})"
+    return out
+
+
+@dataclass
+class SuiteComparison:
+    """Two suites of the same corpus (another TP size, GPU, engine version, engine...): per
+    config, the first divergence of each prompt, classified, and attributed to what differs
+    between the suites' identities."""
+
+    a: str
+    b: str
+    noise: float
+    tau_tie: float
+    tau_low: float
+    changes: list[IdentityChange]
+    configs: dict[str, Comparison] = field(default_factory=dict)
+    attribution: dict[str, list[dict]] = field(default_factory=dict)  # per divergence, in order
+    #: config -> changes that only that config's identity shows (e.g. its drafter's backend)
+    config_changes: dict[str, list[IdentityChange]] = field(default_factory=dict)
+
+    @property
+    def cause(self) -> str:
+        return changes_cause(self.changes)
+
+    @property
+    def divergences(self) -> list[Divergence]:
+        return [d for c in self.configs.values() for d in c.divergences]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.configs.values())
+
+    def verdict(self) -> str:
+        """One plain sentence: does the change alter outputs, and beyond near-ties?"""
+        what = "; ".join(str(c) for c in self.changes if not c.follows) or "nothing in the identity"
+        divs = self.divergences
+        prompts = sum(c.prompts for c in self.configs.values())
+        scope = f"{prompts} prompt run(s) over {len(self.configs)} config(s)"
+        if not divs:
+            return f"{what}: outputs identical token for token ({scope})."
+        counts = {k: sum(d.cls == k for d in divs) for k in ("near_tie", "low_confidence", "high_confidence")}
+        causes: dict[str, int] = {}
+        for rows in self.attribution.values():
+            for row in rows:
+                causes[row["cause"]] = causes.get(row["cause"], 0) + 1
+        blamed = ", ".join(f"{n} to {k}" for k, n in sorted(causes.items(), key=lambda kv: -kv[1]))
+        head = (f"{what}: changes outputs only at near-ties" if counts["near_tie"] == len(divs) else
+                f"{what}: changes outputs BEYOND near-ties ({counts['high_confidence']} high-confidence, "
+                f"{counts['low_confidence']} low-confidence)")
+        return (f"{head} — {len(divs)} divergence(s) in {scope} (near_tie {counts['near_tie']}, "
+                f"low_confidence {counts['low_confidence']}, high_confidence {counts['high_confidence']}); "
+                f"attributed: {blamed}.")
+
+
+def compare_suites(a: Suite, b: Suite, configs: Sequence[str], policy: Policy, detok=None) -> SuiteComparison:
+    """Each config's first repeat in suite ``a`` against the same in ``b`` (both must hold it),
+    classified with tau calibrated on the larger of the two suites' path noise."""
+    noise = max(suite_noise(a), suite_noise(b))
+    tau_tie, tau_low = calibrate_thresholds(noise, policy.tie_noise_multiple, policy.low_noise_multiple,
+                                            policy.tie_floor, policy.low_floor)
+    first = configs[0] if configs else "baseline"
+    changes = identity_changes(a.run_identity(first, 0), b.run_identity(first, 0)) if configs else []
+    out = SuiteComparison(a.id, b.id, noise, tau_tie, tau_low, changes)
+    shown = {(c.key, str(c.a), str(c.b)) for c in changes}
+    for name in configs:
+        cmp = compare_runs(a.load_run(name, 0), b.load_run(name, 0), tau_tie, tau_low, noise, detok)
+        own = identity_changes(a.run_identity(name, 0), b.run_identity(name, 0))
+        out.config_changes[name] = [c for c in own if (c.key, str(c.a), str(c.b)) not in shown]
+        cause = changes_cause(own)
+        sa, sb = a.load_rescore(name, 0), b.load_rescore(name, 0)
+        out.configs[name] = cmp
+        out.attribution[name] = [attribute_across(d, sa, sb, cause, *side_names(own))
+                                 for d in cmp.divergences]
+    return out

@@ -8,6 +8,8 @@ engine.
 """
 from __future__ import annotations
 
+import fnmatch
+
 import json
 import os
 import subprocess
@@ -52,6 +54,9 @@ class RunPlan:
     max_tokens: int | None = None
     #: decode every prompt's full max_tokens past end-of-sequence (part of the suite identity)
     ignore_eos: bool = False
+    #: globs over the engine's kernel-path labels to attribute with (empty: all of them);
+    #: each path costs an engine start, so a user on a real engine picks the ones they need
+    attribution_paths: tuple[str, ...] = ()
 
     def suite_meta(self, corpus: Corpus) -> dict:
         return {"engine": self.engine, "model": self.model, "draft": self.draft,
@@ -76,6 +81,7 @@ class RunPlan:
         args += ["--max-tokens", str(self.max_tokens)] if self.max_tokens else []
         args += ["--ignore-eos"] if self.ignore_eos else []
         args += ["--top-k", str(self.top_k)] if self.top_k != 5 else []
+        args += ["--attribution-paths", ",".join(self.attribution_paths)] if self.attribution_paths else []
         return args
 
     def planned(self) -> dict[str, dict]:
@@ -262,6 +268,7 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
             variants = engine.attribution_variants(spec_configs)
             for label, url in plan.attribute_with.items():
                 variants[label] = engine.attribution_server_args(label, url)
+            variants = select_paths(variants, plan.attribution_paths, log)
             attribute_suite(plan, variants, suite, [c.name for c in spec_configs], log)
     finally:
         engine.close()
@@ -378,6 +385,22 @@ def _score_record(engine: Engine, comps) -> dict:
 
 
 # --- kernel-path attribution -------------------------------------------------------------------
+
+def select_paths(variants: dict[str, dict[str, str]], globs: Sequence[str],
+                 log: Log = _print) -> dict[str, dict[str, str]]:
+    """The kernel paths whose label matches one of ``globs`` (all of them without globs)."""
+    if not globs:
+        return variants
+    chosen = {label: args for label, args in variants.items()
+              if any(fnmatch.fnmatchcase(label, g) for g in globs)}
+    if not chosen:
+        log(f"attribution: no kernel path matches --attribution-paths {','.join(globs)}; "
+            f"this engine offers: {'; '.join(variants) or 'none'}")
+    else:
+        log(f"attribution: {len(chosen)} of {len(variants)} kernel paths chosen by "
+            f"--attribution-paths ({'; '.join(chosen)})")
+    return chosen
+
 
 def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: Suite,
                     config_names: Sequence[str], log: Log = _print) -> None:

@@ -228,37 +228,51 @@ def _load(module, state, prefix):
     return module
 
 
-def test_mtp_export_matches_transformers_building_blocks(reference, exported):
-    """vLLM's Qwen3_5MultiTokenPredictor rebuilt from transformers' Qwen3.5 layers and the exported
-    mtp.* tensors: fc(cat[pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)]) -> one
-    full-attention decoder layer at position t -> norm -> shared lm head."""
+def _hf_mtp_logits(out, prompts):
+    """vLLM's Qwen3_5MultiTokenPredictor rebuilt from transformers' Qwen3.5 layers and the mtp.*
+    tensors and config of the export in ``out``, fed that export's own target (transformers):
+    fc(cat[pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)]) -> one full-attention
+    decoder layer at position t -> norm -> shared lm head. One logits tensor per prompt."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
 
-    cfg, target, mtp, _, tok = reference
-    out, _ = exported
     sd = ex.read_checkpoint(out / "model.safetensors")
     hf = transformers.Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tc = hf.config
-    h = cfg.hidden_size
+    h = tc.hidden_size
     layer = _load(q35.Qwen3_5DecoderLayer(tc, tc.layer_types.index("full_attention")), sd,
                   "mtp.layers.0.").eval()
     fc = _load(torch.nn.Linear(2 * h, h, bias=False), sd, "mtp.fc.")
-    norms = {n: _load(q35.Qwen3_5RMSNorm(h, cfg.rms_norm_eps), sd, f"mtp.{n}.")
+    norms = {n: _load(q35.Qwen3_5RMSNorm(h, tc.rms_norm_eps), sd, f"mtp.{n}.")
              for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
     rotary = q35.Qwen3_5TextRotaryEmbedding(tc)
-    worst = 0.0
+    logits = []
     with torch.no_grad():
-        for ids in _prompts(tok):
+        for ids in prompts:
             x = torch.tensor([ids])
             hid = hf.model(x).last_hidden_state[:, :-1]  # post final norm, as vLLM passes it
             emb = hf.model.embed_tokens(x[:, 1:])
             z = fc(torch.cat([norms["pre_fc_norm_embedding"](emb), norms["pre_fc_norm_hidden"](hid)], -1))
             pos = torch.arange(z.shape[1])[None]
             z = layer(z, position_embeddings=rotary(z, pos), attention_mask=None, position_ids=pos)
-            want = hf.lm_head(norms["norm"](z))[0]
-            rh, _ = target(x)
-            got = target.logits(mtp(target.embed_tokens(x[:, 1:]), rh[:, :-1]))[0]
-            worst = max(worst, (got - want).abs().max().item())
+            logits.append(hf.lm_head(norms["norm"](z))[0])
+    return logits
+
+
+def _ref_mtp_logits(target, mtp, ids):
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        rh, _ = target(x)
+        return target.logits(mtp(target.embed_tokens(x[:, 1:]), rh[:, :-1]))[0]
+
+
+def test_mtp_export_matches_transformers_building_blocks(reference, exported):
+    """The exported MTP head (vLLM's algorithm on transformers' pieces, see _hf_mtp_logits)
+    computes what the reference MTP module computes."""
+    cfg, target, mtp, _, tok = reference
+    out, _ = exported
+    prompts = _prompts(tok)
+    worst = max((got - _ref_mtp_logits(target, mtp, ids)).abs().max().item()
+                for ids, got in zip(prompts, _hf_mtp_logits(out, prompts)))
     print(f"MTP max |dlogit| reference vs transformers blocks: {worst:.2e}")
     assert worst < 1e-4
 
@@ -327,3 +341,198 @@ def test_dflash_export_matches_vllm_algorithm(reference, exported):
             worst = max(worst, (got - want).abs().max().item())
     print(f"DFlash max |dlogit| reference vs vLLM algorithm on transformers pieces: {worst:.2e}")
     assert worst < 1e-4
+
+
+# --------------------------------------------------------------------------- GDN heads padded to 128
+# ``export-reference --linear-head-dim 128``: the same network with GDN key/value head dims 128
+# (FlashInfer's Hopper GDN prefill kernel, vLLM's default there, supports no other). The padding
+# itself is exact up to fp32 rounding; the one inexact change is rms_norm_eps * 64/128 in every
+# norm (see export.pad_gdn_head_dims), which the tests below measure separately. On the shipped
+# weights it moves the logits by ~1e-3, nearly all of it through layer 0's two norms (their input
+# is the embedding, mean square ~3e-3); the GDN norms' inputs (mean square ~1e-7, below eps) are
+# why the epsilon has to change at all.
+
+PADDED = 128
+
+
+@pytest.fixture(scope="module")
+def exported_padded(reference, tmp_path_factory):
+    cfg, target, mtp, drafter, tok = reference
+    out = tmp_path_factory.mktemp("export_padded")
+    summary = ex.export_modules(out, cfg, target, mtp, drafter, tok, dtype=torch.float32,
+                                linear_head_dim=PADDED)
+    return out, summary
+
+
+def _gdn_norms_only(model, eps):
+    """Set the GDN gated norms of a transformers Qwen3.5 model to ``eps`` (the others keep theirs)."""
+    for name, m in model.named_modules():
+        if name.endswith("linear_attn.norm"):
+            m.variance_epsilon = eps
+    return model
+
+
+def _all_norms(model, eps):
+    """Set every norm of a transformers Qwen3.5 model to ``eps``."""
+    n = 0
+    for m in model.modules():
+        for attr in ("eps", "variance_epsilon"):  # Qwen3_5RMSNorm, Qwen3_5RMSNormGated
+            if "Norm" in type(m).__name__ and hasattr(m, attr):
+                setattr(m, attr, eps)
+                n += 1
+    assert n > 2 * len(model.model.layers)
+    return model
+
+
+def test_padded_layout_and_config(reference, exported, exported_padded):
+    cfg, target, *_ = reference
+    out, _ = exported
+    pout, summary = exported_padded
+    raw = json.loads((pout / "config.json").read_text())
+    t = raw["text_config"]
+    assert (t["linear_key_head_dim"], t["linear_value_head_dim"]) == (PADDED, PADDED)
+    assert t["rms_norm_eps"] == cfg.rms_norm_eps * cfg.linear_key_head_dim / PADDED
+    note = raw["speccheck"]
+    assert note["original_linear_key_head_dim"] == cfg.linear_key_head_dim
+    assert note["original_linear_value_head_dim"] == cfg.linear_value_head_dim
+    assert "FlashInfer" in note["why"] and summary["linear_head_dim"] == PADDED
+    hf = transformers.AutoConfig.from_pretrained(pout).text_config
+    assert (hf.linear_key_head_dim, hf.linear_value_head_dim) == (PADDED, PADDED)
+    # the unpadded export carries no note; the drafter is the same files
+    assert "speccheck" not in json.loads((out / "config.json").read_text())
+    assert (pout / "drafter" / "config.json").read_text() == (out / "drafter" / "config.json").read_text()
+    sd, psd = ex.read_checkpoint(out / "model.safetensors"), ex.read_checkpoint(pout / "model.safetensors")
+    assert set(sd) == set(psd)
+    nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    p = "model.language_model.layers.0.linear_attn."
+    w, pw = sd[p + "in_proj_qkv.weight"], psd[p + "in_proj_qkv.weight"]
+    assert pw.shape[0] == (2 * nk + nv) * PADDED
+    pq, pk, pv = pw.split(nk * PADDED)
+    assert torch.equal(pq.view(nk, PADDED, -1)[:, :dk], w[:nk * dk].view(nk, dk, -1))
+    assert not pq.view(nk, PADDED, -1)[:, dk:].any() and not pk.view(nk, PADDED, -1)[:, dk:].any()
+    v = w[2 * nk * dk:].view(nv, dv, -1)
+    for r in range(PADDED // dv):
+        assert torch.equal(pv.view(nv, PADDED, -1)[:, r * dv:(r + 1) * dv], v)
+    assert not psd[p + "conv1d.weight"][:2 * nk * PADDED].view(2, nk, PADDED, -1)[:, :, dk:].any()
+    assert torch.equal(psd[p + "out_proj.weight"].view(-1, nv, PADDED)[..., :dv] * (PADDED // dv),
+                       sd[p + "out_proj.weight"].view(-1, nv, dv))
+    for k in sd:  # everything outside the GDN layers is untouched
+        if ".linear_attn." not in k:
+            assert torch.equal(sd[k], psd[k]), k
+
+
+def test_padded_export_is_another_engine_identity(exported, exported_padded):
+    """A vLLM run on the padded export must not be taken for one on the unpadded export."""
+    from speccheck.engines.vllm import weights_sha256
+
+    assert weights_sha256(str(exported[0])) != weights_sha256(str(exported_padded[0]))
+
+
+def test_padded_prefill_logits_fp32(reference, exported, exported_padded):
+    """fp32: (1) the padding is exact: the padded export equals the unpadded one run with the
+    padded export's norm epsilons everywhere but in the GDN norms (where the padding's scale
+    change is exactly compensated by them); (2) the padded export vs the unpadded one and vs the
+    reference engine (both GDN forms): the epsilon change alone; (3) the reference engine runs
+    the padded checkpoint too (its GDN at head dim 128) and matches transformers on it."""
+    from speccheck.engines.reference.model import ReferenceConfig
+
+    cfg, target, *_, tok = reference
+    out, _ = exported
+    pout, _ = exported_padded
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    phf = transformers.Qwen3_5ForCausalLM.from_pretrained(pout, dtype=torch.float32).eval()
+    peps = phf.config.rms_norm_eps
+    same_math = _gdn_norms_only(_all_norms(
+        transformers.Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), peps),
+        cfg.rms_norm_eps)
+    pcfg = ReferenceConfig.from_dict({**cfg.to_dict(), "linear_key_head_dim": PADDED,
+                                      "linear_value_head_dim": PADDED, "rms_norm_eps": peps})
+    pref = Qwen3_5TextModel(pcfg)
+    sd = ex.read_checkpoint(pout / "model.safetensors")
+    pref.load_state_dict({k[len("model.language_model."):]: v for k, v in sd.items()
+                          if k.startswith("model.language_model.")})
+    pref.eval()
+    exact = eps_only = vs_engine = ref_padded = 0.0
+    agree = total = 0
+    for ids in _prompts(tok):
+        got = _hf_logits(phf, ids)
+        exact = max(exact, (got - _hf_logits(same_math, ids)).abs().max().item())
+        want = _hf_logits(hf, ids)
+        eps_only = max(eps_only, (got - want).abs().max().item())
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += len(ids)
+        for form in (None, "chunked", "recurrent"):
+            vs_engine = max(vs_engine, (got - _ref_logits(target, ids, form)).abs().max().item())
+            ref_padded = max(ref_padded, (got - _ref_logits(pref, ids, form)).abs().max().item())
+    print(f"fp32 max |dlogit| padded vs unpadded with the same epsilons (the padding): {exact:.2e}; "
+          f"padded vs unpadded (the epsilon change): {eps_only:.2e}; padded vs reference engine: "
+          f"{vs_engine:.2e}; reference engine on the padded checkpoint vs transformers: "
+          f"{ref_padded:.2e}; argmax agreement {agree}/{total}")
+    assert exact < 1e-4 and ref_padded < 1e-4
+    assert eps_only < 1e-2 and vs_engine < 1e-2
+    assert agree == total
+
+
+def test_padded_prefill_logits_bf16(reference, exported, exported_padded):
+    """bf16 (as vLLM runs it): the padded and unpadded exports differ by no more than bf16 differs
+    from fp32, and their argmax agrees except where fp32's top-2 margin is within that noise."""
+    cfg, *_, tok = reference
+    out, _ = exported
+    pout, _ = exported_padded
+    hf32 = transformers.Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
+    phf = transformers.Qwen3_5ForCausalLM.from_pretrained(pout, dtype=torch.bfloat16).eval()
+    worst = noise = 0.0
+    agree = total = 0
+    flips = []
+    for ids in _prompts(tok):
+        got, want, exact = _hf_logits(phf, ids), _hf_logits(hf, ids), _hf_logits(hf32, ids)
+        worst = max(worst, (got - want).abs().max().item())
+        noise = max(noise, (want - exact).abs().max().item(), (got - exact).abs().max().item())
+        same = got.argmax(-1) == want.argmax(-1)
+        agree += int(same.sum())
+        total += len(ids)
+        top2 = exact.topk(2, dim=-1).values
+        flips += (top2[:, 0] - top2[:, 1])[~same].tolist()
+    print(f"bf16 max |dlogit| padded vs unpadded: {worst:.3e} (bf16 vs fp32: {noise:.3e}); "
+          f"argmax agreement {agree}/{total}; fp32 top-2 margins where they differ: "
+          f"{[round(m, 4) for m in flips]}")
+    assert worst <= 2 * noise
+    assert all(m <= 2 * noise for m in flips)
+
+
+def test_padded_mtp_head(reference, exported, exported_padded):
+    """The MTP head on the padded export (its mtp.* tensors are the same; its hidden states come
+    from the padded target, its norms take the padded export's epsilon) vs the unpadded one and
+    the reference MTP module."""
+    cfg, target, mtp, _, tok = reference
+    out, _ = exported
+    pout, _ = exported_padded
+    prompts = _prompts(tok)
+    padded, unpadded = _hf_mtp_logits(pout, prompts), _hf_mtp_logits(out, prompts)
+    vs_export = max((a - b).abs().max().item() for a, b in zip(padded, unpadded))
+    vs_ref = max((a - _ref_mtp_logits(target, mtp, ids)).abs().max().item()
+                 for a, ids in zip(padded, prompts))
+    agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(padded, unpadded))
+    total = sum(len(a) for a in padded)
+    print(f"MTP fp32 max |dlogit| padded vs unpadded export: {vs_export:.2e}, vs reference: "
+          f"{vs_ref:.2e}; argmax agreement {agree}/{total}")
+    assert vs_export < 1e-2 and vs_ref < 1e-2 and agree == total
+
+
+def test_export_reference_cli_pads(tmp_path):
+    """The CLI path: --linear-head-dim 128 writes the padded target; a width that cannot be
+    padded to exactly is bad input (exit 2, one message naming the option)."""
+    from click.testing import CliRunner
+
+    from speccheck.cli import main
+
+    r = CliRunner().invoke(main, ["export-reference", str(tmp_path / "p"), "--linear-head-dim", "128"])
+    assert r.exit_code == 0, r.output
+    t = json.loads((tmp_path / "p" / "config.json").read_text())["text_config"]
+    assert (t["linear_key_head_dim"], t["linear_value_head_dim"]) == (128, 128)
+    assert json.loads(r.output)["linear_head_dim"] == 128
+    r = CliRunner().invoke(main, ["export-reference", str(tmp_path / "q"), "--linear-head-dim", "96"])
+    assert r.exit_code == 2 and "--linear-head-dim 96" in r.output
+    assert not (tmp_path / "q" / "config.json").exists()

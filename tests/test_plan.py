@@ -233,3 +233,38 @@ def test_missing_names_each_planned_piece(tmp_path):
     suite.write_run(record(1, fresh=True))
     suite.write_run(record(-1, copies=2))
     assert suite.missing("baseline") == []
+
+
+def test_attribution_paths_choose_kernel_paths_by_glob(tmp_path):
+    """--attribution-paths keeps the matching labels only, says which, and says what exists
+    when nothing matches (a typo must not silently attribute nothing)."""
+    from speccheck.runner import select_paths
+
+    variants = {"decode": {"a": "1"}, "decode eager": {"b": "1"}, "verify mtp-k3": {"c": "1"},
+                "prefill gdn=triton": {"d": "1"}}
+    said = []
+    assert select_paths(variants, (), said.append) == variants and not said
+    chosen = select_paths(variants, ("decode", "verify*"), said.append)
+    assert list(chosen) == ["decode", "verify mtp-k3"]
+    assert "2 of 4" in said[-1]
+    assert select_paths(variants, ("prefil gdn*",), said.append) == {}
+    assert "prefill gdn=triton" in said[-1] and "no kernel path matches" in said[-1]
+
+
+def test_attribution_paths_reach_the_attribution_step(tmp_path):
+    """On the reference engine, a glob picks its gdn paths only: the stored attribution names no other."""
+    from click.testing import CliRunner
+
+    from speccheck.cli import main
+    from speccheck.store import Store
+
+    store = tmp_path / "s"
+    r = CliRunner().invoke(main, ["run", "--corpus", "smoke", "--config", "mtp-k3", "--repeats", "1",
+                                  "--concurrent", "0", "--attribution-paths", "gdn=*",
+                                  "--store", str(store)])
+    assert r.exit_code == 0, r.output
+    assert "kernel paths chosen by --attribution-paths" in r.output
+    suite = Store(store).latest()
+    items = suite.load_attribution("mtp-k3")
+    for it in items:
+        assert set(it["paths"]) <= {"gdn=chunked", "gdn=recurrent"}, it["paths"]

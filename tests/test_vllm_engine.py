@@ -408,7 +408,14 @@ class LLM:
         self.counts = [0, 0, 0]
         self.per_pos = [0] * (speculative_config or {}).get("num_speculative_tokens", 0)
         self.calls = 0
+        tp, pp = kwargs.get("tensor_parallel_size", 1), kwargs.get("pipeline_parallel_size", 1)
         self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(
+            # resolved as vLLM 0.26's ParallelConfig does: one GPU -> uni, more -> mp
+            parallel_config=SimpleNamespace(
+                tensor_parallel_size=tp, pipeline_parallel_size=pp, world_size=tp * pp,
+                distributed_executor_backend=kwargs.get("distributed_executor_backend")
+                or ("mp" if tp * pp > 1 else "uni"),
+                disable_custom_all_reduce=bool(kwargs.get("disable_custom_all_reduce"))),
             scheduler_config=SimpleNamespace(max_num_batched_tokens=12),
             speculative_config=SimpleNamespace(method=self.spec["method"],
                                                num_speculative_tokens=len(self.per_pos))

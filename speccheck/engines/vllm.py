@@ -18,6 +18,11 @@ Engine args (``--engine-arg key=value``):
   ``worker=per-call|per-config``, ``timeout_s=N``, ``warmup=true|false``, ``python=PATH``
   ``score_path=prefill|decode|verify``, ``score_spec=CONFIG`` (e.g. mtp-k3): which kernels
                           score() runs (attribution variants set them; see score())
+  ``tensor_parallel_size=N``, ``pipeline_parallel_size=N``, ``distributed_executor_backend=
+                          mp|ray|uni|external_launcher``: passed to ``LLM(...)`` like the rest,
+                          checked first (parallel_problem: sizes, head counts, visible GPUs);
+                          the identity records what vLLM resolved, the NCCL version and the
+                          links between the GPUs used (``nvidia-smi topo -m``)
   anything else           passed to ``LLM(...)``; values parsed as JSON where they parse
                           (ints, floats, booleans, ``{"gdn_prefill_backend": "triton"}``).
 """
@@ -40,6 +45,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from speccheck.engines.base import Engine, EngineError, EngineUsageError
+from speccheck.topology import physical_gpu_count, visible_gpus
 from speccheck.types import Completion, Prompt, Scored, SpecConfig, SpecCounters
 from speccheck.verify.ties import canonical_topk
 
@@ -65,7 +71,13 @@ BACKEND_LOG_MARKERS = ("backend", "GDN prefill kernel")
 #: (vllm_worker.kernel_paths); None until a worker has answered
 RESOLVED_KERNEL_KEYS = ("attention_backend", "draft_attention_backend", "gdn_prefill_backend",
                         "gdn_decode_kernel", "gdn_verify_kernel", "cudagraph_mode",
-                        "compilation_mode", "enforce_eager")
+                        "compilation_mode", "enforce_eager", "all_reduce")
+#: identity keys of the parallel layout: asked for (static identity), then read back from
+#: vLLM's parallel_config and the host inside the worker (vllm_worker.parallel_facts)
+PARALLEL_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "world_size",
+                 "distributed_executor_backend", "disable_custom_all_reduce", "nccl_version",
+                 "nccl_version_vllm", "interconnect", "gpu_links", "topology_error",
+                 "parallel_config_error")
 PACKED_DECODE_ENV = "VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE"
 #: vLLM >= 0.28: cuda (default, where eligible) | triton, the GDN kernel of spec verify steps
 GDN_DECODE_KERNEL_ENV = "VLLM_GDN_DECODE_KERNEL"
@@ -154,6 +166,96 @@ def speculative_config(config: SpecConfig, draft: str | None, llm_kwargs: dict,
         spec["model"] = draft
     spec.update(extra or {})
     return spec
+
+
+# ---------------------------------------------------------------- pure: parallel layout
+
+#: executors vLLM 0.26 knows by name (``config/parallel.py``, ``DistributedExecutorBackend``);
+#: anything else must be the import path of an Executor subclass ("pkg.module.Class")
+EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")
+#: head groups vLLM shards across TP ranks, as the model's config.json names them
+HEAD_KEYS = {"num_attention_heads": "attention heads", "num_key_value_heads": "KV heads",
+             "linear_num_key_heads": "GDN key heads", "linear_num_value_heads": "GDN value heads"}
+
+
+def model_heads(config: dict) -> dict[str, int]:
+    """The head counts TP shards (``HEAD_KEYS``), from a config.json (its ``text_config``
+    for the multimodal Qwen3.5 class)."""
+    text = config.get("text_config") or config
+    return {k: int(text[k]) for k in HEAD_KEYS
+            if isinstance(text.get(k), int) and not isinstance(text.get(k), bool)}
+
+
+def tp_fits(heads: dict[str, int], tp: int) -> list[str]:
+    """The head groups ``tp`` cannot shard (as vLLM 0.26 does it): attention and GDN heads are
+    split evenly (``num_heads % tp``, ``divide(num_v_heads, tp)`` in qwen_gdn_linear_attn.py);
+    KV heads are split when tp divides them and replicated when tp is a multiple of them
+    (``QKVParallelLinear``)."""
+    bad = []
+    for key, n in heads.items():
+        ok = n % tp == 0 or (key == "num_key_value_heads" and tp % n == 0)
+        if not ok:
+            bad.append(f"{n} {HEAD_KEYS[key]} ({key})")
+    return bad
+
+
+def parallel_size(llm_kwargs: dict, key: str) -> int:
+    """tensor/pipeline_parallel_size as asked (1 when not given); assumes it was validated."""
+    return int(llm_kwargs.get(key, 1))
+
+
+def parallel_problem(llm_kwargs: dict, model_config: dict, model: str,
+                     draft_config: dict | None = None, draft: str | None = None,
+                     visible: int | None = None, spec_extra: dict | None = None) -> str | None:
+    """Why the parallel layout asked for (``tensor_parallel_size``, ``pipeline_parallel_size``,
+    ``distributed_executor_backend``) cannot run this model here, or None: caught before a
+    worker starts, where vLLM would fail minutes later. ``visible``: GPUs this process may use
+    (None: unknown, not checked); ``spec_extra``: the ``spec.*`` engine args (a drafter runs
+    at the target's TP unless ``spec.draft_tensor_parallel_size=1``)."""
+    sizes = {}
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = llm_kwargs.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return (f"--engine-arg {key}={value}: give a positive whole number of GPUs "
+                    f"(e.g. {key}=2); the default is 1.")
+        sizes[key] = value
+    tp, pp = sizes["tensor_parallel_size"], sizes["pipeline_parallel_size"]
+    backend = llm_kwargs.get("distributed_executor_backend")
+    if backend is not None and (not isinstance(backend, str) or (
+            backend not in EXECUTOR_BACKENDS and "." not in backend)):
+        return (f"--engine-arg distributed_executor_backend={backend}: vLLM knows "
+                f"{', '.join(EXECUTOR_BACKENDS)} (or the import path of an Executor subclass); "
+                "leave it out for vLLM's default (mp on one host when TP x PP > 1).")
+    if backend == "uni" and tp * pp > 1:
+        return (f"--engine-arg distributed_executor_backend=uni runs one process, which cannot hold "
+                f"TP x PP = {tp} x {pp} = {tp * pp} ranks: use mp (vLLM's default on one host) or ray, "
+                "or tensor_parallel_size=1.")
+    for cfg, path, what in ((model_config, model, "--model"), (draft_config, draft, "--draft")):
+        if cfg is None:
+            continue
+        size = tp
+        draft_tp = (spec_extra or {}).get("draft_tensor_parallel_size")
+        if what == "--draft" and isinstance(draft_tp, int) and not isinstance(draft_tp, bool) and draft_tp >= 1:
+            size = draft_tp  # vLLM allows 1 or the target's TP
+        heads = model_heads(cfg)
+        bad = tp_fits(heads, size)
+        if bad:
+            fits = [n for n in range(1, 65) if not tp_fits(heads, n)]
+            hint = (f"TP sizes that fit: {', '.join(map(str, fits[:8]))}" if fits else
+                    "no TP size fits")
+            draft_hint = (" (the drafter runs at the target's TP; spec.draft_tensor_parallel_size=1 "
+                          "runs it unsharded)" if what == "--draft" else "")
+            return (f"tensor_parallel_size={size} cannot shard {what} {path}: its config.json has "
+                    f"{', '.join(bad)}, which do not split into {size} equal parts{draft_hint}. "
+                    f"vLLM shards every attention, KV and GDN head group across the TP ranks; {hint}.")
+    nnodes = llm_kwargs.get("nnodes", 1)
+    multi_host = backend == "ray" or (isinstance(nnodes, int) and nnodes > 1)
+    if visible is not None and tp * pp > visible and not multi_host:
+        return (f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {tp * pp} GPUs, "
+                f"and this process sees {visible} (nvidia-smi -L, narrowed by CUDA_VISIBLE_DEVICES). "
+                "Expose more GPUs, lower the sizes, or span hosts with --engine-arg "
+                "distributed_executor_backend=ray.")
+    return None
 
 
 #: the first vLLM release with DFlash2 (PR #52816: qwen3_dflash2.py + DFlash2Speculator)
@@ -470,6 +572,20 @@ def eos_token_ids(model_dir: str) -> list[int]:
     return sorted(set(int(i) for i in ids))
 
 
+def _read_config(model_dir: str) -> dict:
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise EngineUsageError(f"{model_dir}/config.json: unreadable ({e}); give a local Hugging "
+                               "Face checkpoint directory") from e
+
+
+def visible_gpu_count() -> int | None:
+    """GPUs a worker started from here may use: nvidia-smi's list narrowed by
+    CUDA_VISIBLE_DEVICES (None: no nvidia-smi and no CUDA_VISIBLE_DEVICES to tell)."""
+    return visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), physical_gpu_count())[0]
+
+
 def _tail(path: Path, n: int = 4000) -> str:
     try:
         return path.read_text(errors="replace")[-n:]
@@ -580,6 +696,12 @@ class VllmEngine(Engine):
         self.draft = str(Path(draft).resolve()) if draft else None
         self.args = split_engine_args(self.engine_args)
         self.llm_kwargs = {**DEFAULT_LLM_KWARGS, **self.args["llm"]}
+        problem = parallel_problem(self.llm_kwargs, _read_config(self.model), self.model,
+                                   _read_config(self.draft) if self.draft else None, self.draft,
+                                   None if self._world_size() == 1 else visible_gpu_count(),
+                                   self.args["spec"])
+        if problem:
+            raise EngineUsageError(problem)
         self._tokenizer = None
         self._runtime: dict = {}
         self._backend_log: list[str] = []
@@ -591,6 +713,14 @@ class VllmEngine(Engine):
         self._calls = 0
         self.last_call_fresh_process = True
         self._static_identity: dict | None = None
+
+    def _world_size(self) -> int:
+        """TP x PP as asked (parallel_problem has checked they are positive ints, or will)."""
+        try:
+            return (parallel_size(self.llm_kwargs, "tensor_parallel_size")
+                    * parallel_size(self.llm_kwargs, "pipeline_parallel_size"))
+        except (TypeError, ValueError):
+            return 0
 
     # -- tokenizer
 
@@ -633,7 +763,8 @@ class VllmEngine(Engine):
         for key in ("vllm_version", "torch", "cuda", "gpu", "gpu_count", "capability", "driver",
                     *RESOLVED_KERNEL_KEYS, "kernels_read_back", "kernel_probe_error",
                     "attention_backend_requested", "gdn_prefill_backend_requested",
-                    "prefix_caching", "flashinfer_available", "gdn_decode_kernel_setting"):
+                    "prefix_caching", "flashinfer_available", "gdn_decode_kernel_setting",
+                    *PARALLEL_KEYS):
             if rt.get(key) is not None:
                 ident[key] = rt[key]
         if rt.get("dtype"):
@@ -644,6 +775,8 @@ class VllmEngine(Engine):
             ident["version"] = rt["vllm_version"]
         if rt.get("gpu"):
             ident["device"] = rt["gpu"]
+        if rt.get("world_size"):
+            ident["gpus_used"] = rt["world_size"]
         ident["kernel_knobs"] = {
             **{key: ident.get(key) for key in RESOLVED_KERNEL_KEYS},
             **{k: v for k, v in ident["env"].items()},
@@ -687,6 +820,13 @@ class VllmEngine(Engine):
             "gdn_prefill_backend_requested": requested_gdn_prefill(self.llm_kwargs),
             **{key: None for key in RESOLVED_KERNEL_KEYS},
             "kernels_read_back": False,
+            # the parallel layout asked for; what vLLM resolved replaces it once a worker ran
+            "tensor_parallel_size": parallel_size(self.llm_kwargs, "tensor_parallel_size"),
+            "pipeline_parallel_size": parallel_size(self.llm_kwargs, "pipeline_parallel_size"),
+            "distributed_executor_backend": self.llm_kwargs.get("distributed_executor_backend"),
+            "gpus_used": self._world_size(),
+            "interconnect": None,
+            "nccl_version": None,
             "llm_kwargs": self.llm_kwargs,
             "sampling": self.args["sampling"],
             "env": env,

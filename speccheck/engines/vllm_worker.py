@@ -12,6 +12,7 @@ dicts into speccheck types (``speccheck.engines.vllm``).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -123,7 +124,81 @@ def runtime_facts(llm: Any = None) -> dict:
     facts["env"] = dict(START_ENV)
     if llm is not None:
         facts.update(_engine_choices(llm))
+        facts.update(parallel_facts(llm))
     return facts
+
+
+def nccl_version() -> str | None:
+    """The NCCL torch links (``torch.cuda.nccl.version()``: a tuple in torch 2.x, an int such
+    as 2708 or 21903 before) as "2.21.5"; None without CUDA torch."""
+    try:
+        import torch
+        return format_nccl_version(torch.cuda.nccl.version())
+    except Exception:  # noqa: BLE001 - a CPU build, or no NCCL
+        return None
+
+
+def format_nccl_version(v: Any) -> str:
+    """(2, 21, 5) -> "2.21.5"; the int forms NCCL reports: 21903 -> "2.19.3" (2.9 and
+    later: major*10000 + minor*100 + patch), 2708 -> "2.7.8" (before: major*1000 + ...)."""
+    if isinstance(v, (tuple, list)):
+        return ".".join(str(x) for x in v[:3])
+    v = int(v)
+    if v >= 10000:
+        return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+    return f"{v // 1000}.{v // 100 % 10}.{v % 100}"
+
+
+def gpu_links(world_size: int, topo: Any, cuda_visible_devices: str | None) -> dict:
+    """How the GPUs of one run are linked (``topo``: the parsed ``nvidia-smi topo -m``):
+    vLLM's mp executor puts rank i on visible GPU i, so the first ``world_size`` visible GPUs.
+    ``interconnect`` is the slowest link among them (what an all-reduce over all of them waits
+    on); None with one GPU, or when the topology or the GPUs' indices cannot be read."""
+    from speccheck.topology import visible_gpus, weakest_link
+
+    if world_size <= 1:
+        return {"interconnect": None}
+    if topo is None:
+        return {"interconnect": None, "topology_error": "nvidia-smi topo -m gave no GPU matrix"}
+    _, indices = visible_gpus(cuda_visible_devices, topo.gpus)
+    if indices is None or len(indices) < world_size:
+        return {"interconnect": None,
+                "topology_error": "the GPUs' nvidia-smi indices are unknown (CUDA_VISIBLE_DEVICES)"}
+    used = indices[:world_size]
+    return {"interconnect": weakest_link(topo, used),
+            "gpu_links": {f"GPU{a}-GPU{b}": topo.link(a, b)
+                          for n, a in enumerate(used) for b in used[n + 1:]}}
+
+
+def parallel_facts(llm: Any) -> dict:
+    """The parallel layout vLLM resolved (``vllm_config.parallel_config``: TP and PP sizes,
+    world size, the executor it picked -- ``uni`` for one GPU, ``mp`` on one host -- and
+    whether custom all-reduce was turned off), the NCCL version, and the links between the
+    GPUs used."""
+    out: dict[str, Any] = {}
+    try:
+        pc = llm.llm_engine.vllm_config.parallel_config
+        backend = pc.distributed_executor_backend
+        out.update({
+            "tensor_parallel_size": int(pc.tensor_parallel_size),
+            "pipeline_parallel_size": int(pc.pipeline_parallel_size),
+            "world_size": int(pc.world_size),
+            "distributed_executor_backend": (backend if isinstance(backend, str) or backend is None
+                                             else f"{backend.__module__}.{backend.__qualname__}"),
+            "disable_custom_all_reduce": bool(pc.disable_custom_all_reduce),
+        })
+    except Exception as e:  # noqa: BLE001 - recorded: the identity then says it is unknown
+        out["parallel_config_error"] = repr(e)[:300]
+    out["nccl_version"] = nccl_version()
+    out.update(_host_links(int(out.get("world_size") or 1), os.environ.get("CUDA_VISIBLE_DEVICES")))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _host_links(world_size: int, cuda_visible_devices: str | None) -> dict:
+    """gpu_links of this host, read once per worker (nvidia-smi is not asked after every call)."""
+    from speccheck.topology import host_topology
+    return gpu_links(world_size, host_topology() if world_size > 1 else None, cuda_visible_devices)
 
 
 def nvidia_smi_driver() -> str | None:
@@ -163,7 +238,7 @@ def probe_model_runner(worker: Any) -> dict:
             layers[name] = {"kind": "attention", "backend": str(layer.attn_backend.get_name()),
                             "draft": name in draft_names}
     mode = getattr(cc, "mode", None)
-    out = {"layers": layers, "cudagraph_mode": str(cc.cudagraph_mode),
+    out = {"layers": layers, **all_reduce_paths(), "cudagraph_mode": str(cc.cudagraph_mode),
            "compilation_mode": str(getattr(mode, "name", mode)),
            "cudagraph_capture_sizes": [int(x) for x in (cc.cudagraph_capture_sizes or [])],
            "enforce_eager": bool(cfg.model_config.enforce_eager),
@@ -172,6 +247,34 @@ def probe_model_runner(worker: Any) -> dict:
         from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
         out["flash_attn_version"] = get_flash_attn_version()
     except Exception:  # noqa: BLE001 - not every build has FA
+        pass
+    return out
+
+
+#: the all-reduce implementations of vLLM 0.26's CudaCommunicator, in the order it tries them
+#: (``distributed/device_communicators/cuda_communicator.py``, ``all_reduce``)
+ALL_REDUCE_COMMS = (("qr_comm", "quick_reduce"), ("fi_ar_comm", "flashinfer"),
+                    ("aiter_ar_comm", "aiter"), ("ca_comm", "custom"),
+                    ("symm_mem_comm", "symm_mem"), ("pynccl_comm", "pynccl"))
+
+
+def all_reduce_paths() -> dict:
+    """Runs inside vLLM's worker: the TP group's all-reduce paths that are set up and enabled
+    (custom all-reduce for small tensors where P2P allows it, then NCCL through pynccl) and
+    the NCCL library vLLM loaded; {} at TP=1 (no device communicator)."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+        comm = get_tp_group().device_communicator
+    except Exception:  # noqa: BLE001 - not initialised, or another vLLM
+        return {}
+    if comm is None:
+        return {}
+    paths = [label for attr, label in ALL_REDUCE_COMMS
+             if getattr(comm, attr, None) is not None and not getattr(getattr(comm, attr), "disabled", False)]
+    out: dict[str, Any] = {"all_reduce": "+".join(paths) or None}
+    try:
+        out["nccl_version_vllm"] = comm.pynccl_comm.nccl.ncclGetVersion()
+    except Exception:  # noqa: BLE001
         pass
     return out
 
@@ -215,8 +318,9 @@ def kernel_paths(probe: dict, speculative: bool) -> dict:
         "gdn_layers": len(gdn),
         "attention_layers": sum(1 for x in layers if x["kind"] == "attention"),
     }
-    if probe.get("flash_attn_version") is not None:
-        out["flash_attn_version"] = probe["flash_attn_version"]
+    for key in ("flash_attn_version", "all_reduce", "nccl_version_vllm"):
+        if probe.get(key) is not None:
+            out[key] = probe[key]
     return out
 
 

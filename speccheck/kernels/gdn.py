@@ -4,22 +4,37 @@ the same bf16 inputs, against an fp64 recurrence.
 Speculative decoding verifies with other kernels than decode (for GDN: the chunked form
 instead of the recurrent step), so its divergences are only as small as the difference
 between those kernels. This measures that difference where it starts, per kernel: relative
-error of the outputs and the final state against fp64, and how often the argmax of a fixed
-random readout of the outputs flips (a stand-in for "the next token changes"). It covers the
-reference engine's two forms on any device, and on CUDA the FLA Triton kernels that vLLM
-ships (``vllm.model_executor.layers.fla.ops``) or the ``fla`` package, when importable.
+error of the outputs and the final state against fp64, how often the argmax of a fixed
+random readout of the outputs flips (a stand-in for "the next token changes"), and for every
+pair of kernels where those flips sit on the curve of the fp64 readout's top-1/top-2 margin.
 
-    speccheck kernels gdn [--device cuda] [--positions 8192] [--json]
+It covers the reference engine's two forms on any device, and on CUDA what vLLM runs: FLA's
+Triton chunk and recurrent kernels (``vllm.third_party.flash_linear_attention.ops`` in 0.26,
+``vllm.model_executor.layers.fla.ops`` before, or the ``fla`` package), FlashInfer's GDN
+prefill kernel (vLLM's default prefill on Hopper; head dim 128 only), and vLLM's fused Triton
+kernels, called as the engine calls them: the packed one-token decode kernel over the
+positions one at a time, and the fused sigmoid-gating kernel over blocks of K+1 tokens as a
+spec-decode verify does (with the gating inputs solved so that they compute the same g and
+beta as every other kernel gets).
+
+    speccheck kernels gdn [--device cuda] [--positions 8192] [--head-dim 128] [--json]
 """
 from __future__ import annotations
 
 import importlib
 import inspect
+import site
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
+
+from speccheck.verify.margin_bins import MARGIN_EDGES, MarginBin, flips_by_margin
+from speccheck.verify.margins import margins
 
 #: an implementation: (q, k, v [B,T,H,D] bf16; g, beta [B,T,H] fp32; state [B,H,Dk,Dv] fp32)
 #: -> (output [B,T,H,Dv], final state [B,H,Dk,Dv]); q and k un-normalised (it L2-normalises
@@ -99,10 +114,19 @@ def _reference(form: str) -> Kernel:
     return call
 
 
-#: where FLA's gated-delta-rule kernels live: vLLM's vendored copy (0.26 and older), the package
+#: where FLA's gated-delta-rule kernels live: vLLM's vendored copy (0.26, then older), the package
 FLA_MODULES = (("vllm fla", "vllm.third_party.flash_linear_attention.ops"),
                ("vllm fla", "vllm.model_executor.layers.fla.ops"),
                ("fla", "fla.ops.gated_delta_rule"))
+#: FlashInfer's GDN prefill kernels (CuTe DSL) take this head dim only (SM90: "DSL kernel only
+#: supports D=128"; SM100: "requires head_size=128")
+FLASHINFER_HEAD_DIM = 128
+#: the spec-decode verify block of the fused sigmoid-gating kernel: K+1 tokens for K = 7
+VERIFY_BLOCK = 8
+
+
+def _why(what: str, e: BaseException) -> str:
+    return " ".join(f"{what}: {type(e).__name__}: {e}".split())[:300]
 
 
 def _fla(module: str, name: str) -> Kernel | str:
@@ -110,7 +134,7 @@ def _fla(module: str, name: str) -> Kernel | str:
     try:
         fn = getattr(importlib.import_module(module), name)
     except Exception as e:  # noqa: BLE001 - not installed, or no GPU to build it for
-        return f"{module}.{name}: {type(e).__name__}: {e}"[:200]
+        return _why(f"{module}.{name}", e)
     params = inspect.signature(fn).parameters
     # vLLM 0.26's copy keeps the state as [N, H, V, K] (its docstrings say so); fla's [.., K, V]
     v_first = "V, K]" in (fn.__doc__ or "")
@@ -129,8 +153,212 @@ def _fla(module: str, name: str) -> Kernel | str:
     return call
 
 
-def kernels(device: str, missing: list[str] | None = None) -> dict[str, Kernel]:
-    """Every implementation that runs on ``device``; why others do not goes to ``missing``."""
+def gating_inputs(g: torch.Tensor, beta: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Inputs of vLLM's fused gating, ``g = -exp(A_log) softplus(a + dt_bias)`` and ``beta =
+    sigmoid(b)``, that give back ``g`` and ``beta`` ([..., H]): A_log = dt_bias = 0, a the
+    inverse softplus of -g and b the logit of beta, solved in fp64 and kept in fp32 (the
+    kernels compute the gating in fp32), so the fused kernels do the same math as the others."""
+    g64, b64 = g.double(), beta.double()
+    heads = g.shape[-1]
+    zeros = torch.zeros(heads, dtype=torch.float32, device=g.device)
+    return {"A_log": zeros, "dt_bias": zeros.clone(),
+            "a": torch.log(torch.expm1(-g64)).float().contiguous(),
+            "b": (torch.log(b64) - torch.log1p(-b64)).float().contiguous()}
+
+
+def _vllm_fused(name: str) -> Callable | str:
+    """One of vLLM's fused GDN kernels, from the first vLLM module that has it."""
+    why = []
+    for _, module in FLA_MODULES[:2]:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except Exception as e:  # noqa: BLE001
+            why.append(_why(f"{module}.{name}", e))
+    return why[0]
+
+
+def _vllm_fused_decode() -> Kernel | str:
+    """vLLM's packed one-token decode kernel (``fused_recurrent_gated_delta_rule_packed_decode``,
+    what a non-spec decode step runs), once per position as decode does: packed [q|k|v] of one
+    token, the gating inside, the state in a pool slot ([slots, H, V, K]; slot 0 is the null
+    block, which the kernel skips), updated in place. The engine hands it ``b`` in bf16 and the
+    kernel rounds sigmoid(b) to b's dtype; here b is fp32 so beta is the one all kernels get."""
+    fn = _vllm_fused("fused_recurrent_gated_delta_rule_packed_decode")
+    if isinstance(fn, str):
+        return fn
+
+    def call(q, k, v, g, beta, state):
+        _, t_len, heads, dk = q.shape
+        dv = v.shape[-1]
+        gate = gating_inputs(g[0], beta[0])
+        mixed = torch.cat([q[0].reshape(t_len, -1), k[0].reshape(t_len, -1),
+                           v[0].reshape(t_len, -1)], dim=-1).contiguous()
+        pool = torch.zeros(2, heads, dv, dk, dtype=torch.float32, device=q.device)
+        pool[1] = state[0].transpose(-1, -2)
+        slot = torch.ones(1, dtype=torch.int32, device=q.device)
+        out = torch.empty(t_len, 1, heads, dv, dtype=q.dtype, device=q.device)
+        for t in range(t_len):
+            fn(mixed_qkv=mixed[t:t + 1], a=gate["a"][t:t + 1], b=gate["b"][t:t + 1],
+               A_log=gate["A_log"], dt_bias=gate["dt_bias"], scale=dk ** -0.5,
+               initial_state=pool, out=out[t:t + 1], ssm_state_indices=slot,
+               use_qk_l2norm_in_kernel=True)
+        return out[:, 0].unsqueeze(0), pool[1:2].transpose(-1, -2)
+
+    return call
+
+
+def _vllm_fused_verify(block: int) -> Kernel | str:
+    """vLLM's fused sigmoid-gating kernel (``fused_sigmoid_gating_delta_rule_update``, what a
+    spec-decode verify runs on the K+1 tokens of each request) over consecutive blocks of
+    ``block`` tokens, called as the engine calls it: the state after every token written to
+    its own slot, the next block starting from the slot of the last accepted token (here all
+    are accepted, so the sequence is the same one the other kernels see)."""
+    fn = _vllm_fused("fused_sigmoid_gating_delta_rule_update")
+    if isinstance(fn, str):
+        return fn
+
+    def call(q, k, v, g, beta, state):
+        _, t_len, heads, dk = q.shape
+        dv = v.shape[-1]
+        dev = q.device
+        gate = gating_inputs(g[0], beta[0])
+        pool = torch.zeros(block + 1, heads, dv, dk, dtype=torch.float32, device=dev)
+        pool[block] = state[0].transpose(-1, -2)
+        slots = torch.arange(1, block + 1, dtype=torch.int32, device=dev).view(1, block)
+        accepted = torch.full((1,), block, dtype=torch.int32, device=dev)
+        outs = []
+        for start in range(0, t_len, block):
+            n = min(block, t_len - start)
+            cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
+            o, _ = fn(A_log=gate["A_log"], a=gate["a"][start:start + n],
+                      b=gate["b"][start:start + n], dt_bias=gate["dt_bias"],
+                      q=q[:, start:start + n], k=k[:, start:start + n], v=v[:, start:start + n],
+                      initial_state=pool, inplace_final_state=True, cu_seqlens=cu,
+                      ssm_state_indices=slots, num_accepted_tokens=accepted,
+                      use_qk_l2norm_in_kernel=True)
+            outs.append(o)
+            accepted = torch.full((1,), n, dtype=torch.int32, device=dev)
+        return torch.cat(outs, dim=1), pool[n:n + 1].transpose(-1, -2)
+
+    return call
+
+
+def _l2norm() -> Callable[[torch.Tensor], torch.Tensor]:
+    """vLLM's ``l2norm_fwd`` (what it applies to q and k before FlashInfer's kernel: fp32 inside,
+    the result rounded to the input dtype), or the same in torch where vLLM is absent."""
+    for _, module in FLA_MODULES[:2]:
+        try:
+            return importlib.import_module(module + ".l2norm").l2norm_fwd
+        except Exception:  # noqa: BLE001
+            continue
+
+    def l2norm(x):
+        xf = x.float()
+        return (xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    return l2norm
+
+
+def _flashinfer_dsl_missing(major: int) -> str | None:
+    """Why FlashInfer's GDN prefill DSL kernel for this architecture cannot be had (its package
+    swallows the import error and leaves None), or None when it can."""
+    gdn_kernels = importlib.import_module("flashinfer.gdn_kernels")
+    attr, module = {9: ("chunk_gated_delta_rule_sm90", "delta_rule_dsl.delta_rule_sm90"),
+                    10: ("chunk_gated_delta_rule_sm100", "blackwell")}[major]
+    if getattr(gdn_kernels, attr, None) is not None:
+        return None
+    try:
+        importlib.import_module(f"flashinfer.gdn_kernels.{module}")
+    except Exception as e:  # noqa: BLE001
+        return _why(f"flashinfer.gdn_kernels.{module}", e) + " (a CuTe-DSL kernel: it needs " \
+            "nvidia-cutlass-dsl and its libs)"
+    return f"flashinfer.gdn_kernels.{attr} is unavailable"
+
+
+def read_cutlass_dsl_pth() -> list[str]:
+    """nvidia-cutlass-dsl puts its ``cutlass`` package on sys.path through a .pth file
+    (4.5: ``nvidia_cutlass_dsl/python_packages``, 4.8: ``.../dsl_packages``), which Python reads
+    in site-packages but not in a PYTHONPATH folder, where the GPU host's staged wheels are:
+    read those files in every sys.path folder. Returns the .pth files read."""
+    read = []
+    for entry in list(sys.path):
+        folder = Path(entry or ".")
+        if not folder.is_dir():
+            continue
+        for pth in sorted(folder.glob("nvidia_cutlass_dsl*.pth")):
+            if str(pth) not in _PTH_READ:
+                site.addpackage(str(folder), pth.name, None)
+                _PTH_READ.add(str(pth))
+                read.append(str(pth))
+    return read
+
+
+_PTH_READ: set[str] = set()
+
+
+def flashinfer_arch(device: str) -> int | str:
+    """The compute capability major (9 or 10) if FlashInfer's GDN prefill can run on
+    ``device``, or why not."""
+    if not device.startswith("cuda"):
+        return "flashinfer: CUDA only"
+    read_cutlass_dsl_pth()
+    try:
+        importlib.import_module("flashinfer.gdn_prefill")
+    except Exception as e:  # noqa: BLE001 - not installed, or a dependency missing
+        return _why("flashinfer.gdn_prefill", e)
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        return f"flashinfer GDN prefill: needs SM90 (Hopper) or SM100 (Blackwell); this GPU is SM{major}{minor}"
+    return major
+
+
+def _flashinfer(use_cp: bool) -> Kernel:
+    """FlashInfer's GDN prefill (``flashinfer.gdn_prefill.chunk_gated_delta_rule``) as vLLM
+    0.26 calls it (``fi_chunk_gated_delta_rule``): q, k L2-normalised by ``l2norm_fwd`` first,
+    [T, H, D] without the batch axis, the decay passed as ``exp(g)``, fp32 state in the
+    [N, H, V, K] layout (the same ssm_state buffer vLLM hands to FLA's kernels). ``use_cp``
+    picks the SM90 context-parallel kernel or the plain one; vLLM leaves it "auto", which
+    takes CP when sequences x heads < SMs / 2."""
+    from flashinfer.gdn_prefill import chunk_gated_delta_rule
+
+    has_cp = "use_cp" in inspect.signature(chunk_gated_delta_rule).parameters
+    l2norm = _l2norm()
+
+    def call(q, k, v, g, beta, state):
+        cu = torch.tensor([0, q.shape[1]], dtype=torch.int64, device=q.device)
+        extra = {"use_cp": use_cp} if has_cp else {}
+        o, s = chunk_gated_delta_rule(
+            q=l2norm(q)[0].contiguous(), k=l2norm(k)[0].contiguous(), v=v[0].contiguous(),
+            g=torch.exp(g[0].float()).contiguous(), beta=beta[0].float().contiguous(),
+            scale=q.shape[-1] ** -0.5, initial_state=state.transpose(-1, -2).float().contiguous(),
+            output_final_state=True, cu_seqlens=cu, **extra)
+        return o.unsqueeze(0), s.transpose(-1, -2)
+
+    return call
+
+
+def flashinfer_auto_path(device: str, heads: int, sequences: int = 1) -> str:
+    """Which of FlashInfer's two rows vLLM runs at this shape: it leaves ``use_cp="auto"``,
+    which FlashInfer 0.6.14 turns into the CP kernel on SM90 when sequences x heads < SMs / 2."""
+    props = torch.cuda.get_device_properties(device)
+    half = max(1, props.multi_processor_count // 2)
+    if props.major == 9 and sequences * heads < half:
+        return (f"vLLM calls FlashInfer's GDN prefill with use_cp='auto': at {sequences} "
+                f"sequence(s) x {heads} heads < {half} (SMs / 2) that is 'flashinfer chunked cp'")
+    return (f"vLLM calls FlashInfer's GDN prefill with use_cp='auto': at {sequences} sequence(s) "
+            f"x {heads} heads that is 'flashinfer chunked' (CP only on SM90 below {half} = SMs / 2)")
+
+
+def default_head_dim(device: str) -> int:
+    """128 where FlashInfer's GDN prefill runs (its only head dim), else 64."""
+    return FLASHINFER_HEAD_DIM if isinstance(flashinfer_arch(device), int) else 64
+
+
+def kernels(device: str, missing: list[str] | None = None, head_dim: int = 64,
+            verify_block: int = VERIFY_BLOCK) -> dict[str, Kernel]:
+    """Every implementation that runs on ``device`` at ``head_dim``; why others do not goes to
+    ``missing``."""
+    missing = [] if missing is None else missing
     found: dict[str, Kernel] = {"reference recurrent": _reference("recurrent"),
                                 "reference chunked": _reference("chunked")}
     if not device.startswith("cuda"):
@@ -140,10 +368,27 @@ def kernels(device: str, missing: list[str] | None = None) -> dict[str, Kernel]:
                            ("recurrent", "fused_recurrent_gated_delta_rule")):
             fn = _fla(module, name)
             if isinstance(fn, str):
-                if missing is not None:
-                    missing.append(fn)
+                missing.append(fn)
             else:
                 found.setdefault(f"{label} {form}", fn)
+    arch = flashinfer_arch(device)
+    why = arch if isinstance(arch, str) else _flashinfer_dsl_missing(arch)
+    if why is None and head_dim != FLASHINFER_HEAD_DIM:
+        why = (f"flashinfer chunked: FlashInfer's GDN prefill kernel takes head dim "
+               f"{FLASHINFER_HEAD_DIM} only (this run: {head_dim}); run with --head-dim "
+               f"{FLASHINFER_HEAD_DIM} to compare it")
+    if why is not None:
+        missing.append(why)
+    else:
+        found["flashinfer chunked"] = _flashinfer(use_cp=False)
+        if arch == 9:
+            found["flashinfer chunked cp"] = _flashinfer(use_cp=True)
+    for label, fn in (("vllm fused decode", _vllm_fused_decode()),
+                      ("vllm fused verify", _vllm_fused_verify(verify_block))):
+        if isinstance(fn, str):
+            missing.append(fn)
+        else:
+            found[label] = fn
     return found
 
 
@@ -156,15 +401,26 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b).norm() / b.norm().clamp_min(1e-300))
 
 
+@dataclass
+class Comparison:
+    """Every kernel's result and the fp64 readout they are measured against."""
+
+    results: list[KernelResult]
+    fp64_top: torch.Tensor  # the fp64 readout's argmax per position x head
+    fp64_margin: np.ndarray  # its top-1 minus top-2 score (readout units), same shape
+
+
 def compare(inputs: dict[str, torch.Tensor], impls: dict[str, Kernel], classes: int = 256,
-            seed: int = 1, repeats: int = 3) -> list[KernelResult]:
+            seed: int = 1, repeats: int = 3) -> Comparison:
     """Run each implementation on ``inputs`` and measure it against the fp64 recurrence. The
     readout is a fixed random [Dv, classes] projection of each position's output per head."""
     device = str(inputs["q"].device)
     o64, s64 = fp64_recurrence(**inputs)
     gen = torch.Generator().manual_seed(seed)
     readout = torch.randn(o64.shape[-1], classes, generator=gen, dtype=torch.float64).to(o64.device)
-    top64 = (o64 @ readout).argmax(-1)
+    scores64 = o64 @ readout
+    top64 = scores64.argmax(-1)
+    margin64 = margins(scores64.topk(2, dim=-1).values.cpu().numpy())
     results = []
     for name, fn in impls.items():
         times = []
@@ -185,7 +441,7 @@ def compare(inputs: dict[str, torch.Tensor], impls: dict[str, Kernel], classes: 
         results.append(KernelResult(name, _rel(o, o64), _rel(s, s64), int((top != top64).sum()),
                                     top64.numel(), 1e3 * sorted(times[1:])[len(times[1:]) // 2],
                                     top))
-    return results
+    return Comparison(results, top64, margin64)
 
 
 def form_flips(results: list[KernelResult]) -> list[tuple[str, str, int, int]]:
@@ -195,6 +451,16 @@ def form_flips(results: list[KernelResult]) -> list[tuple[str, str, int, int]]:
     return [(r.name, rec, int((r.top != by_name[rec].top).sum()), r.top.numel())
             for r in by_name.values() if r.name.endswith(" chunked")
             for rec in [r.name[:-len("chunked")] + "recurrent"] if rec in by_name]
+
+
+def margin_curves(comparison: Comparison, edges=MARGIN_EDGES) -> list[tuple[str, str, list[MarginBin]]]:
+    """The flip-rate-vs-margin curve of every kernel against fp64, then of every pair of
+    kernels: (a, b, bins of the fp64 top-1/top-2 margin with positions and flips in each)."""
+    ok = [(r.name, r.top.cpu().numpy()) for r in comparison.results if r.error is None]
+    fp64 = comparison.fp64_top.cpu().numpy()
+    pairs = [(name, "fp64", top, fp64) for name, top in ok]
+    pairs += [(a, b, ta, tb) for i, (a, ta) in enumerate(ok) for b, tb in ok[i + 1:]]
+    return [(a, b, flips_by_margin(comparison.fp64_margin, ta, tb, edges)) for a, b, ta, tb in pairs]
 
 
 def table(results: list[KernelResult]) -> str:
@@ -209,4 +475,19 @@ def table(results: list[KernelResult]) -> str:
     for chunked, recurrent, n, total in form_flips(results):
         lines.append(f"{chunked} vs {recurrent}: readout argmax differs at {n} of {total} "
                      f"({100 * n / total:.3f} %)")
+    return "\n".join(lines)
+
+
+def margin_table(curves: list[tuple[str, str, list[MarginBin]]]) -> str:
+    """Flips per margin bin, one row per pair; the first row is how many positions x heads
+    fall in each bin (the same for every pair: the bins are of the fp64 margin)."""
+    if not curves:
+        return ""
+    bins = curves[0][2]
+    width = max(len(f"{a} vs {b}") for a, b, _ in curves) + 2
+    head = "readout argmax flips by fp64 top-1/top-2 margin (readout units)"
+    lines = [head, f"{'margin':<{width}}" + "".join(f"{b.label:>12}" for b in bins),
+             f"{'positions x heads':<{width}}" + "".join(f"{b.count:>12}" for b in bins)]
+    for a, b, row in curves:
+        lines.append(f"{a + ' vs ' + b:<{width}}" + "".join(f"{x.flips:>12}" for x in row))
     return "\n".join(lines)

@@ -5,6 +5,8 @@ the reference engine, transformers' ``Qwen3_5ForCausalLM`` (the cross-check in
 ``tests/test_export.py``) and vLLM (the vLLM engine). Layout of ``export_reference(DIR)``::
 
     DIR/config.json             Qwen3_5ForConditionalGeneration, model_type qwen3_5, text_config
+                                (+ a ``speccheck`` key when the GDN heads are padded, see
+                                ``pad_gdn_head_dims``)
     DIR/model.safetensors       model.language_model.* + mtp.* (no lm_head: tied embeddings)
     DIR/tokenizer.json          the reference tokenizer (``tokenizers`` library)
     DIR/tokenizer_config.json   PreTrainedTokenizerFast + bos/eos/pad
@@ -299,14 +301,17 @@ def write_tokenizer_files(out: Path, tokenizer_json: Path, *, bos: int | None, e
 
 def write_target_dir(out_dir: str | Path, text: Mapping, text_state: Mapping[str, torch.Tensor],
                      mtp_state: Mapping[str, torch.Tensor], tokenizer_json: str | Path | None = None,
-                     dtype: torch.dtype | None = None) -> Path:
-    """Write config.json, model.safetensors, generation_config.json (+ tokenizer files) of the target."""
+                     dtype: torch.dtype | None = None, note: Mapping | None = None) -> Path:
+    """Write config.json, model.safetensors, generation_config.json (+ tokenizer files) of the
+    target; ``note`` goes to config.json's ``speccheck`` key (how this export differs)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     text = dict(text)
     if dtype is not None:
         text["dtype"] = str(dtype).removeprefix("torch.")
     cfg = target_config(text)
+    if note:
+        cfg["speccheck"] = dict(note)
     _write_json(out / "config.json", cfg)
     _save(target_weights(text_state, mtp_state, bool(text.get("tie_word_embeddings"))),
           out / "model.safetensors", dtype)
@@ -338,6 +343,84 @@ def write_drafter_dir(out_dir: str | Path, config: Mapping, state: Mapping[str, 
 def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a model.safetensors (for tests and inspection)."""
     return load_file(str(path))
+
+
+# --------------------------------------------------------------------------- padded GDN heads
+
+
+def padded_gdn_note(dk: int, dv: int, head_dim: int, eps: float, padded_eps: float) -> dict:
+    """The ``speccheck`` key of a padded export's config.json: what was padded, and why."""
+    return {
+        "padded_export_of": "the speccheck reference checkpoint",
+        "original_linear_key_head_dim": dk,
+        "original_linear_value_head_dim": dv,
+        "original_rms_norm_eps": eps,
+        "linear_head_dim": head_dim,
+        "rms_norm_eps": padded_eps,
+        "why": (f"vLLM 0.26 on Hopper picks FlashInfer's GDN prefill kernel by default without "
+                f"checking the head dim, and FlashInfer's SM90 kernel only supports head dim 128; "
+                f"the reference has {dk}/{dv}. This export is the same network with GDN heads "
+                f"{head_dim} wide: q/k zero-padded (l2norm and dot products unchanged), v and z "
+                f"repeated per head (each value column of the delta-rule state evolves on its own), "
+                f"the gated norm's weight repeated, out_proj [W/{head_dim // dv}, ...]. The kernel's "
+                f"scale {head_dim}^-0.5 instead of {dk}^-0.5 scales the GDN output by "
+                f"sqrt({dk}/{head_dim}); the gated RMSNorm after it is exact again with its epsilon "
+                f"scaled by {dk}/{head_dim} (the trained GDN outputs' mean square is below "
+                f"{eps:g}, so the epsilon matters), and the family has one rms_norm_eps for all "
+                f"norms: rms_norm_eps {eps:g} -> {padded_eps:g}. That is the one inexact change: "
+                f"the other norms' inputs have mean squares >> {eps:g}."),
+    }
+
+
+def pad_gdn_head_dims(text_state: Mapping[str, torch.Tensor], text: Mapping,
+                      head_dim: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """The same network with GDN key and value head dims ``head_dim``: (tensors, text_config).
+
+    Layout (HF Qwen3.5 and vLLM ``gqa_interleaved_layout=False`` alike): ``in_proj_qkv`` rows
+    and ``conv1d`` channels are [q | k | v], each head-major ``(heads, dim)``; ``in_proj_z``
+    rows and ``out_proj`` columns are ``(value heads, dv)``; the gated norm's weight is per dv.
+    Keys get zero rows/channels; values are repeated ``head_dim // dv`` times per head (a power
+    of two, so that out_proj's division by it is exact in binary floating point).
+
+    The kernel's q scale ``head_dim**-0.5`` (not ``dk**-0.5``) shrinks the GDN output o by
+    ``sqrt(dk/head_dim)``, and no weight can undo that (q and k are l2-normalised in the kernel,
+    v comes out of a SiLU). The gated RMSNorm ``o / sqrt(ms(o) + eps)`` after it is the same
+    function of the shrunk o with ``eps * dk/head_dim``; Qwen3.5 has one ``rms_norm_eps``, so
+    every norm gets it (the others see mean squares far above eps: their change is ~eps/ms).
+    """
+    text = dict(text)
+    nk, nv = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
+    dk, dv = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+    if not all(head_dim % d == 0 and (head_dim // d) & (head_dim // d - 1) == 0 for d in (dk, dv)):
+        raise ExportError(f"--linear-head-dim {head_dim}: the GDN heads are {dk} (key) and {dv} "
+                          f"(value) wide; the padded dim must be a power-of-two multiple of both "
+                          f"(e.g. 128 for 64/64), so that the value copies and the scale change "
+                          f"divide exactly")
+    rep = head_dim // dv
+
+    def keys(w: torch.Tensor) -> torch.Tensor:  # [nk*dk, ...] -> [nk*head_dim, ...], zeros appended
+        w = w.reshape(nk, dk, *w.shape[1:])
+        pad = w.new_zeros(nk, head_dim - dk, *w.shape[2:])
+        return torch.cat([w, pad], 1).reshape(nk * head_dim, *w.shape[2:])
+
+    def values(w: torch.Tensor) -> torch.Tensor:  # [nv*dv, ...] -> each head's rows repeated
+        w = w.reshape(nv, dv, *w.shape[1:])
+        return w.repeat(1, rep, *[1] * (w.ndim - 2)).reshape(nv * head_dim, *w.shape[2:])
+
+    out = dict(text_state)
+    layers = sorted({name.split(".linear_attn.")[0] + ".linear_attn" for name in text_state
+                     if ".linear_attn." in name})
+    for p in layers:
+        for name in ("in_proj_qkv.weight", "conv1d.weight"):
+            q, k, v = text_state[f"{p}.{name}"].split([nk * dk, nk * dk, nv * dv])
+            out[f"{p}.{name}"] = torch.cat([keys(q), keys(k), values(v)])
+        out[f"{p}.in_proj_z.weight"] = values(text_state[f"{p}.in_proj_z.weight"])
+        out[f"{p}.norm.weight"] = text_state[f"{p}.norm.weight"].repeat(rep)
+        w = text_state[f"{p}.out_proj.weight"]  # [hidden, nv*dv]
+        out[f"{p}.out_proj.weight"] = values(w.t()).t() / rep
+    text.update(linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+                rms_norm_eps=float(text["rms_norm_eps"]) * dk / head_dim)
+    return out, text
 
 
 # --------------------------------------------------------------------------- the reference model
@@ -383,9 +466,10 @@ def drafter_config_from_reference(cfg, dtype: torch.dtype = torch.bfloat16) -> d
 
 def export_modules(out_dir: str | Path, cfg, target, mtp, drafter=None,
                    tokenizer_json: str | Path | None = None,
-                   dtype: torch.dtype | None = None) -> dict:
+                   dtype: torch.dtype | None = None, linear_head_dim: int | None = None) -> dict:
     """Export in-memory reference networks: target + MTP to ``out_dir``, drafter to
     ``out_dir/drafter``. ``dtype`` None keeps the networks' own dtype (lossless).
+    ``linear_head_dim``: GDN key/value head dims padded to it (:func:`pad_gdn_head_dims`).
 
     The reference modules carry transformers'/vLLM's names already (model.py), so this is
     prefixing only: target ``X`` -> ``model.X`` (-> ``model.language_model.X`` on disk), MTP
@@ -398,9 +482,17 @@ def export_modules(out_dir: str | Path, cfg, target, mtp, drafter=None,
     text_state = {"model." + k: v for k, v in target.state_dict().items()}
     mtp_state = {"mtp." + k: v for k, v in mtp.state_dict().items()}
     text = text_config_from_reference(cfg, dtype)
-    write_target_dir(out, text, text_state, mtp_state, tokenizer_json, dtype)
+    note = None
+    if linear_head_dim is not None and (linear_head_dim, linear_head_dim) != (
+            cfg.linear_key_head_dim, cfg.linear_value_head_dim):
+        text_state, text = pad_gdn_head_dims(text_state, text, linear_head_dim)
+        note = padded_gdn_note(cfg.linear_key_head_dim, cfg.linear_value_head_dim, linear_head_dim,
+                               cfg.rms_norm_eps, text["rms_norm_eps"])
+    write_target_dir(out, text, text_state, mtp_state, tokenizer_json, dtype, note)
     summary = {"target": str(out), "target_tensors": len(text_state), "mtp_tensors": len(mtp_state),
                "dtype": _dtype_name(dtype), "tokenizer": tokenizer_json is not None}
+    if note:
+        summary["linear_head_dim"] = linear_head_dim
     if drafter is not None:
         write_drafter_dir(out / "drafter", drafter_config_from_reference(cfg, dtype),
                           drafter.state_dict(), dtype)
@@ -429,9 +521,11 @@ def _stored_dtype(path: Path) -> torch.dtype | None:
     return None
 
 
-def export_reference(out_dir: str | Path, weights_dir: str | Path | None = None) -> dict:
+def export_reference(out_dir: str | Path, weights_dir: str | Path | None = None,
+                     linear_head_dim: int | None = None) -> dict:
     """``speccheck export-reference DIR``: the network the reference engine runs, as a Hugging Face
-    Qwen3.5 dir with ``mtp.*`` plus a DFlash draft dir at ``DIR/drafter``.
+    Qwen3.5 dir with ``mtp.*`` plus a DFlash draft dir at ``DIR/drafter``; ``linear_head_dim``
+    pads the target's GDN heads (:func:`pad_gdn_head_dims`; the drafters have no GDN).
 
     ``weights_dir`` None = the package's weights (trained when shipped, else the engine's
     fixed-seed init, which is what the engine then runs too). Tensors keep the stored dtype (fp32
@@ -454,7 +548,8 @@ def export_reference(out_dir: str | Path, weights_dir: str | Path | None = None)
     dtype = _stored_dtype(d / "model.safetensors") or torch.float32
     summary = export_modules(out_dir, cfg, target.eval(), mtp.eval(),
                              drafter.eval() if drafter is not None else None,
-                             tok if tok.is_file() else None, dtype=dtype)
+                             tok if tok.is_file() else None, dtype=dtype,
+                             linear_head_dim=linear_head_dim)
     summary.update(weights_dir=str(d), trained=trained)
     from .dflash2 import DFLASH2_FILE, load_dflash2
 
