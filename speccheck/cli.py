@@ -215,7 +215,7 @@ def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, eng
         raise EngineUsageError(f"unknown engine {engine!r} (option --engine): choose one of {', '.join(ENGINES)}")
     build_matrix(methods, k, configs, offered=None, engine=engine)
     cls = engine_class(engine)
-    cls.preflight(args)  # e.g. vLLM not importable: one paragraph now, not one failure per run
+    cls.preflight(model, args, draft)  # e.g. vLLM not importable: one paragraph, not one per run
     if cls.serves_one_config and not (methods or configs):
         raise MatrixError(f"the {engine} engine runs the one config its server runs: say which with "
                           "--method baseline, or e.g. --method mtp --k 7 (run the baseline first, "

@@ -402,7 +402,8 @@ def test_bad_engine_args_leave_no_suite_directory(tmp_path):
     (["--method", "mtp", "--k", "1-x"], "--k '1-x'"),
     (["--config", "mtp-kk"], "--config 'mtp-kk'"),
     (["--engine-arg", "novalue"], "--engine-arg"),
-    pytest.param(["--engine", "vllm", "--model", "DIR"], "cannot import it",
+    pytest.param(["--engine", "vllm", "--model", str(Path(__file__).parents[1] / "speccheck" / "engines" /
+                                                     "reference" / "weights")], "cannot import it",
                  marks=pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None,
                                           reason="vLLM is importable here"), id="vllm-not-installed"),
 ])
@@ -922,12 +923,19 @@ def test_vllm_engine_without_vllm_fails_at_once(tmp_path, python, needles):
 
 def test_vllm_check_is_made_against_the_named_interpreter(tmp_path):
     """With --engine-arg python=PATH the check runs PATH, not this Python: an interpreter
-    that has vllm (test double: a fake vllm package on its path) passes it here, where this
-    Python has none, and the run goes on to the next check (the checkpoint: exit 2 naming
-    --model)."""
+    that has vllm (test double: an empty fake vllm package on its path) passes it where this
+    Python has none, and the run goes on to start workers there (which then fail, the fake
+    having no LLM: exit 3, each run recorded as failed)."""
+    from speccheck.engines.vllm import vllm_import_problem
+
     other = _fake_interpreter(tmp_path, with_vllm=True)
-    r = invoke("run", "--engine", "vllm", "--model", str(tmp_path / "nockpt"), "--store",
-               str(tmp_path / "st"), "--corpus", "smoke", "--method", "mtp", "--k", "3",
-               "--engine-arg", f"python={other}")
-    assert_clean(r, 2)
-    assert "cannot import" not in r.output and "--model" in r.output, r.output
+    assert vllm_import_problem(str(other), {}) is None
+    if __import__("importlib").util.find_spec("vllm") is None:
+        assert "No module named 'vllm'" in vllm_import_problem(None, {})
+    ckpt = Path(__file__).parents[1] / "speccheck" / "engines" / "reference" / "weights"  # config + tokenizer
+    r = invoke("run", "--engine", "vllm", "--model", str(ckpt), "--store", str(tmp_path / "st"),
+               "--corpus", "smoke", "--method", "mtp", "--k", "3", "--repeats", "1",
+               "--concurrent", "0", "--no-attribution", "--engine-arg", f"python={other}")
+    assert r.exit_code == 3 and "cannot import vLLM" not in r.output, r.output
+    assert "FAILED runs: baseline r0, mtp-k3 r0" in r.output and "Traceback" not in r.output
+    assert "other-site/vllm" in r.output  # the workers ran there, and found the fake's vllm

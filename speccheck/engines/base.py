@@ -41,9 +41,10 @@ class Engine(ABC):
     methods: ClassVar[tuple[str, ...] | None] = ("mtp", "dflash")
 
     @classmethod
-    def preflight(cls, engine_args: dict[str, str]) -> None:
-        """Checks that need no engine start (a package this engine needs, its option syntax),
-        made by `speccheck run` before anything is written or torch loads: EngineUsageError."""
+    def preflight(cls, model: str | None, engine_args: dict[str, str],
+                  draft: str | None) -> None:
+        """Checks that need no engine start (its arguments, a package it needs), made by
+        `speccheck run` before anything is written or torch loads: EngineUsageError."""
 
     def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
                  draft: str | None = None) -> None:

@@ -650,10 +650,13 @@ class VllmEngine(Engine):
     methods = None  # mtp, dflash, and whatever else vLLM's speculative_config takes
 
     @classmethod
-    def preflight(cls, engine_args: dict[str, str]) -> None:
-        """vLLM must be importable by the interpreter the worker will run under, else
-        nothing can run: say so once, before any run (not once per config, as each worker
+    def preflight(cls, model: str | None, engine_args: dict[str, str],
+                  draft: str | None) -> None:
+        """The arguments (checkpoint, draft, layout: the engine made and closed, no worker
+        started), then vLLM importable by the interpreter the worker will run under, else
+        nothing can run: said once, before any run (not once per config, as each worker
         would)."""
+        cls(model, engine_args, draft).close()
         args = split_engine_args(engine_args)
         python = args["own"].get("python")
         exe = shutil.which(str(python)) if python else None
