@@ -109,13 +109,20 @@ def _settings(items: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+REFERENCE_ARG_KEYS = (
+    "dtype=bf16|fp32, gdn_prefill/gdn_decode/gdn_verify=chunked|recurrent, attn_prefill/"
+    "attn_decode/attn_verify=single|multi, device=auto|cpu|cuda, threads=N, batch=N, "
+    "no_draft_every=N, fault=NAME (planted bug), dflash2_selector=on|off, dflash2_top_k=N, "
+    "dflash2_walk=fp32|bf16")
 ENGINE_ARG_HELP = (
-    "Engine option key=value (repeatable). reference: dtype=bf16|fp32, gdn_prefill/gdn_decode/"
-    "gdn_verify=chunked|recurrent, attn_prefill/attn_decode/attn_verify=single|multi, "
-    "device=auto|cpu|cuda, threads=N, batch=N, fault=NAME (planted bug). vllm: keyword arguments "
-    "of vllm.LLM (e.g. attention_backend, gpu_memory_utilization, max_model_len, dtype), "
-    "speculative_config as JSON. openai: base_url, served_model, api_key_env, timeout, retries, "
-    "backoff, tokenizer, score_base_url.")
+    f"Engine option key=value (repeatable). reference: {REFERENCE_ARG_KEYS}. vllm: worker=per-call|"
+    "per-config, timeout_s=N, warmup=true|false, python=PATH (the worker's interpreter), "
+    "score_path=prefill|decode|verify, score_spec=CONFIG, env.NAME=value (worker environment), "
+    "sampling.NAME=value (SamplingParams), spec.NAME=value (extra speculative_config keys; the "
+    "config itself comes from --method/--k/--draft), any other key a keyword argument of "
+    "vllm.LLM (e.g. attention_backend, gpu_memory_utilization, max_model_len, dtype; JSON "
+    "values). openai: base_url, served_model, api_key_env, timeout, retries, backoff, "
+    "tokenizer, score_base_url.")
 
 store_option = click.option("--store", "store_dir", default=".speccheck", show_default=True,
                             type=click.Path(file_okay=False), help="Store directory.")
@@ -139,7 +146,7 @@ def _apply(options):
 run_options = [
     click.option("--engine", default="reference", show_default=True, help="reference | vllm | openai"),
     click.option("--model", default=None, help="Model path (engine-specific; reference: shipped weights)."),
-    click.option("--draft", default=None, help="External drafter path (dflash)."),
+    click.option("--draft", default=None, help="External drafter path (dflash, dflash2)."),
     click.option("--method", "methods", multiple=True, help="baseline | mtp | dflash | dflash2 | ... (repeatable)."),
     click.option("--k", "k", default=None, help="K values: 7, 1-12 or 1,3,7."),
     click.option("--config", "configs", multiple=True, help="Config by name, e.g. mtp-k3 (repeatable)."),
@@ -208,6 +215,7 @@ def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, eng
         raise EngineUsageError(f"unknown engine {engine!r} (option --engine): choose one of {', '.join(ENGINES)}")
     build_matrix(methods, k, configs, offered=None, engine=engine)
     cls = engine_class(engine)
+    cls.preflight(model, args, draft)  # e.g. vLLM not importable: one paragraph, not one per run
     if cls.serves_one_config and not (methods or configs):
         raise MatrixError(f"the {engine} engine runs the one config its server runs: say which with "
                           "--method baseline, or e.g. --method mtp --k 7 (run the baseline first, "
@@ -464,7 +472,7 @@ def report(suite, store_dir, golden_dir, policy_file, settings, out, html_file):
 @click.option("--k", "k", default="1-10", show_default=True, help="K values: 7, 1-12 or 1,3,7.")
 @click.option("--engine", default="reference", show_default=True, help="reference | vllm | openai")
 @click.option("--model", default=None, help="Model path (engine-specific; reference: shipped weights).")
-@click.option("--draft", default=None, help="External drafter path (dflash).")
+@click.option("--draft", default=None, help="External drafter path (dflash, dflash2).")
 @click.option("--corpus", default="default", show_default=True, help="Built-in corpus name or a file path.")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 100),
               help="Runs per config (2 or more also gates determinism).")
@@ -774,11 +782,13 @@ def export_reference_cmd(out_dir, model, linear_head_dim):
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
-@click.option("--method", default="baseline", show_default=True, help="What the server runs: baseline | mtp | dflash.")
-@click.option("--k", "k", default=None, type=int, help="K for --method mtp/dflash.")
+@click.option("--method", default="baseline", show_default=True, help="What the server runs: baseline | mtp | dflash | dflash2.")
+@click.option("--k", "k", default=None, type=int, help="K for --method mtp/dflash/dflash2.")
 @click.option("--model", default=None, help="Reference weights dir (default: the shipped ones).")
 @click.option("--api-key-env", default=None, help="Require this env var's value as Bearer key.")
-@click.option("--engine-arg", "engine_args", multiple=True, help=ENGINE_ARG_HELP)
+@click.option("--engine-arg", "engine_args", multiple=True,
+              help=f"Option key=value of the reference engine behind the server (repeatable): "
+                   f"{REFERENCE_ARG_KEYS}.")
 def serve(host, port, method, k, model, api_key_env, engine_args):
     """OpenAI-compatible server (vLLM's endpoints and metric names) in front of the reference engine."""
     from speccheck.serve import serve as serve_forever

@@ -492,7 +492,7 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
     golden's |Δ logprob| sample per config; ``baseline_not_invariant``: the baseline's own
     run all at once splits or changes prompts."""
     records = list(suite.records(name))
-    failed = [f"r{r.repeat}: {(r.error or '').splitlines()[0] if r.error else 'failed'}"
+    failed = [f"{r.label}: {(r.error or '').splitlines()[0] if r.error else 'failed'}"
               for r in records if r.status != "ok"]
     ok = [r for r in records if r.status == "ok"]
 
@@ -511,12 +511,12 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
         for run_i, prompt_i, pos in det.mismatches:
             rec = ok[run_i]
             nondet.append(f"r{rec.repeat} vs r{ok[0].repeat}: prompt {ids[prompt_i]} position {pos}"
-                          + (" (fresh process)" if rec.fresh_process else ""))
+                          + (f" ({rec.fresh_note})" if rec.fresh_note else ""))
         for run_i, prompt_i, pos, delta in det.logprob_mismatches:
             rec = ok[run_i]
             nondet.append(f"r{rec.repeat} vs r{ok[0].repeat}: prompt {ids[prompt_i]} same tokens but "
                           f"logprobs differ from position {pos} (max |Δ| {delta:.2g} nats)"
-                          + (" (fresh process)" if rec.fresh_process else ""))
+                          + (f" ({rec.fresh_note})" if rec.fresh_note else ""))
 
     # the corpus all at once (batch composition, identical concurrent requests)
     together, all_at_once = suite.load_together(name), None
@@ -658,7 +658,7 @@ def _judge_counters(result: ConfigResult, ok: Sequence[RunRecord], name: str,
             result.acceptance_nondeterminism.append(
                 f"r{runs[ri].repeat} vs r{runs[0].repeat}: prompt {ids[pi]} counters "
                 f"{_fmt_counters(tuples[ri][pi])} vs {_fmt_counters(tuples[0][pi])}"
-                + (" (fresh process)" if runs[ri].fresh_process else ""))
+                + (f" ({runs[ri].fresh_note})" if runs[ri].fresh_note else ""))
 
 
 def _fmt_counters(t: tuple | None) -> str:

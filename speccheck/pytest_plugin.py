@@ -39,7 +39,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--spec-store", default=".speccheck", help="store directory")
     g.addoption("--spec-golden", default="golden", help="golden directory")
     g.addoption("--spec-repeats", default=2, type=int, help="repeats per config")
-    g.addoption("--spec-engine-arg", action="append", default=[], help="engine option key=value")
+    from speccheck.cli import ENGINE_ARG_HELP
+
+    g.addoption("--spec-engine-arg", action="append", default=[],
+                help=ENGINE_ARG_HELP.replace("Engine option", "engine option"))
     g.addoption("--spec-policy", default=None, help="policy TOML file")
     g.addoption("--spec-concurrent", default=2, type=int,
                 help="also run the corpus all at once, each prompt N times (batch invariance, "

@@ -125,7 +125,8 @@ def diff_text(result: SuiteResult, detok=None) -> str:
         sp = r.speed
         out.append(f"  speed         warm {_num(sp.warm_tok_s)} tok/s"
                    + (f" ({sp.speedup:.2f}x baseline)" if sp.speedup else "")
-                   + f" · cold {_num(sp.cold_tok_s)} tok/s · TTFT {_num(sp.ttft_s and sp.ttft_s * 1000)} ms")
+                   + f" · cold {_num(sp.cold_tok_s)} tok/s · "
+                   + (f"TTFT {sp.ttft_s * 1000:.1f} ms" if sp.ttft_s else "TTFT not measured"))
         for c in r.checks:
             if not c.passed and not c.skipped:
                 out.append(f"  FAIL {c.name}: {c.message}")
@@ -207,7 +208,7 @@ def markdown_report(result: SuiteResult, detok=None) -> str:
              f"**Verdict: {'PASS' if result.passed else 'FAIL'}**", "",
              "| | |", "|---|---|"]
     for key in ("engine", "version", "model_id", "model_hash", "tokenizer_hash", "dtype", "device",
-                "torch", "vllm_version", "gpu"):
+                "torch", "vllm_version", "gpu", "ttft"):
         if key in ident:
             lines.append(f"| {key} | `{ident[key]}` |")
     lines += [f"| corpus | {result.meta.get('corpus')} (`{str(result.meta.get('corpus_hash'))[:16]}`) |",

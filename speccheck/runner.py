@@ -178,14 +178,12 @@ def run_one(engine: Engine, suite: Suite, corpus: Corpus, inputs: dict[str, np.n
 def _summary_line(record: RunRecord) -> str:
     if record.status != "ok":
         first = (record.error or "").splitlines()[0] if record.error else ""
-        return f"{record.config.name:>12} r{record.repeat}  FAILED  {first}"
+        return f"{record.config.name:>12} {record.label}  FAILED  {first}"
     n = sum(c.n_tokens for c in record.completions)
     dec = sum(c.decode_s for c in record.completions)
     spec = record.spec_total()
     tpi = f"  {1 + spec.accepted_tokens / spec.drafts:.2f} tok/iter" if spec and spec.drafts else ""
-    # against a server only the client is new: the server keeps its state across repeats
-    fresh = ("  [new client, same server]" if record.identity.get("base_url") else "  [fresh process]") \
-        if record.fresh_process else ""
+    fresh = f"  [{record.fresh_note}]" if record.fresh_note else ""
     rate = f"{n / dec:7.1f} tok/s" if dec > 0 else "      - tok/s"
     if record.copies:
         return (f"{record.config.name:>12} all at once: {len(record.completions)} requests "
@@ -343,21 +341,36 @@ def rescore_suite(engine: Engine, suite: Suite, config_names: Sequence[str], log
     its decode-path vs prefill-path logprobs measure the engine's own path noise).
 
     Only outputs that differ from the baseline's are scored again; identical ones share the
-    baseline's scores, which are exactly what the engine would give."""
+    baseline's scores, which are exactly what the engine would give. Says what it will score
+    before it starts, then each config's share with the time left at the pace so far."""
     if not suite.is_complete("baseline", 0):
         return
     base = suite.load_run("baseline", 0).by_prompt()
     base_scores = suite.load_rescore("baseline", 0) if suite.has_rescore("baseline", 0) else None
+    work: list[tuple[str, list, list]] = []  # (config, its completions, those to score)
     if base_scores is None:
-        base_scores = _score_record(engine, list(base.values()))
-        suite.write_rescore("baseline", 0, list(base_scores), list(base_scores.values()))
+        work.append(("baseline", list(base.values()), list(base.values())))
     for name in config_names:
         if name == "baseline" or not suite.is_complete(name, 0) or suite.has_rescore(name, 0):
             continue
         comps = suite.load_run(name, 0).completions
-        differ = [c for c in comps if c.prompt_id not in base
-                  or first_divergence(c.token_ids, base[c.prompt_id].token_ids) is not None]
+        work.append((name, comps, [c for c in comps if c.prompt_id not in base
+                                   or first_divergence(c.token_ids, base[c.prompt_id].token_ids) is not None]))
+    tokens = [sum(c.n_tokens for c in differ) for _, _, differ in work]
+    if any(tokens):
+        log(f"rescoring teacher-forced: {sum(len(d) for _, _, d in work)} output(s) of "
+            f"{sum(1 for t in tokens if t)} config(s), {sum(tokens)} tokens")
+    started, done = time.perf_counter(), 0
+    for (name, comps, differ), n in zip(work, tokens):
+        if done and differ:
+            left = (time.perf_counter() - started) / done * (sum(tokens) - done)
+            log(f"rescoring {name} ({len(differ)} output(s); about {left:.0f} s left)")
         scores = _score_record(engine, differ) if differ else {}
+        done += n
+        if name == "baseline":
+            base_scores = scores
+            suite.write_rescore("baseline", 0, list(scores), list(scores.values()))
+            continue
         merged = {c.prompt_id: scores.get(c.prompt_id) or base_scores[c.prompt_id] for c in comps}
         suite.write_rescore(name, 0, list(merged), list(merged.values()))
         log(f"{name:>12} rescored teacher-forced ({len(differ)} of {len(comps)} outputs differ from baseline)")

@@ -13,7 +13,10 @@ Endpoints (shapes as in vLLM's ``entrypoints/openai`` protocol):
   GET  /v1/models              the one served model
   POST /v1/completions         greedy only (temperature 0); token-id or text prompt(s),
                                ``logprobs``, ``prompt_logprobs``, ``return_tokens_as_token_ids``,
-                               ``return_token_ids``, ``max_tokens``, ``ignore_eos``
+                               ``return_token_ids``, ``max_tokens``, ``ignore_eos``, ``stream``
+                               (server-sent events as vLLM sends them: one chunk per decode
+                               or verify step as the engine decides it, each with its token
+                               ids and logprobs, then ``data: [DONE]``)
   POST /tokenize, /detokenize  vLLM's extensions
 
 Requests run one at a time (a lock) so results and timings do not depend on concurrency.
@@ -182,9 +185,17 @@ class ServeState:
         with self.lock:
             return {"prompt": self.engine.detokenize(tokens)}
 
-    def completions(self, body: dict) -> dict:
+    def completions(self, body: dict, stream: "SSEStream | None" = None) -> dict | None:
+        """A /v1/completions request; with ``"stream": true`` the answer goes to ``stream``
+        as vLLM's chunks, step by step (None is returned)."""
         self._check_model(body)
         req = _parse_completion_request(body)
+        if req["stream"] and stream is None:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "`stream` needs a streaming connection",
+                               "stream")
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created,
+                "model": self.served_model}
         choices, n_prompt, n_gen = [], 0, 0
         for prompt in req["prompts"]:
             with self.lock:
@@ -194,27 +205,68 @@ class ServeState:
                     raise RequestError(HTTPStatus.BAD_REQUEST, f"This model's maximum context "
                                        f"length is {self.max_model_len} tokens; the request "
                                        f"asks for {len(ids) + req['max_tokens']}.", "max_tokens")
-                choice, n = self._complete_one(len(choices), ids, req)
+                send = (None if stream is None else
+                        lambda chunk: stream.event({**head, "choices": [chunk]}))
+                choice, n = self._complete_one(len(choices), ids, req, send)
             choices.append(choice)
             n_prompt += len(ids)
             n_gen += n
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "created": int(time.time()), "model": self.served_model, "choices": choices,
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
-                          "total_tokens": n_prompt + n_gen}}
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
+                 "total_tokens": n_prompt + n_gen}
+        if stream is not None:
+            if req["include_usage"]:
+                stream.event({**head, "choices": [], "usage": usage})
+            stream.done()
+            return None
+        return {**head, "choices": choices, "usage": usage}
 
-    def _complete_one(self, index: int, ids: list[int], req: dict) -> tuple[dict, int]:
+    def _complete_one(self, index: int, ids: list[int], req: dict,
+                      send: Callable[[dict], None] | None = None) -> tuple[dict, int]:
+        """One prompt's choice; with ``send``, also streamed: one chunk per engine step as it
+        is decided (text, token ids and logprobs of that step), then a last chunk with the
+        finish reason and any text held back (an incomplete UTF-8 character)."""
         k_out = req["logprobs"]
         width = max(2, k_out or 0)
         prompt = Prompt(id=f"request-{index}", category="serve", max_tokens=req["max_tokens"],
                         ignore_eos=req["ignore_eos"])
-        c = self.engine.generate([prompt], [ids], self.config, width)[0]
-        self.metrics.observe(len(ids), c)
         as_ids = bool(req["return_tokens_as_token_ids"])
         tok = self._token_str_fn(as_ids)
-        choice: dict[str, Any] = {"index": index, "text": c.text or self.engine.detokenize(
-            c.token_ids.tolist()), "logprobs": None, "finish_reason": c.finish_reason,
-            "stop_reason": None}
+        if send is None:
+            c = self.engine.generate([prompt], [ids], self.config, width)[0]
+        else:
+            streamed = {"ids": [], "text": "", "offset": 0}
+
+            def on_tokens(new_ids, lps, top_ids, top_lps):
+                streamed["ids"] += new_ids
+                text = self.engine.detokenize(streamed["ids"])
+                if text.endswith("\ufffd"):  # part of a character: wait for the rest
+                    text = text.rstrip("\ufffd")
+                delta = text[len(streamed["text"]):] if text.startswith(streamed["text"]) else ""
+                streamed["text"] += delta
+                chunk: dict[str, Any] = {"index": index, "text": delta, "logprobs": None,
+                                         "finish_reason": None, "stop_reason": None}
+                if k_out is not None:
+                    chunk["logprobs"] = _logprobs_block(new_ids, lps, top_ids, top_lps, k_out,
+                                                        tok, streamed["offset"])
+                    streamed["offset"] += sum(len(t) for t in chunk["logprobs"]["tokens"])
+                if req["return_token_ids"]:
+                    chunk["token_ids"] = list(new_ids)
+                    if len(streamed["ids"]) == len(new_ids):  # the first chunk, as vLLM
+                        chunk["prompt_token_ids"] = list(ids)
+                send(chunk)
+
+            c = self.engine.generate_streaming(prompt, ids, self.config, width, on_tokens)
+        self.metrics.observe(len(ids), c)
+        text = c.text or self.engine.detokenize(c.token_ids.tolist())
+        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None,
+                                  "finish_reason": c.finish_reason, "stop_reason": None}
+        if send is not None:
+            rest = text[len(streamed["text"]):] if text.startswith(streamed["text"]) else ""
+            last: dict[str, Any] = {"index": index, "text": rest, "logprobs": None,
+                                    "finish_reason": c.finish_reason, "stop_reason": None}
+            if req["return_token_ids"]:
+                last["token_ids"] = []
+            send(last)
         if k_out is not None:
             choice["logprobs"] = _completion_logprobs(c, k_out, tok)
         if req["prompt_logprobs"] is not None:
@@ -254,15 +306,23 @@ def _logprob_obj(lp: float, rank: int | None, decoded: str) -> dict:
 
 
 def _completion_logprobs(c: Completion, k: int, tok: Callable[[int], str]) -> dict:
-    """vLLM's CompletionLogProbs: per position the chosen token first, then the top-k,
-    keyed by token string (``token_id:N`` with return_tokens_as_token_ids); at most k+1."""
-    tokens, token_lps, tops, offsets, pos = [], [], [], [], 0
-    for i, t in enumerate(c.token_ids.tolist()):
+    """vLLM's CompletionLogProbs of a whole completion."""
+    return _logprobs_block(c.token_ids.tolist(), c.logprobs.tolist(), c.topk_ids.tolist(),
+                           c.topk_logprobs.tolist(), k, tok)
+
+
+def _logprobs_block(ids: list, lps: list, top_ids: list, top_lps: list, k: int,
+                    tok: Callable[[int], str], offset: int = 0) -> dict:
+    """vLLM's CompletionLogProbs of some positions (a completion, or one streamed chunk whose
+    text starts at ``offset``): per position the chosen token first, then the top-k, keyed
+    by token string (``token_id:N`` with return_tokens_as_token_ids); at most k+1."""
+    tokens, token_lps, tops, offsets, pos = [], [], [], [], offset
+    for i, t in enumerate(ids):
         s = tok(t)
         tokens.append(s)
-        token_lps.append(max(float(c.logprobs[i]), -9999.0))
+        token_lps.append(max(float(lps[i]), -9999.0))
         top = {s: token_lps[-1]}
-        for tid, lp in zip(c.topk_ids[i][:k].tolist(), c.topk_logprobs[i][:k].tolist()):
+        for tid, lp in zip(top_ids[i][:k], top_lps[i][:k]):
             top.setdefault(tok(tid), max(float(lp), -9999.0))
         tops.append(top)
         offsets.append(pos)
@@ -293,16 +353,25 @@ def _parse_completion_request(body: dict) -> dict:
     if temperature is None or float(temperature) != 0.0:
         raise bad(f"speccheck serve decodes greedily only: send \"temperature\": 0 (got "
                   f"{temperature!r}; vLLM's default when absent is 1.0)", "temperature")
-    for field, ok in (("stream", False), ("echo", False), ("use_beam_search", False)):
+    for field, ok in (("echo", False), ("use_beam_search", False)):
         if body.get(field, ok) not in (ok, None):
             raise bad(f"`{field}` is not supported by speccheck serve", field)
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise bad("`stream` must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise bad("`stream_options` must be an object like {\"include_usage\": true}, and only "
+                  "with \"stream\": true", "stream_options")
     if body.get("n", 1) != 1:
         raise bad("`n` must be 1 (greedy decoding gives one answer)", "n")
     max_tokens = body.get("max_tokens")
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise bad("`max_tokens` must be a positive integer", "max_tokens")
-    out = {"prompts": prompts, "max_tokens": max_tokens}
+    out = {"prompts": prompts, "max_tokens": max_tokens, "stream": bool(stream),
+           "include_usage": bool((options or {}).get("include_usage"))}
     for field in ("logprobs", "prompt_logprobs"):
         v = body.get(field)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not
@@ -316,6 +385,59 @@ def _parse_completion_request(body: dict) -> dict:
     out["return_tokens_as_token_ids"] = bool(body.get("return_tokens_as_token_ids"))
     out["return_token_ids"] = bool(body.get("return_token_ids"))
     return out
+
+
+class SSEStream:
+    """A server-sent-event answer on one HTTP/1.1 connection (chunked transfer encoding, as
+    vLLM's StreamingResponse): ``data: {json}`` events, then ``data: [DONE]``. The status
+    line goes out with the first event, so a request refused before any token is a plain
+    JSON error. A client that hangs up is let go: the rest is dropped, generation goes on."""
+
+    def __init__(self, handler: BaseHTTPRequestHandler) -> None:
+        self.handler = handler
+        self.started = False
+        self.gone = False
+
+    def _write(self, payload: bytes) -> None:
+        if self.gone:
+            return
+        h = self.handler
+        try:
+            if not self.started:
+                self.started = True
+                h.send_response(HTTPStatus.OK)
+                h.send_header("Content-Type", "text/event-stream; charset=utf-8")
+                h.send_header("Cache-Control", "no-cache")
+                h.send_header("Transfer-Encoding", "chunked")
+                h.end_headers()
+            if payload:
+                h.wfile.write(b"%X\r\n%s\r\n" % (len(payload), payload))
+            h.wfile.flush()
+        except OSError:  # the client went away
+            self.gone = True
+            h.close_connection = True
+
+    def event(self, obj: Any) -> None:
+        self._write(f"data: {json.dumps(obj)}\n\n".encode())
+
+    def done(self) -> None:
+        self._write(b"data: [DONE]\n\n")
+        self._write_end()
+
+    def fail(self, status: HTTPStatus, message: str) -> None:
+        """vLLM's way to report a failure once streaming began: an error event, then [DONE]."""
+        self.event({"error": {"message": message, "type": status.phrase.replace(" ", ""),
+                              "param": None, "code": int(status)}})
+        self.done()
+
+    def _write_end(self) -> None:
+        if not self.gone:
+            try:
+                self.handler.wfile.write(b"0\r\n\r\n")
+                self.handler.wfile.flush()
+            except OSError:
+                self.gone = True
+                self.handler.close_connection = True
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -357,6 +479,7 @@ class _Handler(BaseHTTPRequestHandler):
             ("POST", "/tokenize"): state.tokenize,
             ("POST", "/detokenize"): state.detokenize,
         }
+        stream: SSEStream | None = None
         try:
             if method == "GET" and path in ("/health", "/ping"):
                 self._send(HTTPStatus.OK, b"")
@@ -375,13 +498,24 @@ class _Handler(BaseHTTPRequestHandler):
                     raise RequestError(HTTPStatus.BAD_REQUEST, f"request body is not JSON: {e}")
                 if not isinstance(body, dict):
                     raise RequestError(HTTPStatus.BAD_REQUEST, "request body must be an object")
+            if path == "/v1/completions" and body.get("stream") is True:
+                stream = SSEStream(self)
+                state.completions(body, stream)
+                return
             self._json(HTTPStatus.OK, fn(body))
         except RequestError as e:
-            self._error(e.status, str(e), e.param)
+            self._fail(stream, e.status, str(e), e.param)
         except EngineUsageError as e:
-            self._error(HTTPStatus.BAD_REQUEST, str(e))
+            self._fail(stream, HTTPStatus.BAD_REQUEST, str(e))
         except Exception as e:  # the engine failed: a 500 like vLLM's, message included
-            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}")
+            self._fail(stream, HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}")
+
+    def _fail(self, stream: SSEStream | None, status: HTTPStatus, message: str,
+              param: str | None = None) -> None:
+        if stream is not None and stream.started:
+            stream.fail(status, message)
+        else:
+            self._error(status, message, param)
 
     def do_GET(self) -> None:
         self._dispatch("GET")
@@ -510,4 +644,4 @@ def running_server(method: str = "baseline", k: int | None = None,
 
 
 __all__ = ["serve", "build_server", "start_server_in_thread", "running_server",
-           "SpeccheckHTTPServer", "ServeState"]
+           "SpeccheckHTTPServer", "ServeState", "SSEStream"]

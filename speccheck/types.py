@@ -179,6 +179,19 @@ class RunRecord:
     def by_prompt(self) -> dict[str, Completion]:
         return {c.prompt_id: c for c in self.completions}
 
+    @property
+    def label(self) -> str:
+        """How messages name this run: ``r0``, ``r1``, ... or ``all at once``."""
+        return "all at once" if self.copies or self.repeat < 0 else f"r{self.repeat}"
+
+    @property
+    def fresh_note(self) -> str:
+        """What was new for this run ('' if nothing): a process of its own, or, against a
+        server (which keeps its state across repeats), only the client."""
+        if not self.fresh_process:
+            return ""
+        return "new client, same server" if self.identity.get("base_url") else "fresh process"
+
     def spec_total(self) -> SpecCounters | None:
         counters = [c.spec for c in self.completions if c.spec is not None]
         if not counters:

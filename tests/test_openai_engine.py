@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import socket
 import threading
 import time
@@ -15,8 +16,8 @@ import pytest
 
 from speccheck.corpus import load_corpus
 from speccheck.engines import EngineError, EngineUsageError, make_engine
-from speccheck.engines.openai import (OpenAIEngine, counters_delta, parse_metrics,
-                                      scored_from_prompt_logprobs)
+from speccheck.engines.openai import (OpenAIEngine, counters_delta, merge_stream_events,
+                                      parse_metrics, scored_from_prompt_logprobs, sse_data)
 from speccheck.serve import running_server
 from speccheck.types import Prompt, SpecConfig, SpecCounters
 
@@ -64,7 +65,7 @@ def test_reproduces_in_process_engine(config, ref, prompts):
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-6)
         assert g.topk_ids.shape == (g.n_tokens, TOP_K)
         assert g.text == w.text and g.finish_reason == w.finish_reason
-        assert g.decode_s > 0
+        assert g.decode_s > 0 and g.ttft_s > 0  # one streamed request: TTFT from its first token
         if cfg.is_baseline:
             assert g.spec is None or g.spec.drafts == 0
         else:
@@ -73,6 +74,7 @@ def test_reproduces_in_process_engine(config, ref, prompts):
     if not cfg.is_baseline:
         assert sum(c.spec.drafts for c in got) > 0
     assert ident["engine"] == "openai" and ident["base_url"] == url
+    assert ident["ttft"] == "measured from the stream"
     assert ident["server_engine"] == ref.identity()
 
 
@@ -301,6 +303,9 @@ def test_cli_run_against_serve_passes_gate(tmp_path):
             assert result.exit_code == 0, result.output
             # and the corpus all at once: 4 prompts x 2 concurrent requests to the server
             assert f"{method if k is None else f'mtp-k{k}'} all at once: 8 requests" in result.output
+            # the second repeat runs in a process of its own, but the server is the same one
+            r1 = next(line for line in result.output.splitlines() if " r1 " in line)
+            assert "[new client, same server]" in r1 and "fresh process" not in result.output
     gate = cli.invoke(main, ["gate", "--store", store])
     assert gate.exit_code == 0, gate.output
     assert "mtp-k2" in gate.output and "baseline" in gate.output
@@ -319,6 +324,15 @@ def _replay(cap: dict):
                                          full, len(cap["prompt_ids"]), k)
     delta = counters_delta(parse_metrics(cap["metrics_before"])["spec"],
                            parse_metrics(cap["metrics_after"])["spec"])
+    if cap.get("generate_stream"):  # the same request streamed: its chunks join to the same
+        events = [json.loads(d) for d in cap["generate_stream"] if d.strip() != "[DONE]"]
+        streamed = completion_from_choice(Prompt("cap", "capture", 12), cap["prompt_ids"],
+                                          merge_stream_events(events, "capture")[0], k, 0.0, None)
+        np.testing.assert_array_equal(streamed.token_ids, comp.token_ids)
+        np.testing.assert_array_equal(streamed.topk_ids, comp.topk_ids)
+        np.testing.assert_allclose(streamed.topk_logprobs, comp.topk_logprobs)
+        assert streamed.text == comp.text and streamed.finish_reason == comp.finish_reason
+        assert cap["generate_stream"][-1].strip() == "[DONE]"
     return comp, scored, delta
 
 
@@ -331,6 +345,7 @@ def test_capture_of_serve_replays_to_the_engine_s_own_outputs(ref, tmp_path):
     with running_server("mtp", 2) as url:
         capture(url, str(tmp_path / "cap.json"), text=cap_text, max_tokens=12, top_k=4)
     cap = json.loads((tmp_path / "cap.json").read_text())
+    assert len(cap["generate_stream"]) > 2  # chunks, then [DONE]
     comp, scored, delta = _replay(cap)
     assert cap["prompt_ids"] == ref.tokenize(Prompt("cap", "code", 12, text=cap_text))
     want = ref.generate([Prompt("cap", "code", 12)], [cap["prompt_ids"]], SpecConfig("mtp", 2),
@@ -375,3 +390,109 @@ def test_cli_wrong_key_exits_2_naming_the_variable(ref, tmp_path, monkeypatch):
     assert WRONG not in result.output and SECRET not in result.output
     stored = "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file())
     assert WRONG not in stored and SECRET not in stored
+
+
+# --- streaming: one request per completion, TTFT from its first token --------------------------
+
+def test_one_streamed_request_per_completion(ref, prompts):
+    """Each completion is one request to the server (its /metrics count one finished request
+    per prompt), streamed: the stream's chunks carry the tokens and logprobs."""
+    with running_server("baseline", engine=ref) as url:
+        served = lambda: parse_metrics(httpx.get(url + "/metrics").text)["requests"]  # noqa: E731
+        eng = _client(url)
+        ids = [eng.tokenize(p) for p in prompts]
+        before = served()
+        out = eng.generate(prompts, ids, SpecConfig(), TOP_K)
+        assert served() - before == len(prompts)
+    assert all(c.ttft_s > 0 for c in out)
+
+
+@pytest.mark.parametrize("behaviour", ["plain_json", "one_event"])
+def test_server_that_does_not_stream_still_works_without_a_ttft(ref, prompts, behaviour):
+    """A server that answers stream requests with plain JSON, or sends a whole completion of
+    several tokens in one event (test double: stream_doubles' proxy in front of a real
+    `speccheck serve`): the same tokens and logprobs, and TTFT is not measured (0.0, said
+    so in the identity), not a number that is really the whole request's time."""
+    from stream_doubles import misbehaving_proxy
+
+    with running_server("baseline", engine=ref) as url, misbehaving_proxy(url, behaviour) as proxy:
+        eng = _client(f"http://127.0.0.1:{proxy.server_port}")
+        ids = [eng.tokenize(p) for p in prompts]
+        got = eng.generate(prompts, ids, SpecConfig(), TOP_K)
+        ident = eng.identity()
+        assert proxy.streamed == len(prompts)
+    want = [ref.generate([p], [i], SpecConfig(), TOP_K)[0] for p, i in zip(prompts, ids)]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.token_ids, w.token_ids)
+        np.testing.assert_array_equal(g.topk_ids, w.topk_ids)
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-6)
+        assert g.text == w.text and g.finish_reason == w.finish_reason
+        if g.n_tokens > 1:
+            assert g.ttft_s == 0.0 and g.decode_s > 0
+    assert ident["ttft"].startswith("not measured")
+
+
+def test_diff_says_ttft_not_measured_for_a_server_that_does_not_stream(ref, tmp_path):
+    """The CLI against a non-streaming server (test double: the plain_json proxy in front
+    of a real `speccheck serve`): the run passes, and diff's speed line says
+    "TTFT not measured" where a streaming server gives milliseconds."""
+    from click.testing import CliRunner
+    from stream_doubles import misbehaving_proxy
+
+    from speccheck.cli import main
+
+    cli = CliRunner()
+    run = ["run", "--engine", "openai", "--method", "baseline", "--corpus", "smoke",
+           "--repeats", "1", "--concurrent", "0", "--no-attribution"]
+    with running_server("baseline", engine=ref) as url, misbehaving_proxy(url, "plain_json") as proxy:
+        r = cli.invoke(main, run + ["--base-url", f"http://127.0.0.1:{proxy.server_port}/v1",
+                                    "--store", str(tmp_path / "plain")])
+        assert r.exit_code == 0, r.output
+        r = cli.invoke(main, run + ["--base-url", url, "--store", str(tmp_path / "streamed")])
+        assert r.exit_code == 0, r.output
+    plain = cli.invoke(main, ["diff", "--store", str(tmp_path / "plain")])
+    streamed = cli.invoke(main, ["diff", "--store", str(tmp_path / "streamed")])
+    assert "TTFT not measured" in plain.output and " ms" not in plain.output.split("TTFT")[-1]
+    assert re.search(r"TTFT \d+\.\d ms", streamed.output), streamed.output
+    for store, says in (("plain", "not measured: the server answered stream requests with plain "
+                                  "JSON"), ("streamed", "measured from the stream")):
+        assert cli.invoke(main, ["report", "--store", str(tmp_path / store)]).exit_code == 0
+        md = next((tmp_path / store).rglob("report.md")).read_text()
+        assert f"| ttft | `{says}" in md, md[:600]
+
+
+def test_sse_data_follows_the_event_stream_format():
+    lines = [": a comment", "event: completion", 'data: {"a": 1}', "", "data: line one",
+             "data:line two", "id: 7", "", "", "data: [DONE]"]
+    assert list(sse_data(lines)) == ['{"a": 1}', "line one\nline two", "[DONE]"]
+    assert list(sse_data(["data: x\r\n", "\r\n"])) == ["x"]
+
+
+def _chunk(ids, text="", finish=None, index=0):
+    return {"choices": [{"index": index, "text": text, "token_ids": ids, "finish_reason": finish,
+                         "logprobs": {"tokens": [f"token_id:{t}" for t in ids],
+                                      "token_logprobs": [-0.5] * len(ids),
+                                      "top_logprobs": [{f"token_id:{t}": -0.5} for t in ids]}}]}
+
+
+def test_merge_stream_events_joins_chunks_in_order():
+    choice, carrying = merge_stream_events(
+        [_chunk([5], "a"), _chunk([6, 7], "bc"), _chunk([], "", "length"), {"choices": [],
+                                                                             "usage": {}}], "p")
+    assert choice["token_ids"] == [5, 6, 7] and choice["text"] == "abc"
+    assert choice["finish_reason"] == "length" and carrying == 2
+    assert choice["logprobs"]["tokens"] == ["token_id:5", "token_id:6", "token_id:7"]
+
+
+@pytest.mark.parametrize("events,needle", [
+    ([_chunk([5]), {"error": {"message": "Internal server error", "code": 500}}],
+     "in the middle of the stream (event 2): Internal server error"),
+    ([_chunk([5], index=1)], "other than the one asked for"),
+    ([[1, 2]], "not a JSON object"),
+    ([], "carried no tokens"),
+    ([{"choices": "x"}], "not a list"),
+    ([{"choices": [{"index": 0, "token_ids": ["a"]}]}], "malformed"),
+])
+def test_merge_stream_events_refuses_what_is_not_a_completion_stream(events, needle):
+    with pytest.raises(EngineError, match=re.escape(needle)):
+        merge_stream_events(events, "prompt p")

@@ -247,6 +247,21 @@ def test_files_are_shared_as_the_umask_says(store, tmp_path):
         assert p.stat().st_mode & 0o044, p  # group/others can read what `run` stored
 
 
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_exported_checkpoint_is_shared_as_the_umask_says(tmp_path, umask, mode):
+    """export-reference's files (safetensors included, which safetensors itself writes 0600)
+    can be read by a vLLM container running as another user unless the umask says no."""
+    old = os.umask(umask)
+    try:
+        r = invoke("export-reference", str(tmp_path / "ckpt"))
+    finally:
+        os.umask(old)
+    assert r.exit_code == 0, r.output
+    files = [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".safetensors" for p in files)
+    assert {str(p): oct(p.stat().st_mode & 0o777) for p in files} == {str(p): oct(mode) for p in files}
+
+
 @pytest.mark.parametrize("store_arg,needle", [
     ("/proc/speccheck-store", "/proc/speccheck-store"),
     ("/dev/full/store", "/dev/full"),
@@ -387,6 +402,10 @@ def test_bad_engine_args_leave_no_suite_directory(tmp_path):
     (["--method", "mtp", "--k", "1-x"], "--k '1-x'"),
     (["--config", "mtp-kk"], "--config 'mtp-kk'"),
     (["--engine-arg", "novalue"], "--engine-arg"),
+    pytest.param(["--engine", "vllm", "--model", str(Path(__file__).parents[1] / "speccheck" / "engines" /
+                                                     "reference" / "weights")], "cannot import it",
+                 marks=pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None,
+                                          reason="vLLM is importable here"), id="vllm-not-installed"),
 ])
 def test_cheap_errors_come_before_torch_loads(tmp_path, args, needle):
     args = [a.replace("DIR", str(tmp_path)) for a in args]
@@ -537,9 +556,34 @@ def test_every_option_has_help_and_engine_args_are_listed():
 
     walk(main, [])
     assert missing == []
-    text = " ".join(invoke("run", "--help").output.split())
-    for key in ("gdn_verify", "attn_decode", "dtype", "fault", "base_url", "speculative_config"):
-        assert key in text
+
+
+def test_serve_help_names_the_reference_engine_s_keys_only():
+    from speccheck.engines.reference.engine import ENGINE_ARGS
+
+    text = "".join(invoke("serve", "--help").output.split())
+    assert all(key in text for key in ENGINE_ARGS) and "score_base_url" not in text
+
+
+@pytest.mark.parametrize("command", [["run"], ["sweep", "--method", "mtp"]])
+def test_engine_arg_help_names_every_key_each_engine_takes(command):
+    """Every key the engines accept is named in --engine-arg's help (and the pytest plugin's
+    --spec-engine-arg), from the engines' own lists, so the two cannot drift apart; and the
+    help does not offer a key an engine refuses (vllm's speculative_config)."""
+    from speccheck.engines.openai import ARGS as OPENAI_ARGS
+    from speccheck.engines.reference.engine import ENGINE_ARGS
+    from speccheck.engines.vllm import OWN_OPTIONS
+
+    text = "".join(invoke(*command, "--help").output.split())
+    keys = [*ENGINE_ARGS, *OWN_OPTIONS, "env.NAME", "sampling.NAME", "spec.NAME",
+            *(k for k, doc in OPENAI_ARGS.items() if not doc.startswith("ignored"))]
+    for key in keys:
+        assert key in text, key
+    assert "speculative_configasJSON" not in text
+    plugin = subprocess.run([sys.executable, "-m", "pytest", "--help", "-p", "no:randomly"],
+                            capture_output=True, text=True, timeout=120).stdout
+    plugin = "".join(plugin.split())
+    assert all(key in plugin for key in keys), [k for k in keys if k not in plugin]
 
 
 def test_diff_k_without_method_is_an_error(store):
@@ -579,8 +623,21 @@ def test_server_repeats_are_not_called_fresh_processes():
 
     rec = RunRecord(SpecConfig(), {"engine": "openai", "base_url": "http://h"}, "smoke", "x", 1, True)
     assert "same server" in _summary_line(rec) and "[fresh process]" not in _summary_line(rec)
+    assert rec.fresh_note == "new client, same server"  # diff's nondeterminism lines use it too
     rec.identity = {"engine": "reference"}
-    assert "[fresh process]" in _summary_line(rec)
+    assert "[fresh process]" in _summary_line(rec) and rec.fresh_note == "fresh process"
+    rec.fresh_process = False
+    assert rec.fresh_note == "" and "[" not in _summary_line(rec)
+
+
+def test_the_run_all_at_once_is_never_called_r_minus_1():
+    from speccheck.runner import _summary_line
+    from speccheck.types import RunRecord, SpecConfig
+
+    rec = RunRecord(SpecConfig(), {"engine": "vllm"}, "smoke", "x", -1, True, status="failed",
+                    error="EngineError: vLLM worker died", copies=2)
+    assert rec.label == "all at once" and "r-1" not in _summary_line(rec)
+    assert "baseline all at once  FAILED  EngineError: vLLM worker died" in _summary_line(rec)
 
 
 def test_kernels_gdn_unknown_device_is_exit_2():
@@ -715,7 +772,170 @@ def test_pytest_plugin_progress_is_visible_without_s(tmp_path):
     assert "speccheck: [0/2] baseline r0" in r.stdout and "speccheck: [2/2] rescoring" in r.stdout, r.stdout
 
 
+def test_rescoring_says_what_it_will_score_and_how_long_is_left(tmp_path):
+    """A run whose spec configs diverge (the planted conv-not-rolled-back fault) announces
+    the rescoring (outputs, configs, tokens) before it starts, and each later config's share
+    with the time left at the pace so far."""
+    r = invoke("run", "--store", str(tmp_path / "st"), "--corpus", "smoke", "--config", "mtp-k2",
+               "--config", "dflash-k3", "--repeats", "1", "--concurrent", "0", "--no-attribution",
+               "--engine-arg", "fault=conv-not-rolled-back")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("rescoring teacher-forced: "))
+    m = re.match(r"rescoring teacher-forced: (\d+) output\(s\) of (\d+) config\(s\), (\d+) tokens", lines[start])
+    assert m and int(m.group(1)) > 0 and int(m.group(3)) > 0, lines[start]
+    done = [i for i, ln in enumerate(lines) if "rescored teacher-forced" in ln]
+    assert done and min(done) > start
+    assert any(re.match(r"rescoring \S+ \(\d+ output\(s\); about \d+ s left\)", ln) for ln in lines), r.output
+
+
 def test_compare_a_config_never_run_says_so(store):
     r = invoke("compare", "--store", str(store), "--with-store", str(store), "--config", "dflash-k7")
     assert_clean(r, 2)
     assert "holds no complete run" in r.output and "delete" not in r.output
+
+
+# --- 9. streamed requests that go wrong, and an engine that is not installed ----------------------
+
+STREAM_KEY_ENV = "SPECCHECK_TEST_STREAM_KEY"
+OPENAI_RUN = ["--engine", "openai", "--method", "baseline", "--corpus", "smoke", "--repeats", "1",
+              "--concurrent", "0", "--no-attribution", "--engine-arg", "retries=1",
+              "--engine-arg", "backoff=0", "--api-key-env", STREAM_KEY_ENV]
+#: (misbehaviour of the stream, exit code by the contract, what the paragraph must say)
+STREAM_FAULTS = [
+    ("drop", 3, "the stream broke off after 1 event ("),
+    ("no_done", 3, "without data: [DONE]"),
+    ("garbage", 3, "sent a stream event that is not JSON"),
+    ("truncated_json", 3, "sent a stream event that is not JSON"),
+    ("error_event", 3, "in the middle of the stream (event 2): Internal server error"),
+    ("nan_event", 3, "produced NaN logprobs"),
+    ("second_choice", 3, "a choice other than the one asked for"),
+    ("list_event", 3, "not a JSON object"),
+    ("empty", 3, "carried no tokens"),
+    ("bad_types", 3, "is malformed"),
+    ("status_401", 2, f"HTTP 401 (Unauthorized): the API key comes from the environment variable "
+                      f"{STREAM_KEY_ENV}, which is set but the server rejected its value"),
+    ("status_403", 2, "HTTP 403 (Forbidden: this key may not stream)"),
+    ("status_400", 2, "rejected /v1/completions (streamed) with HTTP 400: logprobs must be"),
+    ("status_404", 2, "answered 404 for /v1/completions (streamed)"),
+    ("status_503", 3, "after 2 attempts (last: HTTP 503: engine is sleeping)"),
+    ("html_200", 3, "with non-JSON text"),
+]
+
+
+@pytest.fixture(scope="module")
+def served_store(tmp_path_factory):
+    """A real `speccheck serve` (reference engine, baseline) and a store holding one complete
+    run made through it with `speccheck run --engine openai`."""
+    from speccheck.serve import running_server
+
+    st = tmp_path_factory.mktemp("served") / "st"
+    mp = pytest.MonkeyPatch()
+    mp.setenv(STREAM_KEY_ENV, "sk-stream-test")
+    with running_server("baseline", served_model="ref") as url:
+        r = invoke("run", "--store", str(st), "--base-url", url, *OPENAI_RUN)
+        assert r.exit_code == 0 and "baseline r0" in r.output, r.output
+        yield url, st
+    mp.undo()
+
+
+@pytest.mark.parametrize("behaviour,code,needle", STREAM_FAULTS, ids=[f[0] for f in STREAM_FAULTS])
+def test_streams_that_go_wrong_exit_per_contract_and_keep_the_store(served_store, tmp_path,
+                                                                     monkeypatch, behaviour, code,
+                                                                     needle):
+    """`speccheck run --engine openai` through a server whose streamed completions go wrong
+    (test double: stream_doubles' proxy in front of the real `speccheck serve`): a refusal
+    the user must fix is exit 2, a server fault exit 3 with the run recorded as failed; the
+    paragraph says what the server did; no traceback; the run stored before is intact."""
+    from stream_doubles import misbehaving_proxy
+
+    url, made = served_store
+    st = tmp_path / "st"
+    shutil.copytree(made, st)
+    before = snapshot(st)
+    monkeypatch.setenv(STREAM_KEY_ENV, "sk-stream-test")
+    with misbehaving_proxy(url, behaviour) as proxy:
+        r = invoke("run", "--store", str(st), "--base-url", f"http://127.0.0.1:{proxy.server_port}",
+                   *OPENAI_RUN)
+        assert proxy.streamed >= 1
+    assert_clean(r, code)
+    assert needle in r.output, r.output
+    if code == 3:
+        assert "FAILED runs: baseline r0" in r.output, r.output
+    assert "sk-stream-test" not in r.output
+    after = snapshot(st)  # LATEST moves to the new run's suite; every stored file is as it was
+    assert {k: v for k, v in after.items() if k in before and k != "LATEST"} == \
+        {k: v for k, v in before.items() if k != "LATEST"}
+    assert invoke("gate", "--store", str(st), "--suite", (made / "LATEST").read_text().strip(),
+                  "--set", "require_deterministic=false").exit_code == 0
+
+
+def _fake_interpreter(tmp_path: Path, with_vllm: bool) -> Path:
+    """Test double: a 'python' that is this interpreter with a fake (empty) vllm package on
+    its path, or with none -- another environment, as --engine-arg python= names one."""
+    site = tmp_path / "other-site"
+    if with_vllm:
+        (site / "vllm").mkdir(parents=True)
+        (site / "vllm" / "__init__.py").write_text("__version__ = '0.0-fake'\n")
+    exe = tmp_path / "other-python"
+    exe.write_text(f"#!/bin/sh\nPYTHONPATH={site}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} \"$@\"\n")
+    exe.chmod(0o755)
+    return exe
+
+
+NO_VLLM_HERE = pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None,
+                                  reason="vLLM is importable here")
+
+
+@pytest.mark.parametrize("python,needles", [
+    pytest.param(None, ["this Python", "cannot import it", "pip install vllm==0.26.0",
+                        "--engine-arg python="], marks=NO_VLLM_HERE, id="no-vllm-here"),
+    pytest.param("/nonexistent/bin/python3", ["python=/nonexistent/bin/python3",
+                                              "no executable there"], id="no-such-interpreter"),
+    pytest.param("DIR", ["no executable there"], id="a-directory"),
+    pytest.param("/bin/false", ["/bin/false", "cannot import vLLM", "-m pip install vllm==0.26.0"],
+                 id="not-a-python"),
+    pytest.param("OTHER-WITHOUT", ["other-python", "cannot import vLLM",
+                                   "ModuleNotFoundError: No module named 'vllm'"],
+                 id="other-python-without-vllm"),
+])
+def test_vllm_engine_without_vllm_fails_at_once(tmp_path, python, needles):
+    """`--engine vllm` where the worker's interpreter cannot import vLLM: exit 2 (bad input:
+    the setup, found before anything runs -- 3 is for runs that crashed), one paragraph, the
+    store untouched (not even created)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    args = []
+    if python == "DIR":
+        args = ["--engine-arg", f"python={tmp_path}"]
+    elif python == "OTHER-WITHOUT":
+        args = ["--engine-arg", f"python={_fake_interpreter(tmp_path, with_vllm=False)}"]
+    elif python:
+        args = ["--engine-arg", f"python={python}"]
+    r = invoke("run", "--engine", "vllm", "--model", str(ckpt), "--store", str(tmp_path / "st"),
+               "--corpus", "smoke", "--method", "mtp", "--k", "3", *args)
+    assert_clean(r, 2)
+    for needle in needles:
+        assert needle in r.output, r.output
+    assert not (tmp_path / "st").exists()
+
+
+def test_vllm_check_is_made_against_the_named_interpreter(tmp_path):
+    """With --engine-arg python=PATH the check runs PATH, not this Python: an interpreter
+    that has vllm (test double: an empty fake vllm package on its path) passes it where this
+    Python has none, and the run goes on to start workers there (which then fail, the fake
+    having no LLM: exit 3, each run recorded as failed)."""
+    from speccheck.engines.vllm import vllm_import_problem
+
+    other = _fake_interpreter(tmp_path, with_vllm=True)
+    assert vllm_import_problem(str(other), {}) is None
+    if __import__("importlib").util.find_spec("vllm") is None:
+        assert "No module named 'vllm'" in vllm_import_problem(None, {})
+    ckpt = Path(__file__).parents[1] / "speccheck" / "engines" / "reference" / "weights"  # config + tokenizer
+    r = invoke("run", "--engine", "vllm", "--model", str(ckpt), "--store", str(tmp_path / "st"),
+               "--corpus", "smoke", "--method", "mtp", "--k", "3", "--repeats", "1",
+               "--concurrent", "0", "--no-attribution", "--engine-arg", f"python={other}")
+    assert r.exit_code == 3 and "cannot import vLLM" not in r.output, r.output
+    assert "FAILED runs: baseline r0, mtp-k3 r0" in r.output and "Traceback" not in r.output
+    assert "other-site/vllm" in r.output  # the workers ran there, and found the fake's vllm

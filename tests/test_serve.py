@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -104,7 +105,9 @@ def test_rejects_what_it_cannot_honour(mtp_url, ids):
     no_temp = httpx.post(mtp_url + "/v1/completions", json={"prompt": ids}, timeout=30)
     assert no_temp.status_code == 400 and "temperature" in no_temp.json()["error"]["message"]
     assert _complete(mtp_url, prompt=ids, temperature=0.7).status_code == 400
-    assert _complete(mtp_url, prompt=ids, stream=True).status_code == 400
+    assert _complete(mtp_url, prompt=ids, stream="yes").status_code == 400
+    assert _complete(mtp_url, prompt=ids, stream_options={"include_usage": True}).status_code == 400
+    assert _complete(mtp_url, prompt=ids, echo=True).status_code == 400
     assert _complete(mtp_url, prompt=[]).status_code == 400
     wrong = _complete(mtp_url, prompt=ids, model="gpt-4")
     assert wrong.status_code == 404
@@ -191,3 +194,118 @@ def test_refuses_to_start_on_bad_options(engine, monkeypatch):
         build_server(port=0, method="mtp", k=99, engine=engine)
     with pytest.raises(EngineUsageError, match="--method eagle: this engine runs baseline or"):
         build_server(port=0, method="eagle", k=2, engine=engine)
+
+
+# --- streaming (SSE), as vLLM's /v1/completions streams ------------------------------------------
+
+def _stream(url: str, **body) -> tuple[httpx.Response, list, list[float]]:
+    """A streamed request: (response, the data payloads parsed, each one's arrival seconds)."""
+    import json
+    import time
+
+    body = {"temperature": 0, "max_tokens": 6, "stream": True, **body}
+    events, times = [], []
+    t0 = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                times.append(time.perf_counter() - t0)
+                events.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+    return r, events, times
+
+
+def test_stream_like_vllm(mtp_url, ids, engine):
+    """A real SSE stream over real HTTP: ``text/event-stream``, one ``data:`` event per step,
+    then ``data: [DONE]``; the first chunk has the prompt's ids, the last the finish reason;
+    joined, the chunks are exactly the non-streamed answer (ids, text, logprobs, offsets)."""
+    want = _complete(mtp_url, prompt=ids, max_tokens=12, logprobs=3,
+                     return_tokens_as_token_ids=True, return_token_ids=True).json()["choices"][0]
+    r, events, _ = _stream(mtp_url, prompt=ids, max_tokens=12, logprobs=3,
+                           return_tokens_as_token_ids=True, return_token_ids=True,
+                           stream_options={"include_usage": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers.get("transfer-encoding") == "chunked"
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == []  # the usage chunk
+    assert events[-2]["usage"]["completion_tokens"] == len(want["token_ids"])
+    chunks = [e["choices"][0] for e in events[:-2]]
+    assert all(e["object"] == "text_completion" and e["id"] == events[0]["id"] for e in events[:-1])
+    assert chunks[0]["prompt_token_ids"] == ids
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [c["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["finish_reason"] == want["finish_reason"]
+    assert [t for c in chunks for t in c["token_ids"]] == want["token_ids"]
+    assert "".join(c["text"] for c in chunks) == want["text"]
+    lps = [c["logprobs"] for c in chunks if c["token_ids"]]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for lp in lps for x in lp[key]] == want["logprobs"][key], key
+    # MTP K=2: a verify step emits up to K+1 tokens, so some chunk carries more than one
+    sizes = [len(c["token_ids"]) for c in chunks if c["token_ids"]]
+    assert max(sizes) <= 3 and len(sizes) < len(want["token_ids"])
+
+
+def test_stream_sends_each_step_as_it_is_decided(engine, ids):
+    """The first token leaves before the generation ends: over 48 baseline decode steps the
+    first chunk arrives in the first half of the stream's time, and there is one chunk per
+    step (not one buffered event at the end)."""
+    with running_server("baseline", engine=engine) as url:
+        r, events, times = _stream(url, prompt=ids, max_tokens=48, ignore_eos=True,
+                                   return_token_ids=True)
+    chunks = [(e["choices"][0], t) for e, t in zip(events, times) if e != "[DONE]"]
+    carrying = [t for c, t in chunks if c["token_ids"]]
+    assert len(carrying) == 48  # baseline: one token per decode step
+    assert carrying[0] < 0.5 * carrying[-1], (carrying[0], carrying[-1])
+
+
+def test_stream_client_that_hangs_up_does_not_stop_the_server(engine, ids):
+    """A client that closes the stream after its first event: the server finishes that
+    request (it counts in /metrics) and serves the next one."""
+    import json
+
+    from speccheck.engines.openai import parse_metrics
+
+    with running_server("baseline", engine=engine) as url:
+        served = lambda: parse_metrics(httpx.get(url + "/metrics").text)["requests"]  # noqa: E731
+        before = served()
+        body = {"prompt": ids, "max_tokens": 40, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["text"] is not None
+        again = _complete(url, prompt=ids, max_tokens=3, return_token_ids=True)
+        assert again.status_code == 200 and len(again.json()["choices"][0]["token_ids"]) == 3
+        assert served() - before == 2
+
+
+def test_stream_refusals_before_the_first_token_are_plain_http_errors(mtp_url, ids):
+    """Like vLLM, a request refused before anything streams is an ordinary JSON error."""
+    too_long = _complete(mtp_url, prompt=ids, max_tokens=40000, stream=True)
+    assert too_long.status_code == 400 and "maximum context length" in too_long.json()["error"]["message"]
+    wrong = _complete(mtp_url, prompt=ids, model="other", stream=True)
+    assert wrong.status_code == 404
+
+
+@pytest.mark.parametrize("config,fault", [("baseline", None), ("mtp-k3", None), ("dflash-k7", None),
+                                          ("dflash2-k3", None), ("mtp-k3", "past-eos"),
+                                          ("mtp-k3", "past-max-tokens")])
+def test_reference_engine_streams_exactly_its_completion(engine, config, fault):
+    """Engine.generate_streaming on the reference engine: the steps handed out, joined, are the
+    completion generate() returns (tokens, logprobs, top-k), one step per decode or verify
+    forward -- also where a planted fault emits past a stop."""
+    from speccheck.corpus import load_corpus
+
+    eng = engine if fault is None else make_engine("reference", engine_args={"fault": fault})
+    cfg = SpecConfig.from_name(config)
+    for p in load_corpus("smoke").prompts[:2]:
+        p = dataclasses.replace(p, max_tokens=12)
+        ids = eng.tokenize(p)
+        steps = []
+        got = eng.generate_streaming(p, ids, cfg, 4, lambda *step: steps.append(step))
+        want = eng.generate([p], [ids], cfg, 4)[0]
+        assert [t for s in steps for t in s[0]] == want.token_ids.tolist() == got.token_ids.tolist()
+        np.testing.assert_allclose([x for s in steps for x in s[1]], want.logprobs, atol=1e-6)
+        assert [r for s in steps for r in s[2]] == want.topk_ids.tolist()
+        np.testing.assert_allclose([r for s in steps for r in s[3]], want.topk_logprobs, atol=1e-6)
+        if not cfg.is_baseline and want.spec.iterations:
+            assert len(steps) == 1 + want.spec.iterations  # the prefill's token, then each verify
+    if fault is not None:
+        eng.close()

@@ -8,7 +8,7 @@ engine-agnostic.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
 from speccheck.types import Completion, Prompt, Scored, SpecConfig
 
@@ -19,6 +19,11 @@ class EngineError(RuntimeError):
 
 class EngineUsageError(ValueError):
     """Bad engine options or input (unknown arg, wrong API key, missing model): exit code 2."""
+
+
+#: generate_streaming()'s callback: the tokens one step decided, their logprobs, and the top-k
+#: ids and logprobs at each of them (plain lists: [n], [n], [n][k], [n][k])
+OnTokens = Callable[[list, list, list, list], None]
 
 
 class Engine(ABC):
@@ -34,6 +39,12 @@ class Engine(ABC):
     last_call_fresh_process: bool | None = None
     #: speculative methods this engine runs besides "baseline"; None = passes any through.
     methods: ClassVar[tuple[str, ...] | None] = ("mtp", "dflash")
+
+    @classmethod
+    def preflight(cls, model: str | None, engine_args: dict[str, str],
+                  draft: str | None) -> None:
+        """Checks that need no engine start (its arguments, a package it needs), made by
+        `speccheck run` before anything is written or torch loads: EngineUsageError."""
 
     def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
                  draft: str | None = None) -> None:
@@ -60,6 +71,15 @@ class Engine(ABC):
                  config: SpecConfig, top_k: int) -> list[Completion]:
         """Greedy (temperature 0) completions of every prompt under one config, with the
         chosen token's logprob and the top-k at each generated position and spec counters."""
+
+    def generate_streaming(self, prompt: Prompt, prompt_ids: Sequence[int], config: SpecConfig,
+                           top_k: int, on_tokens: OnTokens) -> Completion:
+        """generate() of one prompt that hands tokens to ``on_tokens`` as they are decided (what
+        `speccheck serve` streams). An engine that cannot see its steps hands them all at the end."""
+        c = self.generate([prompt], [prompt_ids], config, top_k)[0]
+        on_tokens(c.token_ids.tolist(), c.logprobs.tolist(), c.topk_ids.tolist(),
+                  c.topk_logprobs.tolist())
+        return c
 
     def generate_together(self, prompts: Sequence[Prompt], prompt_ids: Sequence[Sequence[int]],
                           config: SpecConfig, top_k: int) -> list[Completion]:

@@ -12,8 +12,21 @@ The server runs ONE config; the SpecConfig given to generate() says which one th
 believes it runs, and the metrics must agree (drafts > 0 for a speculative config, no
 speculation for the baseline, the same K) -- otherwise EngineUsageError.
 
-Timing: ``decode_s`` is the wall time of the whole (non-streaming) request, prefill and
-HTTP included; ``ttft_s`` is not measured (0.0). Good enough to compare configs on one server.
+Timing: every generation is ONE streamed request (``"stream": true``; server-sent events,
+``data: {json}`` lines ending with ``data: [DONE]``). vLLM's completion stream carries
+everything the non-streamed answer does, per chunk: the new ``token_ids`` (with
+``return_token_ids``), their ``logprobs`` (tokens, token_logprobs, top_logprobs) and the
+finish reason, so the chunks are joined into that answer (merge_stream_events) and no
+second request is needed -- a second one would double the server's load and its counters.
+(As read in vLLM 0.26's completion_stream_generator: one chunk per engine step, empty
+prefill chunks skipped, a failure after the first chunk sent as ``data: {"error": ...}``;
+where it cannot stream it sends the whole answer as one event, which counts as buffered.)
+``ttft_s`` is the time from sending the request to the first chunk that carries a token;
+``decode_s`` the rest of the request. A server that answers a stream request with plain
+JSON (it does not stream), or sends a completion of several tokens in one chunk (it
+buffers), gives no time to a first token: ``ttft_s`` is then 0.0, which the report shows
+as "TTFT not measured", and ``decode_s`` is the whole request. Rescoring (``score()``) is
+not streamed: it generates one token.
 
 The API key is read from the environment variable named by ``api_key_env`` (default
 OPENAI_API_KEY) and only ever sent as ``Authorization: Bearer``: it is not kept in identity,
@@ -22,10 +35,11 @@ errors, logs or reprs.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import httpx
 import numpy as np
@@ -121,8 +135,10 @@ def topk_from_dict(entries: dict, k: int, where: str) -> tuple[list[int], list[f
 
 
 def completion_from_choice(prompt: Prompt, prompt_ids: Sequence[int], choice: dict, k: int,
-                           wall_s: float, spec: SpecCounters | None) -> Completion:
-    """One vLLM /v1/completions choice (logprobs with token_id:N keys) -> Completion."""
+                           wall_s: float, spec: SpecCounters | None,
+                           ttft_s: float | None = None) -> Completion:
+    """One vLLM /v1/completions choice (logprobs with token_id:N keys) -> Completion.
+    ``ttft_s`` None: not measured (stored as 0.0; ``decode_s`` is then the whole request)."""
     lp = choice.get("logprobs") or {}
     tokens = lp.get("tokens") or []
     ids = choice.get("token_ids")
@@ -142,7 +158,100 @@ def completion_from_choice(prompt: Prompt, prompt_ids: Sequence[int], choice: di
         topk_ids=np.asarray(topk_ids, dtype=np.int32).reshape(len(ids), k),
         topk_logprobs=np.asarray(topk_lps, dtype=np.float32).reshape(len(ids), k),
         text=choice.get("text") or "", finish_reason=choice.get("finish_reason") or "length",
-        ttft_s=0.0, decode_s=wall_s, spec=spec)
+        ttft_s=ttft_s or 0.0, decode_s=max(wall_s - (ttft_s or 0.0), 0.0), spec=spec)
+
+
+def sse_data(lines: Iterable[str]) -> Iterator[str]:
+    """The ``data`` of each server-sent event (the SSE format: ``data:`` lines, joined by
+    newlines, up to a blank line; ``event:``/``id:``/``retry:`` fields and ``:`` comments
+    are skipped), including a last event the stream ends without a blank line after."""
+    data: list[str] = []
+    for line in lines:
+        line = line.rstrip("\r\n")
+        if not line:
+            if data:
+                yield "\n".join(data)
+            data = []
+        elif line.startswith("data:"):
+            value = line[5:]
+            data.append(value[1:] if value.startswith(" ") else value)
+    if data:
+        yield "\n".join(data)
+
+
+def _choice_tokens(choice: Any) -> int:
+    """Tokens one streamed choice carries (0 for anything malformed: merge says what)."""
+    if not isinstance(choice, dict):
+        return 0
+    ids = choice.get("token_ids")
+    if isinstance(ids, list):
+        return len(ids)
+    lp = choice.get("logprobs")
+    return len(lp.get("tokens") or []) if isinstance(lp, dict) else 0
+
+
+def event_tokens(event: Any) -> int:
+    """Tokens one stream event carries (its choices'; 0 for a usage or malformed event)."""
+    choices = event.get("choices") if isinstance(event, dict) else None
+    return sum(map(_choice_tokens, choices)) if isinstance(choices, list) else 0
+
+
+def merge_stream_events(events: Sequence[Any], where: str) -> tuple[dict, int]:
+    """vLLM's streamed /v1/completions chunks (CompletionStreamResponse, one choice: index 0)
+    -> (the choice a non-streamed request returns, how many chunks carried tokens). Text,
+    token ids and logprobs are concatenated in order; the finish reason is the last given. A
+    chunk ``{"error": ...}`` (vLLM's report of a failure after streaming began) is an
+    EngineError with the server's message."""
+    text: list[str] = []
+    ids: list[int] = []
+    has_ids = False
+    tokens: list = []
+    token_lps: list = []
+    tops: list = []
+    finish = None
+    carrying = 0
+    for n, ev in enumerate(events):
+        if not isinstance(ev, dict):
+            raise EngineError(f"{where}: stream event {n + 1} is {type(ev).__name__}, not a JSON "
+                              "object (is this an OpenAI-compatible completions stream?)")
+        if "error" in ev:
+            err = ev["error"]
+            msg = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+            if "nan" in msg.lower().split() or "not json compliant" in msg.lower():
+                raise EngineError(f"{where}: the server produced NaN logprobs (stream event "
+                                  f"{n + 1}: {msg}): an engine fault, not a request error")
+            raise EngineError(f"{where}: the server reported a failure in the middle of the "
+                              f"stream (event {n + 1}): {msg}")
+        choices = ev.get("choices") or []
+        if not isinstance(choices, list):
+            raise EngineError(f"{where}: stream event {n + 1} has `choices` of type "
+                              f"{type(choices).__name__}, not a list")
+        for ch in choices:  # the usage chunk (stream_options.include_usage) has none
+            if not isinstance(ch, dict) or ch.get("index", 0) != 0:
+                raise EngineError(f"{where}: stream event {n + 1} holds a choice other than "
+                                  "the one asked for (index 0)")
+            lp = ch.get("logprobs") or {}
+            try:
+                if ch.get("token_ids") is not None:
+                    has_ids = True
+                    ids.extend(int(t) for t in ch["token_ids"])
+                text.append(str(ch.get("text") or ""))
+                tokens.extend(lp.get("tokens") or [])
+                token_lps.extend(lp.get("token_logprobs") or [])
+                tops.extend(lp.get("top_logprobs") or [])
+            except (TypeError, ValueError, AttributeError) as e:
+                raise EngineError(f"{where}: stream event {n + 1} is malformed ({e})") from None
+            carrying += _choice_tokens(ch) > 0
+            finish = ch.get("finish_reason") or finish
+    if not tokens and not ids:
+        raise EngineError(f"{where}: the server's stream ({len(events)} events) carried no "
+                          "tokens")
+    choice: dict[str, Any] = {"text": "".join(text), "finish_reason": finish,
+                              "logprobs": {"tokens": tokens, "token_logprobs": token_lps,
+                                           "top_logprobs": tops}}
+    if has_ids:
+        choice["token_ids"] = ids
+    return choice, carrying
 
 
 def scored_from_prompt_logprobs(prompt_logprobs: list, full: Sequence[int], start: int,
@@ -212,6 +321,14 @@ def _error_message(r: httpx.Response) -> str:
     return str(body)[:300]
 
 
+def _events(n: int) -> str:
+    return f"{n} event" + ("" if n == 1 else "s")
+
+
+def _transport_error(e: httpx.TransportError) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 def _redact(url: str) -> str:
     """The URL without user:password@ (credentials never go into a store)."""
     u = httpx.URL(url)
@@ -268,6 +385,7 @@ class OpenAIEngine(Engine):
                                    "http(s) URL")
         self._info: dict | None = None
         self._retried = False  # a request was sent again: the server may have run it twice
+        self._ttft_seen: set[bool] = set()  # whether generations so far had a measurable TTFT
 
     def __repr__(self) -> str:
         return f"OpenAIEngine(base_url={self._shown!r}, served_model={self._served!r})"
@@ -303,39 +421,111 @@ class OpenAIEngine(Engine):
         shown = _redact(base) if base else self._shown
         last = ""
         for attempt in range(self.retries + 1):
-            if attempt:
-                self._retried = True
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+            self._wait_before(attempt)
             try:
                 r = self._client.request(method, url, json=body)
             except httpx.TransportError as e:
-                last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                last = _transport_error(e)
                 continue
             if r.status_code < 400:
                 return r
-            msg = _error_message(r)
-            if r.status_code in (401, 403):
-                have = ("is set but the server rejected its value" if os.environ.get(
-                    self.api_key_env) else "is not set, so no key was sent")
-                raise EngineUsageError(
-                    f"the server at {shown} refused {path} with HTTP {r.status_code} "
-                    f"({msg}): the API key comes from the environment variable "
-                    f"{self.api_key_env}, which {have}. Export {self.api_key_env} with the "
-                    "server's --api-key, or name another variable with --api-key-env.")
-            if r.status_code == 404:
-                raise EngineUsageError(
-                    f"the server at {shown} answered 404 for {path} ({msg}): check "
-                    "--base-url, and --served-model against the server's /v1/models.")
-            if "nan" in msg.lower().split() or "not json compliant" in msg.lower():
-                raise EngineError(f"the server at {shown} produced NaN logprobs for {path} "
-                                  f"({msg}): an engine fault, not a request error")
-            if r.status_code < 500:
-                raise EngineUsageError(f"the server at {shown} rejected {path} with "
-                                       f"HTTP {r.status_code}: {msg}")
-            last = f"HTTP {r.status_code}: {msg}"
-        raise EngineError(f"the server at {shown} did not answer {method} {path} after "
-                          f"{self.retries + 1} attempts (last: {last}); is it running and "
-                          "reachable? (--base-url, --engine-arg timeout/retries)")
+            last = self._refusal(r, path, shown)
+        raise self._gave_up(shown, method, path, last)
+
+    def _wait_before(self, attempt: int) -> None:
+        if attempt:
+            self._retried = True
+            time.sleep(self.backoff * 2 ** (attempt - 1))
+
+    def _gave_up(self, shown: str, method: str, path: str, last: str) -> EngineError:
+        return EngineError(f"the server at {shown} did not answer {method} {path} after "
+                           f"{self.retries + 1} attempts (last: {last}); is it running and "
+                           "reachable? (--base-url, --engine-arg timeout/retries)")
+
+    def _refusal(self, r: httpx.Response, path: str, shown: str) -> str:
+        """An HTTP error status: raises for what a retry cannot mend (4xx: the user's to
+        fix, a usage error; NaN logprobs: an engine fault); returns the 5xx to retry."""
+        msg = _error_message(r)
+        if r.status_code in (401, 403):
+            have = ("is set but the server rejected its value" if os.environ.get(
+                self.api_key_env) else "is not set, so no key was sent")
+            raise EngineUsageError(
+                f"the server at {shown} refused {path} with HTTP {r.status_code} "
+                f"({msg}): the API key comes from the environment variable "
+                f"{self.api_key_env}, which {have}. Export {self.api_key_env} with the "
+                "server's --api-key, or name another variable with --api-key-env.")
+        if r.status_code == 404:
+            raise EngineUsageError(
+                f"the server at {shown} answered 404 for {path} ({msg}): check "
+                "--base-url, and --served-model against the server's /v1/models.")
+        if "nan" in msg.lower().split() or "not json compliant" in msg.lower():
+            raise EngineError(f"the server at {shown} produced NaN logprobs for {path} "
+                              f"({msg}): an engine fault, not a request error")
+        if r.status_code < 500:
+            raise EngineUsageError(f"the server at {shown} rejected {path} with "
+                                   f"HTTP {r.status_code}: {msg}")
+        return f"HTTP {r.status_code}: {msg}"
+
+    def _stream(self, path: str, body: dict, where: str) -> tuple[dict, float, float | None]:
+        """POST ``body`` with ``"stream": true``: (the one choice, wall seconds, seconds to
+        the first chunk carrying a token, or None when that is not measurable). Retried like
+        _request, also when the stream breaks off before ``data: [DONE]``; a server that
+        answers with plain JSON is read as a non-streamed answer."""
+        path_shown, last = f"{path} (streamed)", ""
+        for attempt in range(self.retries + 1):
+            self._wait_before(attempt)
+            events: list = []
+            first: float | None = None
+            done = False
+            t0 = time.perf_counter()
+            try:
+                with self._client.stream("POST", self.base_url + path,
+                                         json={**body, "stream": True}) as r:
+                    if r.status_code >= 400:
+                        r.read()
+                        last = self._refusal(r, path_shown, self._shown)
+                        continue
+                    if "text/event-stream" not in r.headers.get("content-type", ""):
+                        r.read()  # not streamed: one JSON answer, TTFT unknown
+                        return self._one_choice(r, path, where), time.perf_counter() - t0, None
+                    for data in sse_data(r.iter_lines()):
+                        if data.strip() == "[DONE]":
+                            done = True
+                            break
+                        try:
+                            ev = json.loads(data)
+                        except ValueError:
+                            raise EngineError(
+                                f"{where}: the server at {self._shown} sent a stream event "
+                                f"that is not JSON ({data[:120]!r}) on {path_shown}: not an "
+                                "OpenAI-compatible completions stream") from None
+                        if first is None and event_tokens(ev):
+                            first = time.perf_counter() - t0
+                        events.append(ev)
+                wall = time.perf_counter() - t0
+            except httpx.TransportError as e:
+                last = f"the stream broke off after {_events(len(events))} ({_transport_error(e)})"
+                continue
+            if not done:
+                last = f"the stream ended after {_events(len(events))} without data: [DONE]"
+                continue
+            choice, carrying = merge_stream_events(events, where)
+            n_tokens = max(len(choice.get("token_ids") or []), len(choice["logprobs"]["tokens"]))
+            # one chunk with every token of several: the server buffered, the time is not a TTFT
+            return choice, wall, first if (carrying > 1 or n_tokens <= 1) else None
+        raise self._gave_up(self._shown, "POST", path_shown, last)
+
+    def _one_choice(self, r: httpx.Response, path: str, where: str) -> dict:
+        try:
+            resp = r.json()
+        except ValueError:
+            raise EngineError(f"the server at {self._shown} answered {path} with non-JSON "
+                              f"text: {r.text[:200]!r}") from None
+        choices = resp.get("choices") if isinstance(resp, dict) else None
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            raise EngineError(f"{where}: expected one choice from the server, got "
+                              f"{len(choices) if isinstance(choices, list) else 'none'}")
+        return choices[0]
 
     def _json(self, method: str, path: str, body: dict | None = None,
               base: str | None = None) -> Any:
@@ -432,6 +622,11 @@ class OpenAIEngine(Engine):
             "tokenizer": self._tokenizer_path or "server",
             "tokenizer_hash": self._tokenizer_hash(),
         }
+        if self._ttft_seen:
+            ident["ttft"] = ("measured from the stream" if self._ttft_seen == {True} else
+                             "not measured: the server answered stream requests with plain "
+                             "JSON or sent several tokens in one chunk"
+                             if self._ttft_seen == {False} else "measured for some requests only")
         if info.get("kernels"):
             ident["server_kernels"] = info["kernels"]
         served_by = info["version"].get("speccheck")
@@ -520,11 +715,11 @@ class OpenAIEngine(Engine):
         out: list[Completion] = []
         for prompt, ids in zip(prompts, prompt_ids, strict=True):
             self._retried = False
-            choice, wall = self._complete(prompt, ids, top_k)
+            choice, wall, ttft = self._complete(prompt, ids, top_k)
             after = self._metrics_after(before)
             spec = counters_delta(before["spec"], after["spec"])
             before = after
-            out.append(completion_from_choice(prompt, ids, choice, top_k, wall, spec))
+            out.append(completion_from_choice(prompt, ids, choice, top_k, wall, spec, ttft))
         self._check_drafted(config, out)
         return out
 
@@ -536,28 +731,26 @@ class OpenAIEngine(Engine):
         self._check_static(config, self._metrics()["spec"])
 
         def one(pair):
-            choice, wall = self._complete(*pair, top_k)
-            return completion_from_choice(*pair, choice, top_k, wall, None)
+            choice, wall, ttft = self._complete(*pair, top_k)
+            return completion_from_choice(*pair, choice, top_k, wall, None, ttft)
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 64))) as pool:
             return list(pool.map(one, zip(prompts, prompt_ids, strict=True)))
 
-    def _complete(self, prompt: Prompt, ids: Sequence[int], top_k: int) -> tuple[dict, float]:
-        """One greedy /v1/completions request: (its one choice, wall seconds)."""
+    def _complete(self, prompt: Prompt, ids: Sequence[int], top_k: int
+                  ) -> tuple[dict, float, float | None]:
+        """One greedy, streamed /v1/completions request: (its one choice, wall seconds,
+        seconds to the first token or None)."""
         body = {"model": self._served, "prompt": [int(t) for t in ids],
                 "max_tokens": int(prompt.max_tokens), "temperature": 0,
                 "logprobs": int(top_k), "return_tokens_as_token_ids": True,
                 "return_token_ids": True}
         if prompt.ignore_eos:  # vLLM's extra parameter; sent only when asked for
             body["ignore_eos"] = True
-        t0 = time.perf_counter()
-        resp = self._json("POST", "/v1/completions", body)
-        wall = time.perf_counter() - t0
-        choices = resp.get("choices") or []
-        if len(choices) != 1:
-            raise EngineError(f"prompt {prompt.id}: expected one choice from the server, "
-                              f"got {len(choices)}")
-        return choices[0], wall
+        choice, wall, ttft = self._stream("/v1/completions", body, f"prompt {prompt.id}")
+        if _choice_tokens(choice) > 1:  # one token: streamed or not, its time is the TTFT
+            self._ttft_seen.add(ttft is not None)
+        return choice, wall, ttft
 
     def _check_drafted(self, config: SpecConfig, out: list[Completion]) -> None:
         """A speculative config must have drafted; a server configured to speculate that
@@ -624,8 +817,9 @@ def server_root(url: str) -> str:
 def capture(base_url: str, out_path: str, text: str = "def fibonacci(n):\n    ",
             max_tokens: int = 12, top_k: int = 5, served_model: str | None = None,
             api_key_env: str | None = None) -> dict:
-    """Record one generation and one rescoring, raw, with the metrics around them, as
-    small JSON (no key, no pickles): the wire format the `openai` engine parses."""
+    """Record one generation (plain, and the same request streamed: the SSE data payloads)
+    and one rescoring, raw, with the metrics around them, as small JSON (no key, no
+    pickles): the wire format the `openai` engine parses."""
     import json
 
     args = {"base_url": base_url, "retries": "1"}
@@ -644,6 +838,10 @@ def capture(base_url: str, out_path: str, text: str = "def fibonacci(n):\n    ",
         gen = eng._json("POST", "/v1/completions", gen_req)
         time.sleep(0.5)  # let the server record its stats
         after = eng._request("GET", "/metrics").text
+        # the same request streamed, as the engine sends it (after the metrics: they cover one)
+        with eng._client.stream("POST", eng.base_url + "/v1/completions",
+                                json={**gen_req, "stream": True}) as r:
+            stream = list(sse_data(r.iter_lines())) if r.status_code == 200 else None
         full = ids + list(gen["choices"][0].get("token_ids") or [])
         score_req = {"model": eng._served, "prompt": full, "max_tokens": 1, "temperature": 0,
                      "prompt_logprobs": top_k, "return_token_ids": True}
@@ -652,6 +850,7 @@ def capture(base_url: str, out_path: str, text: str = "def fibonacci(n):\n    ",
         eng.close()
     cap = {"version": info["version"], "model": info["model"], "prompt_ids": ids,
            "top_k": top_k, "generate_request": gen_req, "generate_response": gen,
+           "generate_stream": stream,
            "metrics_before": _metric_lines(before), "metrics_after": _metric_lines(after),
            "score_request": score_req, "score_response": score}
     with open(out_path, "w") as f:

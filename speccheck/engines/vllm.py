@@ -29,6 +29,7 @@ Engine args (``--engine-arg key=value``):
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import itertools
 import json
 import os
@@ -592,12 +593,94 @@ def _tail(path: Path, n: int = 4000) -> str:
         return ""
 
 
+# ---------------------------------------------------------------- preflight: is vLLM there?
+
+#: seconds ``PYTHON -c "import vllm"`` may take before a run; a slower import is let through
+#: (it is slow, not absent; the worker has its own timeout_s)
+IMPORT_CHECK_S = 60
+_import_problems: dict[tuple, str | None] = {}
+
+
+def worker_env(env_args: dict[str, str], method_env: dict | None = None) -> dict[str, str]:
+    """The worker's environment: ours, DEFAULT_ENV, what the method needs, then --engine-arg
+    env.* (which wins), and speccheck on PYTHONPATH."""
+    env = dict(os.environ)
+    for k, v in DEFAULT_ENV.items():
+        env.setdefault(k, v)
+    env.update(method_env or {})
+    env.update(env_args)
+    root = str(Path(__file__).resolve().parents[2])  # so the worker imports speccheck
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def vllm_import_problem(python: str | None, env_args: dict[str, str]) -> str | None:
+    """Why the worker's interpreter (``python``, else this one) cannot import vllm, or None.
+    This interpreter finding vllm is enough (no import: torch stays unloaded); otherwise, and
+    for another interpreter, ``PYTHON -c "import vllm"`` runs in the worker's environment
+    (its PYTHONPATH may hold vLLM), once per interpreter and environment."""
+    env = worker_env(env_args)
+    key = (python, tuple(sorted(env.items())))
+    if key in _import_problems:
+        return _import_problems[key]
+    problem: str | None = None
+    if python or importlib.util.find_spec("vllm") is None:
+        exe = python or sys.executable
+        try:
+            r = subprocess.run([exe, "-c", "import vllm"], env=env,
+                               capture_output=True, text=True, timeout=IMPORT_CHECK_S)
+        except subprocess.TimeoutExpired:
+            pass
+        except OSError as e:
+            problem = f"cannot run {exe}: {e.strerror or e}"
+        else:
+            if r.returncode != 0:
+                lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+                problem = lines[-1].strip() if lines else f"exit code {r.returncode}"
+    _import_problems[key] = problem
+    return problem
+
+
 # ---------------------------------------------------------------- the engine
 
 class VllmEngine(Engine):
     name = "vllm"
     fresh_process_per_config = True
     methods = None  # mtp, dflash, and whatever else vLLM's speculative_config takes
+
+    @classmethod
+    def preflight(cls, model: str | None, engine_args: dict[str, str],
+                  draft: str | None) -> None:
+        """The arguments (checkpoint, draft, layout: the engine made and closed, no worker
+        started), then vLLM importable by the interpreter the worker will run under, else
+        nothing can run: said once, before any run (not once per config, as each worker
+        would)."""
+        cls(model, engine_args, draft).close()
+        args = split_engine_args(engine_args)
+        python = args["own"].get("python")
+        exe = shutil.which(str(python)) if python else None
+        if python and not (exe and os.path.isfile(exe)):
+            raise EngineUsageError(
+                f"--engine-arg python={python}: no executable there; give the path of the Python "
+                "interpreter the vLLM worker should run under (one that can import vllm), or "
+                "drop it to use this one.")
+        problem = vllm_import_problem(str(python) if python else None, args["env"])
+        if problem is None:
+            return
+        if python:
+            raise EngineUsageError(
+                f"the vllm engine runs its worker under {python} (--engine-arg python=), and "
+                f"that interpreter cannot import vLLM ({problem}). Install it there "
+                f"(`{python} -m pip install vllm==0.26.0`, the version golden/vllm/ was "
+                "recorded with), or point --engine-arg python= at an interpreter that has "
+                "vLLM, or drop it to use this one.")
+        raise EngineUsageError(
+            f"the vllm engine needs vLLM, and this Python ({sys.executable}) cannot import it "
+            f"({problem}). Install it into this environment with `pip install vllm==0.26.0` "
+            "(the version golden/vllm/ was recorded with; it needs a CUDA GPU), or, if vLLM "
+            "is installed in another environment, run the engine's worker there with "
+            "--engine-arg python=/path/to/that/python.")
 
     def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
                  draft: str | None = None) -> None:
@@ -912,15 +995,7 @@ class VllmEngine(Engine):
             return None
 
     def _worker_env(self, method_env: dict | None = None) -> dict[str, str]:
-        env = dict(os.environ)
-        for k, v in DEFAULT_ENV.items():
-            env.setdefault(k, v)
-        env.update(method_env or {})  # what the method needs; --engine-arg env.* still wins
-        env.update(self.args["env"])
-        root = str(Path(__file__).resolve().parents[2])  # so the worker imports speccheck
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        return env
+        return worker_env(self.args["env"], method_env)
 
     def _call(self, req: dict, spec: dict | None, method_env: dict | None = None) -> dict:
         kwargs = dict(self.llm_kwargs)

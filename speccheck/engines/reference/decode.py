@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -123,9 +124,19 @@ class _Out:
     tk_lps: list[np.ndarray] = field(default_factory=list)
     finish: str | None = None
     ignore_eos: bool = False  # decode the full max_tokens past end-of-sequence
+    #: called with each step's emitted (tokens, logprobs, top-k ids, top-k logprobs) as lists,
+    #: as soon as the step is decided (a server streams them)
+    emit: Callable[[list, list, list, list], None] | None = None
 
     def add(self, tokens: list[int], rows: torch.Tensor) -> None:
         """tokens[i] was emitted from log-prob row rows[i] (fp32 [n, V])."""
+        n = len(self.tokens)
+        self._add(tokens, rows)
+        if self.emit is not None and len(self.tokens) > n:
+            self.emit(self.tokens[n:], self.lps[n:], [r.tolist() for r in self.tk_ids[n:]],
+                      [r.tolist() for r in self.tk_lps[n:]])
+
+    def _add(self, tokens: list[int], rows: torch.Tensor) -> None:
         vals, idx = rows.topk(self.top_k, dim=-1)
         chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
         idx, vals = canonical_rows(idx.cpu().numpy(), vals.cpu().numpy())
@@ -181,19 +192,22 @@ class Decoder:
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_tokens: list[int],
                        method: str = "baseline", k: int = 0, top_k: int = 5,
-                       ignore_eos: list[bool] | None = None) -> list[Generation]:
+                       ignore_eos: list[bool] | None = None,
+                       emit: list[Callable | None] | None = None) -> list[Generation]:
         """Greedy decoding of several prompts as one batch: each prompt is prefilled alone,
         then all decode together, each sequence at its own length (see Cache; speculative
         sequences also accept different numbers of tokens); one that stops leaves the
         batch. The batch's prefill and decode times are shared out in proportion to each
         sequence's tokens, so that sums over the batch (the tok/s of a run) are the batch's
-        own. ``ignore_eos[i]``: sequence i does not stop at end-of-sequence."""
+        own. ``ignore_eos[i]``: sequence i does not stop at end-of-sequence; ``emit[i]``:
+        called with each step's tokens of sequence i as it is decided (_Out.emit)."""
         if not prompts or any(not p for p in prompts):
             raise ValueError("empty prompt: at least one token is needed")
         self._arm()
         ignore_eos = list(ignore_eos or [False] * len(prompts))
+        emit = list(emit or [None] * len(prompts))
         if method == "baseline":
-            return self._baseline(prompts, max_tokens, top_k, ignore_eos)
+            return self._baseline(prompts, max_tokens, top_k, ignore_eos, emit)
         if method not in ("mtp", "dflash", "dflash2"):
             raise ValueError(f"unknown method {method!r}: choose baseline, mtp, dflash or dflash2")
         if k < 1:
@@ -204,7 +218,7 @@ class Decoder:
             raise ValueError("method dflash needs the drafter (drafter.safetensors)")
         if method == "dflash2" and self.dflash2 is None:
             raise ValueError(f"method dflash2 needs the DFlash2 drafter ({_dflash2.DFLASH2_FILE})")
-        return self._speculative(prompts, max_tokens, method, k, top_k, ignore_eos)
+        return self._speculative(prompts, max_tokens, method, k, top_k, ignore_eos, emit)
 
     @torch.inference_mode()
     def score(self, prompt_ids: list[int], continuation: list[int], top_k: int = 5):
@@ -259,9 +273,9 @@ class Decoder:
                            (t2 - t1) * (len(o.tokens) - 1) / n_decoded, c, it)
                 for p, o, c, it in zip(prompts, outs, counters, iterations)]
 
-    def _baseline(self, prompts, max_tokens, top_k, ignore_eos) -> list[Generation]:
-        outs = [_Out(n, self.cfg.eos_token_id, top_k, ignore_eos=i)
-                for n, i in zip(max_tokens, ignore_eos)]
+    def _baseline(self, prompts, max_tokens, top_k, ignore_eos, emit) -> list[Generation]:
+        outs = [_Out(n, self.cfg.eos_token_id, top_k, ignore_eos=i, emit=e)
+                for n, i, e in zip(max_tokens, ignore_eos, emit)]
         t0 = time.perf_counter()
         cache, _, _, rows = self._prefill(prompts, max(map(len, prompts)) + max(max_tokens) + 2,
                                           top_k)
@@ -286,7 +300,7 @@ class Decoder:
         iterations = [len(o.tokens) - 1 for o in outs]
         return self._generations(prompts, outs, [None] * len(outs), iterations, t0, t1, t2)
 
-    def _speculative(self, prompts, max_tokens, method, k, top_k, ignore_eos) -> list[Generation]:
+    def _speculative(self, prompts, max_tokens, method, k, top_k, ignore_eos, emit) -> list[Generation]:
         fault = self.knobs.fault
         aux_ids = tuple(self.cfg.drafter.target_layer_ids) if method != "mtp" else ()
         if fault == "dflash-wrong-layer":  # each layer's input (the previous layer's output)
@@ -295,8 +309,8 @@ class Decoder:
         B = len(prompts)
         max_len = max(map(len, prompts)) + max(max_tokens) + k + 4
         outs = [_Out(n, self.cfg.eos_token_id, top_k, cut_at_max=fault != "past-max-tokens",
-                     cut_at_eos=fault != "past-eos", ignore_eos=i)
-                for n, i in zip(max_tokens, ignore_eos)]
+                     cut_at_eos=fault != "past-eos", ignore_eos=i, emit=e)
+                for n, i, e in zip(max_tokens, ignore_eos, emit)]
         counters = [SpecCounters(accepted_per_pos=[0] * k) for _ in range(B)]
         iterations = [0] * B
         t0 = time.perf_counter()

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from speccheck.engines.base import Engine, EngineError, EngineUsageError
+from speccheck.engines.base import Engine, EngineError, EngineUsageError, OnTokens
 from speccheck.types import Completion, Prompt, Scored, SpecConfig
 
 from .decode import FAULTS, Decoder, Knobs
@@ -304,7 +304,13 @@ class ReferenceEngine(Engine):
                           config: SpecConfig, top_k: int) -> list[Completion]:
         return self._generate_batch(prompts, prompt_ids, config, top_k)
 
-    def _generate_batch(self, prompts, prompt_ids, config: SpecConfig, top_k: int) -> list[Completion]:
+    def generate_streaming(self, prompt: Prompt, prompt_ids: Sequence[int], config: SpecConfig,
+                           top_k: int, on_tokens: OnTokens) -> Completion:
+        """One prompt; each decode or verify step's tokens go to ``on_tokens`` as decided."""
+        return self._generate_batch([prompt], [prompt_ids], config, top_k, [on_tokens])[0]
+
+    def _generate_batch(self, prompts, prompt_ids, config: SpecConfig, top_k: int,
+                        emit: list | None = None) -> list[Completion]:
         if config.method not in ("baseline",) + self.methods:
             raise EngineUsageError(f"--method {config.method!r} is not offered by the reference "
                                    f"engine; choose baseline, {', '.join(self.methods)}")
@@ -313,7 +319,7 @@ class ReferenceEngine(Engine):
             gens = self.decoder.generate_batch([list(ids) for ids in prompt_ids],
                                                [p.max_tokens for p in prompts],
                                                config.method, config.k, top_k,
-                                               [p.ignore_eos for p in prompts])
+                                               [p.ignore_eos for p in prompts], emit)
         except ValueError as e:
             raise EngineUsageError(f"prompt {names}: {e}") from e
         except RuntimeError as e:

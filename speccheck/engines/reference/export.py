@@ -81,6 +81,8 @@ from typing import Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
+from speccheck.store import share_mode
+
 TARGET_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
 # Family defaults for the multimodal placeholders (transformers Qwen3_5Config); unused by text.
@@ -272,6 +274,7 @@ def _save(tensors: Mapping[str, torch.Tensor], path: Path, dtype: torch.dtype | 
             t = t.to(dtype)
         out[k] = t.contiguous().clone()
     save_file(out, str(path), metadata={"format": "pt"})
+    share_mode(path)  # safetensors writes 0600: a vLLM container running as another user must read it
 
 
 def _write_json(path: Path, obj) -> None:
