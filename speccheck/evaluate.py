@@ -13,7 +13,8 @@ import numpy as np
 
 from speccheck.policy import Policy
 from speccheck.store import Suite, config_sort_key
-from speccheck.types import Completion, RunRecord, SpecConfig
+from speccheck.types import Completion, RunRecord, SpecConfig, SpecCounters
+from speccheck.verify.speedup import RepeatTiming, SpeedupModel, speedup_model
 from speccheck.verify import (
     END,
     Acceptance,
@@ -68,6 +69,8 @@ class Speed:
     cold_tok_s: float | None  # the first request of the first run
     ttft_s: float | None  # median
     speedup: float | None  # warm tok/s over the baseline's, same suite
+    #: per stored repeat, its warm requests' tokens, steps and seconds: the speedup model's input
+    repeats: tuple[RepeatTiming, ...] = ()
 
 
 @dataclass
@@ -183,6 +186,8 @@ class SuiteResult:
     #: why path noise was not measured (tau then comes from the policy floors); None when it was
     noise_missing: str | None = None
     plan: dict | None = None  # what `speccheck run` recorded it would store (None: older suite)
+    #: per method swept over two or more Ks: the speedup model and the K it recommends
+    speedup: dict[str, SpeedupModel] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -203,7 +208,8 @@ class SuiteResult:
                 "noise": self.noise, "noise_missing": self.noise_missing,
                 "tau_tie": self.tau_tie, "tau_low": self.tau_low, "policy": self.policy,
                 "plan": self.plan, "passed": self.passed,
-                "configs": [c.to_dict() for c in self.configs]}
+                "configs": [c.to_dict() for c in self.configs],
+                "speedup": {m: asdict(model) for m, model in self.speedup.items()}}
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -221,6 +227,39 @@ def speed_of(records: Sequence[RunRecord]) -> tuple[float | None, float | None, 
     cold = (first.n_tokens - 1) / first.decode_s if first else None
     ttfts = [c.ttft_s for rec in records for c in rec.completions[1:] if c.ttft_s > 0]
     return (median(warm) if warm else None, cold, median(ttfts) if ttfts else None)
+
+
+def repeat_timing(record: RunRecord) -> RepeatTiming:
+    """A run's warm requests summed (the first request that decoded is left out, as in
+    :func:`_warm_rates`): tokens, target steps, decode and drafting seconds, counters."""
+    warm = [c for c in record.completions if c.decode_s > 0 and c.n_tokens > 1][1:]
+    specs = [c.spec for c in warm if c.spec is not None]
+    steps = [c.n_tokens - 1 if c.spec is None else
+             (c.spec.iterations if c.spec.iterations is not None else c.spec.drafts) for c in warm]
+    total = sum(specs[1:], specs[0] + SpecCounters(iterations=0, draft_s=0.0)) if specs else None
+    return RepeatTiming(
+        repeat=record.repeat, tokens=sum(c.n_tokens - 1 for c in warm), iterations=sum(steps),
+        decode_s=sum(c.decode_s for c in warm), drafts=total.drafts if total else 0,
+        draft_s=total.draft_s if total and len(specs) == len(warm) else None,
+        accepted_per_pos=tuple(total.accepted_per_pos) if total else ())
+
+
+def speedup_models(results: Sequence["ConfigResult"]) -> dict[str, SpeedupModel]:
+    """Per method run at two or more Ks (and a baseline), the speedup model; only Ks that
+    pass every check may be recommended."""
+    base = next((r for r in results if r.config == "baseline"), None)
+    by_method: dict[str, dict[int, ConfigResult]] = {}
+    for r in results:
+        cfg = SpecConfig.from_name(r.config)
+        if not cfg.is_baseline and r.speed.repeats:
+            by_method.setdefault(cfg.method, {})[cfg.k] = r
+    models = {}
+    for method, per_k in by_method.items():
+        model = speedup_model(method, base.speed.repeats, {k: r.speed.repeats for k, r in per_k.items()},
+                              eligible=[k for k, r in per_k.items() if r.verdict == "pass"]) if base else None
+        if model is not None:
+            models[method] = model
+    return models
 
 
 def rescore_gaps(suite: Suite, name: str, repeat: int, comps: Sequence[Completion]) -> list[str]:
@@ -524,7 +563,8 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
         missing=suite.missing(name))
 
     warm, cold, ttft = speed_of(ok)
-    result.speed = Speed(warm, cold, ttft, warm / base_speed if warm and base_speed else None)
+    result.speed = Speed(warm, cold, ttft, warm / base_speed if warm and base_speed else None,
+                         tuple(repeat_timing(r) for r in ok if r.repeat >= 0))
     result.noise_missing = noise_missing
     is_spec = name != "baseline"
     if is_spec:
@@ -955,4 +995,4 @@ def evaluate_suite(suite: Suite, policy: Policy, configs: Sequence[str] | None =
                                golden_acceptance, detok, base_speed, noise_missing, kernel,
                                golden_noise, base_variant) for n in names]
     return SuiteResult(suite.id, suite.meta, identity, noise, tau_tie, tau_low, policy.to_dict(), results,
-                       noise_missing, suite.load_plan())
+                       noise_missing, suite.load_plan(), speedup_models(results))

@@ -350,7 +350,9 @@ class Decoder:
         K+1 positions, emit the accepted prefix plus the target's own next token, and keep
         exactly the state of the emitted positions."""
         fault = self.knobs.fault
+        t_draft = time.perf_counter()
         drafts = [self._draft(method, states[b], tokens[b], pending[b], k) for b in live]
+        draft_s = (time.perf_counter() - t_draft) / len(live)  # drafts end in .tolist(): synced
         for b in live:
             pending[b] = None
         feed = self._t([[x[b]] + d for b, d in zip(live, drafts)])  # [n, k+1]
@@ -374,6 +376,7 @@ class Decoder:
             iterations[b] += 1
             c = counters[b]
             c.drafts, c.draft_tokens = c.drafts + 1, c.draft_tokens + k
+            c.draft_s = (c.draft_s or 0.0) + draft_s
             c.accepted_tokens += m + 1 if fault == "accepted-counts-bonus" else m
             for i in range(m):
                 c.accepted_per_pos[i] += 1

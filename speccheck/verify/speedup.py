@@ -1,0 +1,242 @@
+"""What a K buys: a speedup model of speculative decoding from stored timings and counters.
+
+One run of a sweep on a shared machine is a coin toss between neighbouring Ks, so the
+recommendation comes from a model, not from the fastest run:
+
+- tokens per iteration τ(K) is measured (greedy counters repeat run to run); for a K that was
+  not run it follows from a larger K's per-position acceptance: τ(K) = 1 + Σ_{i<K} P(the first
+  i+1 draft tokens accepted) — the drafter writes the same tokens at positions < K whatever K is;
+- the cost of one target step at K, in one-token decode steps of the baseline measured in the
+  same round, is a line in K (the verify forward grows with the K+1 tokens it checks, the
+  drafter with the K tokens it writes); with the engine's drafting seconds it splits into
+  verify(n tokens) and draft(K);
+- speedup(K) = τ(K) / cost(K).
+
+Every repeat of a sweep is a round (each config once, round-robin), paired with the baseline's
+run of the same round, so a drift in machine load cancels; medians over rounds, and the spread
+over rounds is the uncertainty. Pure functions over numbers; the store is read elsewhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RepeatTiming:
+    """One run (repeat) of one config, summed over its warm requests (the first request of a
+    run warms up and is left out, as in the warm tok/s)."""
+
+    repeat: int
+    tokens: int  # generated after each request's first token (which comes from the prefill)
+    iterations: int  # target steps that emitted them (baseline: one per token)
+    decode_s: float
+    drafts: int = 0  # steps that carried a draft
+    draft_s: float | None = None  # of decode_s, drafting (None: the engine cannot say)
+    accepted_per_pos: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KRow:
+    """One K of a method: measured and modelled figures, costs in one-token decode steps."""
+
+    k: int
+    tau: float  # measured tokens per iteration (median over rounds)
+    cost: float  # measured seconds per target step / seconds per baseline decode step
+    verify_cost: float | None  # the target's part of ``cost`` (None: no drafting seconds)
+    draft_cost: float | None  # the drafter's seconds per drafting step, in decode steps
+    measured: float  # speedup over the baseline, median of the rounds (each paired)
+    measured_spread: float  # half the range of the rounds' speedups (0 with one round)
+    model: float  # τ(K) / the cost line fitted on every K
+    model_spread: float  # half the range of the same with each round's own cost line
+    conditional_acceptance: tuple[float, ...]  # P(position i accepted | positions < i accepted)
+    predicted: float | None = None  # from the fit Ks only (None: K is one of them)
+    error: float | None = None  # predicted / measured - 1
+
+    @property
+    def in_fit(self) -> bool:
+        return self.predicted is None
+
+
+@dataclass(frozen=True)
+class SpeedupModel:
+    """A method's K-sweep under the model, and the K it recommends."""
+
+    method: str
+    rounds: int
+    rows: tuple[KRow, ...]
+    cost_line: tuple[float, float]  # cost(K) = a + b·K, fitted on every K
+    verify_line: tuple[float, float] | None  # verify(n) = a + b·n, n = K + 1 tokens verified
+    draft_line: tuple[float, float] | None  # draft(K) = a + b·K per drafting step
+    fit_ks: tuple[int, ...]  # the Ks the validation fit used (the rest validate it)
+    holdout_line: tuple[float, float] | None  # cost line of the fit Ks alone
+    recommended: int | None  # None: no eligible K is faster than the baseline
+    runner_up: int | None
+    within_noise: bool  # recommended and runner-up cannot be told apart
+    note: str = ""
+
+    def row(self, k: int) -> KRow:
+        return next(r for r in self.rows if r.k == k)
+
+    @property
+    def max_error(self) -> float | None:
+        errors = [abs(r.error) for r in self.rows if r.error is not None]
+        return max(errors) if errors else None
+
+
+# --- the pieces ----------------------------------------------------------------------------------
+
+def acceptance_rates(accepted_per_pos: Sequence[int], drafts: int) -> np.ndarray:
+    """P(draft token i accepted) per position: accepted there / drafts (a token is accepted only
+    after every one before it, so these are the probabilities of accepting the first i+1)."""
+    a = np.asarray(accepted_per_pos, dtype=np.float64)
+    return a / drafts if drafts else np.zeros_like(a)
+
+
+def conditional_acceptance(accepted_per_pos: Sequence[int], drafts: int) -> np.ndarray:
+    """P(position i accepted | positions < i accepted); 0 after a position nothing reached."""
+    a = np.asarray(accepted_per_pos, dtype=np.float64)
+    before = np.concatenate([[float(drafts)], a[:-1]])
+    return np.divide(a, before, out=np.zeros_like(a), where=before > 0)
+
+
+def tau_at(accepted_per_pos: Sequence[int], drafts: int, k: int) -> float:
+    """Tokens per iteration at ``k`` from a run at K ≥ k: 1 + Σ_{i<k} P(first i+1 accepted).
+    Non-decreasing in k and at most k + 1."""
+    if k > len(accepted_per_pos):
+        raise ValueError(f"tau at K={k} needs acceptance at {k} positions, have {len(accepted_per_pos)}")
+    return 1.0 + float(acceptance_rates(accepted_per_pos, drafts)[:k].sum())
+
+
+def fit_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """Least-squares (a, b) of y = a + b·x; needs two distinct x."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if len(np.unique(x)) < 2:
+        raise ValueError(f"a line needs two distinct points, got x = {x.tolist()}")
+    b, a = np.polyfit(x, y, 1)
+    return float(a), float(b)
+
+
+def half_range(values: Sequence[float]) -> float:
+    v = np.asarray(values, dtype=np.float64)
+    return float((v.max() - v.min()) / 2) if len(v) else 0.0
+
+
+def choose_fit_ks(ks: Sequence[int]) -> tuple[int, ...]:
+    """The Ks the validation fit uses: smallest and largest (and the middle one from six Ks
+    up), so that at least one K in between validates it; all of them when fewer than three."""
+    ks = sorted(set(ks))
+    if len(ks) < 3:
+        return tuple(ks)
+    if len(ks) < 6:
+        return (ks[0], ks[-1])
+    return (ks[0], ks[len(ks) // 2], ks[-1])
+
+
+def _rounds(base: Sequence[RepeatTiming], per_k: Mapping[int, Sequence[RepeatTiming]]) -> list[int]:
+    """Repeats that every K and the baseline ran (a round), with tokens and time to divide."""
+    def usable(ts):
+        return {t.repeat for t in ts if t.tokens > 0 and t.iterations > 0 and t.decode_s > 0}
+    common = usable(base)
+    for ts in per_k.values():
+        common &= usable(ts)
+    return sorted(common)
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+def speedup_model(method: str, base: Sequence[RepeatTiming], per_k: Mapping[int, Sequence[RepeatTiming]],
+                  eligible: Sequence[int] | None = None,
+                  fit_ks: Sequence[int] | None = None) -> SpeedupModel | None:
+    """The model of one method's sweep (None with fewer than two Ks, or no round that the
+    baseline and every K ran). ``eligible``: the Ks that may be recommended (e.g. those that
+    pass the gate; default all). ``fit_ks``: the Ks the validation fit uses (default
+    :func:`choose_fit_ks`); the others are predicted from them and compared with what they
+    measured."""
+    ks = sorted(per_k)
+    rounds = _rounds(base, per_k)
+    if len(ks) < 2 or not rounds:
+        return None
+    by = {k: {t.repeat: t for t in per_k[k]} for k in ks}
+    b = {t.repeat: t for t in base}
+    step = np.array([b[r].decode_s / b[r].tokens for r in rounds])  # a decode step, per round
+
+    def per_round(k, f):
+        return np.array([f(by[k][r]) for r in rounds], dtype=np.float64)
+
+    tau = {k: per_round(k, lambda t: t.tokens / t.iterations) for k in ks}
+    cost = {k: per_round(k, lambda t: t.decode_s / t.iterations) / step for k in ks}
+    timed = all(by[k][r].draft_s is not None and by[k][r].drafts > 0 for k in ks for r in rounds)
+    if timed:
+        verify = {k: per_round(k, lambda t: (t.decode_s - t.draft_s) / t.iterations) / step for k in ks}
+        draft = {k: per_round(k, lambda t: t.draft_s / t.drafts) / step for k in ks}
+    accepted = {k: np.sum([by[k][r].accepted_per_pos for r in rounds], axis=0) if len(by[k][rounds[0]].accepted_per_pos)
+                else np.zeros(k) for k in ks}
+    drafts = {k: int(sum(by[k][r].drafts for r in rounds)) for k in ks}
+
+    med_tau = {k: float(np.median(tau[k])) for k in ks}
+    med_cost = {k: float(np.median(cost[k])) for k in ks}
+    cost_line = fit_line(ks, [med_cost[k] for k in ks])
+    # each round's own line: the spread of the model
+    round_lines = [fit_line(ks, [cost[k][i] for k in ks]) for i in range(len(rounds))]
+    model_rounds = {k: np.array([med_tau[k] / (a + bb * k) for a, bb in round_lines]) for k in ks}
+
+    fit = tuple(sorted(set(fit_ks))) if fit_ks is not None else choose_fit_ks(ks)
+    if not set(fit) <= set(ks):
+        raise ValueError(f"fit Ks {list(fit)} are not all among the measured Ks {ks}")
+    holdout = fit_line(fit, [med_cost[k] for k in fit]) if len(fit) >= 2 and len(fit) < len(ks) else None
+
+    rows = []
+    for k in ks:
+        measured = tau[k] / cost[k]
+        predicted = error = None
+        if holdout is not None and k not in fit:
+            larger = [f for f in fit if f >= k]
+            if larger:  # τ from the nearest larger fit K's acceptance, scaled by what it emitted
+                ref = larger[0]
+                counted = tau_at(accepted[ref], drafts[ref], ref)
+                t = tau_at(accepted[ref], drafts[ref], k) * (med_tau[ref] / counted if counted else 1.0)
+                predicted = t / (holdout[0] + holdout[1] * k)
+                error = predicted / float(np.median(measured)) - 1
+        rows.append(KRow(
+            k=k, tau=med_tau[k], cost=med_cost[k],
+            verify_cost=float(np.median(verify[k])) if timed else None,
+            draft_cost=float(np.median(draft[k])) if timed else None,
+            measured=float(np.median(measured)), measured_spread=half_range(measured),
+            model=med_tau[k] / (cost_line[0] + cost_line[1] * k),
+            model_spread=half_range(model_rounds[k]),
+            conditional_acceptance=tuple(float(q) for q in conditional_acceptance(accepted[k], drafts[k])),
+            predicted=predicted, error=error))
+
+    recommended, runner_up, within, note = recommend(rows, model_rounds, eligible, len(rounds))
+    return SpeedupModel(
+        method=method, rounds=len(rounds), rows=tuple(rows), cost_line=cost_line,
+        verify_line=fit_line([k + 1 for k in ks], [float(np.median(verify[k])) for k in ks]) if timed else None,
+        draft_line=fit_line(ks, [float(np.median(draft[k])) for k in ks]) if timed else None,
+        fit_ks=fit if holdout is not None else (), holdout_line=holdout,
+        recommended=recommended, runner_up=runner_up, within_noise=within, note=note)
+
+
+def recommend(rows: Sequence[KRow], model_rounds: Mapping[int, np.ndarray], eligible: Sequence[int] | None,
+              rounds: int) -> tuple[int | None, int | None, bool, str]:
+    """(recommended K, runner-up, whether the two are within noise, why none). A K is a
+    candidate if it may be recommended and both its modelled and measured speedups beat the
+    baseline: a K slower than no speculation is nobody's best. The two are within noise when
+    one round alone cannot say, when the rounds disagree which is faster, or when the gap is
+    smaller than the recommended K's own spread."""
+    allowed = set(r.k for r in rows) if eligible is None else set(eligible)
+    candidates = sorted((r for r in rows if r.k in allowed and r.model > 1.0 and r.measured > 1.0),
+                        key=lambda r: (-r.model, r.k))
+    if not candidates:
+        best = max(rows, key=lambda r: r.model)
+        why = "no K is faster than the baseline" if allowed else "no K passes the gate"
+        return None, None, False, f"{why} (highest: K={best.k} at {best.model:.2f}x modelled, {best.measured:.2f}x measured)"
+    top = candidates[0]
+    if len(candidates) == 1:
+        return top.k, None, rounds < 2, ""
+    second = candidates[1]
+    gaps = model_rounds[top.k] - model_rounds[second.k]
+    within = rounds < 2 or bool(np.any(gaps <= 0)) or (top.model - second.model) <= top.model_spread
+    return top.k, second.k, within, ""

@@ -1,0 +1,184 @@
+"""The speedup model (verify/speedup.py) on constructed timings and counters: its invariants
+as properties, exact predictions on noise-free data, the recommendation and its noise call."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from speccheck.verify.speedup import (
+    RepeatTiming,
+    choose_fit_ks,
+    conditional_acceptance,
+    fit_line,
+    speedup_model,
+    tau_at,
+)
+
+
+@st.composite
+def acceptance_counts(draw, max_k=12):
+    """Counters a real drafter can produce: drafts, and accepted per position non-increasing
+    and never above drafts."""
+    drafts = draw(st.integers(0, 500))
+    k = draw(st.integers(1, max_k))
+    counts, bound = [], drafts
+    for _ in range(k):
+        bound = draw(st.integers(0, bound))
+        counts.append(bound)
+    return drafts, counts
+
+
+@given(acceptance_counts())
+def test_tau_is_monotone_and_bounded(counters):
+    drafts, counts = counters
+    taus = [tau_at(counts, drafts, k) for k in range(1, len(counts) + 1)]
+    assert all(1.0 <= t <= k + 1 + 1e-12 for k, t in enumerate(taus, start=1))
+    assert all(b >= a - 1e-12 for a, b in zip(taus, taus[1:]))
+
+
+@given(acceptance_counts())
+def test_conditional_acceptance_multiplies_back_to_the_rates(counters):
+    drafts, counts = counters
+    q = conditional_acceptance(counts, drafts)
+    assert np.all((q >= 0) & (q <= 1))
+    if drafts:
+        np.testing.assert_allclose(np.cumprod(q), np.asarray(counts) / drafts, atol=1e-12)
+
+
+def test_tau_needs_the_positions_it_sums():
+    with pytest.raises(ValueError, match="K=4"):
+        tau_at([5, 3, 1], 10, 4)
+
+
+@given(st.floats(-5, 5), st.floats(-2, 2), st.lists(st.integers(0, 30), min_size=2, max_size=8, unique=True))
+def test_fit_line_recovers_a_line(a, b, xs):
+    got = fit_line(xs, [a + b * x for x in xs])
+    assert got == pytest.approx((a, b), abs=1e-6)
+
+
+def test_fit_line_refuses_one_point():
+    with pytest.raises(ValueError, match="two distinct"):
+        fit_line([3, 3], [1.0, 2.0])
+
+
+def test_fit_ks_leave_ks_out_to_validate():
+    assert choose_fit_ks([1, 2]) == (1, 2)
+    assert choose_fit_ks([1, 2, 3]) == (1, 3)
+    assert choose_fit_ks(range(1, 8)) == (1, 4, 7)
+
+
+# --- noise-free synthetic sweeps ------------------------------------------------------------------
+
+def synthetic(ks, counts, drafts, cost, loads=(1.0,), draft_share=None, base_tokens=1000, step_s=0.01):
+    """A sweep with exactly known answers: at every K the drafter proposes the same tokens, so a
+    K run accepts the first K positions of ``counts`` (out of ``drafts`` steps, each drafting);
+    a step costs ``cost(K)`` decode steps; round r runs on a machine ``loads[r]`` times slower
+    (every config of a round alike). ``draft_share(K)``: the part of a step spent drafting."""
+    base = [RepeatTiming(r, base_tokens, base_tokens, base_tokens * step_s * load)
+            for r, load in enumerate(loads)]
+    per_k = {}
+    for k in ks:
+        acc = tuple(counts[:k])
+        tokens = drafts + sum(acc)
+        per_k[k] = [RepeatTiming(r, tokens, drafts, drafts * cost(k) * step_s * load, drafts,
+                                 None if draft_share is None else drafts * draft_share(k) * step_s * load, acc)
+                    for r, load in enumerate(loads)]
+    return base, per_k
+
+
+@settings(max_examples=60, deadline=None)
+@given(acceptance_counts(max_k=10), st.floats(0.8, 2.0), st.floats(0.0, 0.4),
+       st.lists(st.floats(0.5, 3.0), min_size=1, max_size=4))
+def test_predictions_are_exact_on_noise_free_data(counters, a, b, loads):
+    """A line cost and a fixed drafter: the fit Ks predict every other K exactly, whatever the
+    load of each round (it cancels in the pairing with the baseline)."""
+    drafts, counts = counters
+    if drafts == 0 or len(counts) < 3:
+        return
+    ks = list(range(1, len(counts) + 1))
+    base, per_k = synthetic(ks, counts, drafts, lambda k: a + b * k, tuple(loads))
+    m = speedup_model("mtp", base, per_k)
+    assert m is not None and m.rounds == len(loads)
+    assert m.cost_line == pytest.approx((a, b), abs=1e-9)
+    for row in m.rows:
+        true = tau_at(counts, drafts, row.k) / (a + b * row.k)
+        assert row.measured == pytest.approx(true, rel=1e-9)
+        assert row.model == pytest.approx(true, rel=1e-9)
+        assert row.measured_spread == pytest.approx(0, abs=1e-9)
+        if row.k not in m.fit_ks:
+            assert row.predicted == pytest.approx(true, rel=1e-9)
+            assert row.error == pytest.approx(0, abs=1e-9)
+    assert m.max_error is not None and m.max_error < 1e-9
+
+
+def test_verify_and_draft_costs_are_separated():
+    """Verify grows with the K+1 tokens checked, the MTP drafter with the K tokens written."""
+    counts, drafts = [80, 60, 40, 25, 15], 100
+    def verify(k): return 0.9 + 0.05 * (k + 1)
+    def draft(k): return 0.12 * k
+    base, per_k = synthetic(range(1, 6), counts, drafts, lambda k: verify(k) + draft(k), (1.0, 1.7),
+                            draft_share=draft)
+    m = speedup_model("mtp", base, per_k)
+    assert m.verify_line == pytest.approx((0.9, 0.05), abs=1e-9)
+    assert m.draft_line == pytest.approx((0.0, 0.12), abs=1e-9)
+    assert m.row(3).verify_cost == pytest.approx(verify(3))
+    assert m.row(3).draft_cost == pytest.approx(draft(3))
+
+
+def test_recommends_the_modelled_best_and_names_a_clear_winner():
+    counts, drafts = [90, 80, 70, 30, 10, 3, 1], 100  # acceptance collapses after position 4
+    base, per_k = synthetic(range(1, 8), counts, drafts, lambda k: 1.0 + 0.1 * k, (1.0, 1.3, 0.9))
+    m = speedup_model("mtp", base, per_k)
+    ranked = sorted(m.rows, key=lambda r: -tau_at(counts, drafts, r.k) / (1.0 + 0.1 * r.k))
+    assert (m.recommended, m.runner_up) == (ranked[0].k, ranked[1].k)
+    assert m.runner_up is not None and not m.within_noise  # every round agrees, no spread
+
+
+def test_a_k_slower_than_the_baseline_is_never_recommended():
+    counts, drafts = [20, 5, 1], 100  # hardly anything accepted
+    base, per_k = synthetic(range(1, 4), counts, drafts, lambda k: 1.3 + 0.2 * k, (1.0, 1.1))
+    m = speedup_model("mtp", base, per_k)
+    assert all(r.model < 1 and r.measured < 1 for r in m.rows)
+    assert m.recommended is None and "faster than the baseline" in m.note
+
+
+def test_only_eligible_ks_are_recommended():
+    counts, drafts = [90, 80, 70, 30, 10], 100
+    base, per_k = synthetic(range(1, 6), counts, drafts, lambda k: 1.0 + 0.1 * k, (1.0, 1.2))
+    m = speedup_model("mtp", base, per_k, eligible=[1, 2, 4, 5])  # K=3 failed the gate
+    assert m.recommended != 3 and m.recommended in (2, 4)
+    assert speedup_model("mtp", base, per_k, eligible=[]).recommended is None
+
+
+def noisy(per_k, factors):
+    """The same sweep with the decode seconds of (K, round) scaled by factors[K][round]."""
+    return {k: [RepeatTiming(t.repeat, t.tokens, t.iterations, t.decode_s * factors.get(k, {}).get(t.repeat, 1.0),
+                             t.drafts, t.draft_s, t.accepted_per_pos) for t in ts] for k, ts in per_k.items()}
+
+
+def test_top_two_within_noise_when_rounds_disagree():
+    """A flat optimum (K=4 and K=5 about equal) and round-to-round noise: said plainly."""
+    counts, drafts = [90, 80, 70, 45, 27], 100
+    base, per_k = synthetic(range(1, 6), counts, drafts, lambda k: 1.0 + 0.12 * k, (1.0, 1.0, 1.0))
+    clean = speedup_model("mtp", base, per_k)
+    assert (clean.recommended, clean.runner_up, clean.within_noise) == (4, 5, False)
+    m = speedup_model("mtp", base, noisy(per_k, {4: {0: 1.06, 1: 0.97}, 5: {1: 0.96, 2: 1.05}}))
+    assert {m.recommended, m.runner_up} == {4, 5}
+    assert m.within_noise
+    assert m.row(4).measured_spread > 0.02
+
+
+def test_one_round_is_always_within_noise():
+    counts, drafts = [90, 80, 70, 30, 10], 100
+    base, per_k = synthetic(range(1, 6), counts, drafts, lambda k: 1.0 + 0.1 * k)
+    m = speedup_model("mtp", base, per_k)
+    assert m.rounds == 1 and m.within_noise
+
+
+def test_rounds_are_the_repeats_every_config_ran():
+    counts, drafts = [90, 80, 70], 100
+    base, per_k = synthetic(range(1, 4), counts, drafts, lambda k: 1.0 + 0.1 * k, (1.0, 2.0, 3.0))
+    per_k[2] = per_k[2][:2]  # K=2's last repeat is not stored
+    assert speedup_model("mtp", base, per_k).rounds == 2
+    assert speedup_model("mtp", base, {1: per_k[1]}) is None  # one K: nothing to fit
+    assert speedup_model("mtp", [], per_k) is None  # no baseline
