@@ -69,8 +69,14 @@ class Speed:
     cold_tok_s: float | None  # the first request of the first run
     ttft_s: float | None  # median
     speedup: float | None  # warm tok/s over the baseline's, same suite
-    #: per stored repeat, its warm requests' tokens, steps and seconds: the speedup model's input
+    #: per stored repeat, its warm requests' tokens, steps and seconds: the speedup model's
+    #: input, in wall seconds and (where every request has them) in the engine's CPU seconds
     repeats: tuple[RepeatTiming, ...] = ()
+    cpu_repeats: tuple[RepeatTiming, ...] = ()
+
+    @property
+    def cpu_timed(self) -> bool:
+        return bool(self.cpu_repeats) and len(self.cpu_repeats) == len(self.repeats)
 
 
 @dataclass
@@ -229,24 +235,34 @@ def speed_of(records: Sequence[RunRecord]) -> tuple[float | None, float | None, 
     return (median(warm) if warm else None, cold, median(ttfts) if ttfts else None)
 
 
-def repeat_timing(record: RunRecord) -> RepeatTiming:
-    """A run's warm requests summed (the first request that decoded is left out, as in
-    :func:`_warm_rates`): tokens, target steps, decode and drafting seconds, counters."""
-    warm = [c for c in record.completions if c.decode_s > 0 and c.n_tokens > 1][1:]
+def _warm(record: RunRecord) -> list[Completion]:
+    """A run's requests that decoded, but the first (warm-up), as in :func:`_warm_rates`."""
+    return [c for c in record.completions if c.decode_s > 0 and c.n_tokens > 1][1:]
+
+
+def repeat_timing(record: RunRecord, clock: str = "wall") -> RepeatTiming:
+    """A run's warm requests summed: tokens, target steps, decode seconds on ``clock`` ("cpu":
+    the engine's CPU seconds), the share of them spent drafting, counters."""
+    warm = _warm(record)
     specs = [c.spec for c in warm if c.spec is not None]
     steps = [c.n_tokens - 1 if c.spec is None else
              (c.spec.iterations if c.spec.iterations is not None else c.spec.drafts) for c in warm]
     total = sum(specs[1:], specs[0] + SpecCounters(iterations=0, draft_s=0.0)) if specs else None
+    wall = sum(c.decode_s for c in warm)
     return RepeatTiming(
         repeat=record.repeat, tokens=sum(c.n_tokens - 1 for c in warm), iterations=sum(steps),
-        decode_s=sum(c.decode_s for c in warm), drafts=total.drafts if total else 0,
-        draft_s=total.draft_s if total and len(specs) == len(warm) else None,
+        decode_s=sum(c.decode_cpu_s for c in warm) if clock == "cpu" else wall,
+        drafts=total.drafts if total else 0,
+        draft_share=total.draft_s / wall if total and total.draft_s is not None and len(specs) == len(warm)
+        and wall > 0 else None,
         accepted_per_pos=tuple(total.accepted_per_pos) if total else ())
 
 
 def speedup_models(results: Sequence["ConfigResult"]) -> dict[str, SpeedupModel]:
     """Per method run at two or more Ks (and a baseline), the speedup model; only Ks that
-    pass every check may be recommended."""
+    pass every check may be recommended. Costs are in the engine's CPU seconds where every
+    run has them (the wall clock of a shared machine measures the other load as much), else
+    in wall seconds."""
     base = next((r for r in results if r.config == "baseline"), None)
     by_method: dict[str, dict[int, ConfigResult]] = {}
     for r in results:
@@ -255,8 +271,14 @@ def speedup_models(results: Sequence["ConfigResult"]) -> dict[str, SpeedupModel]
             by_method.setdefault(cfg.method, {})[cfg.k] = r
     models = {}
     for method, per_k in by_method.items():
-        model = speedup_model(method, base.speed.repeats, {k: r.speed.repeats for k, r in per_k.items()},
-                              eligible=[k for k, r in per_k.items() if r.verdict == "pass"]) if base else None
+        if base is None:
+            break
+        runs = [base, *per_k.values()]
+        clock = "cpu" if all(r.speed.repeats for r in runs) and all(
+            r.speed.cpu_timed for r in runs) else "wall"
+        pick = (lambda r: r.speed.cpu_repeats) if clock == "cpu" else (lambda r: r.speed.repeats)
+        model = speedup_model(method, pick(base), {k: pick(r) for k, r in per_k.items()},
+                              eligible=[k for k, r in per_k.items() if r.verdict == "pass"], clock=clock)
         if model is not None:
             models[method] = model
     return models
@@ -563,8 +585,11 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
         missing=suite.missing(name))
 
     warm, cold, ttft = speed_of(ok)
+    runs = [r for r in ok if r.repeat >= 0]
+    cpu = all(c.decode_cpu_s is not None for r in runs for c in _warm(r))
     result.speed = Speed(warm, cold, ttft, warm / base_speed if warm and base_speed else None,
-                         tuple(repeat_timing(r) for r in ok if r.repeat >= 0))
+                         tuple(repeat_timing(r) for r in runs),
+                         tuple(repeat_timing(r, "cpu") for r in runs) if cpu and runs else ())
     result.noise_missing = noise_missing
     is_spec = name != "baseline"
     if is_spec:

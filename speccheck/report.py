@@ -226,8 +226,11 @@ def recommendation_line(m: SpeedupModel) -> str:
 def speedup_table(m: SpeedupModel) -> str:
     """Measured and modelled speedup per K, the validation of the model on the Ks its fit did
     not use, and the recommendation."""
+    clock = ("the engine's CPU seconds (decode on one CPU thread: what an idle machine's wall clock "
+             "shows; this machine's wall clock also measures the other load on it)" if m.clock == "cpu"
+             else "wall seconds")
     out = [f"{m.method}: speedup model from {m.rounds} round(s), each K paired with the baseline's run "
-           f"of its round; costs in one-token decode steps of the baseline",
+           f"of its round; costs in one-token decode steps of the baseline, from {clock}",
            f"  step cost(K) = {_line(*m.cost_line, 'K')}"
            + (f"  (target verify(n tokens) = {_line(*m.verify_line, 'n')}; drafter per step = "
               f"{_line(*m.draft_line, 'K')})" if m.verify_line and m.draft_line else ""), ""]

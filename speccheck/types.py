@@ -118,6 +118,10 @@ class Completion:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     spec: SpecCounters | None = None
+    #: CPU seconds of the engine's process during decode, where they measure the decode's own
+    #: work (a CPU engine on one thread; None elsewhere): on a machine shared with other load
+    #: they are what an idle machine's wall clock would show, so the speedup model prefers them
+    decode_cpu_s: float | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int32)

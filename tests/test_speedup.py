@@ -81,7 +81,7 @@ def synthetic(ks, counts, drafts, cost, loads=(1.0,), draft_share=None, base_tok
         acc = tuple(counts[:k])
         tokens = drafts + sum(acc)
         per_k[k] = [RepeatTiming(r, tokens, drafts, drafts * cost(k) * step_s * load, drafts,
-                                 None if draft_share is None else drafts * draft_share(k) * step_s * load, acc)
+                                 None if draft_share is None else draft_share(k) / cost(k), acc)
                     for r, load in enumerate(loads)]
     return base, per_k
 
@@ -153,7 +153,7 @@ def test_only_eligible_ks_are_recommended():
 def noisy(per_k, factors):
     """The same sweep with the decode seconds of (K, round) scaled by factors[K][round]."""
     return {k: [RepeatTiming(t.repeat, t.tokens, t.iterations, t.decode_s * factors.get(k, {}).get(t.repeat, 1.0),
-                             t.drafts, t.draft_s, t.accepted_per_pos) for t in ts] for k, ts in per_k.items()}
+                             t.drafts, t.draft_share, t.accepted_per_pos) for t in ts] for k, ts in per_k.items()}
 
 
 def test_top_two_within_noise_when_rounds_disagree():
@@ -182,3 +182,67 @@ def test_rounds_are_the_repeats_every_config_ran():
     assert speedup_model("mtp", base, per_k).rounds == 2
     assert speedup_model("mtp", base, {1: per_k[1]}) is None  # one K: nothing to fit
     assert speedup_model("mtp", [], per_k) is None  # no baseline
+
+
+# --- from a store: evaluate_suite -> SuiteResult.speedup -> report ---------------------------------
+
+def _store_sweep(tmp_path, cost, counts, cpu=True, rounds=2, ks=(1, 2, 3, 4)):
+    """A constructed suite (no engine): baseline and mtp-k*, every prompt decoding the same
+    tokens; each verify step of K costs cost(K) decode steps of 10 ms (CPU seconds, when
+    ``cpu``; the wall clock of round r runs 1 + r times slower, as on a loaded machine)."""
+    from speccheck.store import Store
+    from speccheck.types import Completion, RunRecord, SpecConfig, SpecCounters
+
+    suite = Store(tmp_path).suite("t", {"corpus_hash": "h", "engine": "t", "corpus": "c"})
+
+    def completion(pid, k, r):
+        if k == 0:
+            steps, spec, per_step, emitted = 40, None, 1.0, 40
+        else:  # 10 drafted steps, each emitting its accepted tokens + 1 (counts: per 10 steps)
+            steps, acc = 10, list(counts[:k])
+            spec = SpecCounters(steps, steps * k, sum(acc), acc, iterations=steps, draft_s=0.0)
+            per_step, emitted = cost(k), steps + sum(acc)
+        tokens = np.arange(5, 6 + emitted)
+        ids = np.stack([tokens, tokens + 1], 1)
+        lps = np.tile(np.array([-0.1, -4.0], np.float32), (len(tokens), 1))
+        cpu_s = steps * per_step * 0.01
+        return Completion(pid, [1, 2], tokens, lps[:, 0], ids, lps, decode_s=cpu_s * (1 + r),
+                          decode_cpu_s=cpu_s if cpu else None, spec=spec)
+
+    for r in range(rounds):
+        for k in (0, *ks):
+            cfg = SpecConfig.from_name("baseline" if k == 0 else f"mtp-k{k}")
+            suite.write_run(RunRecord(cfg, {"engine": "t", "model_hash": "m"}, "c", "h", r, False,
+                                      completions=[completion(p, k, r) for p in ("w", "a", "b")]))
+    return suite
+
+
+def test_a_store_sweep_gets_a_model_on_the_cpu_clock(tmp_path):
+    from speccheck.evaluate import evaluate_suite
+    from speccheck.policy import Policy
+    from speccheck.report import markdown_report
+
+    counts = [8, 6, 4, 2]  # accepted per position, per 10 drafted steps
+    suite = _store_sweep(tmp_path, lambda k: 1.2 + 0.1 * k, counts)
+    res = evaluate_suite(suite, Policy(require_deterministic=False))
+    m = res.speedup["mtp"]
+    assert m.clock == "cpu" and m.rounds == 2 and m.fit_ks == (1, 4)
+    for row in m.rows:  # the wall clock's load (1 + r) is not in the CPU seconds
+        assert row.measured == pytest.approx(tau_at(counts, 10, row.k) / (1.2 + 0.1 * row.k))
+        assert row.measured_spread == pytest.approx(0, abs=1e-9)
+    assert m.max_error == pytest.approx(0, abs=1e-9)
+    text = markdown_report(res)
+    assert "## Which K: mtp" in text and "validation: K=2,3 predicted from K=1,4" in text
+    assert res.to_dict()["speedup"]["mtp"]["clock"] == "cpu"
+
+
+def test_a_store_without_cpu_seconds_falls_back_to_the_wall_clock(tmp_path):
+    from speccheck.evaluate import evaluate_suite
+    from speccheck.policy import Policy
+
+    counts = [8, 6, 4, 2]
+    suite = _store_sweep(tmp_path, lambda k: 1.2 + 0.1 * k, counts, cpu=False)
+    m = evaluate_suite(suite, Policy(require_deterministic=False)).speedup["mtp"]
+    assert m.clock == "wall"
+    # each round's load hits baseline and every K alike: paired, it cancels
+    assert m.row(2).measured == pytest.approx(tau_at(counts, 10, 2) / 1.4)

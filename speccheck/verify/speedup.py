@@ -32,9 +32,9 @@ class RepeatTiming:
     repeat: int
     tokens: int  # generated after each request's first token (which comes from the prefill)
     iterations: int  # target steps that emitted them (baseline: one per token)
-    decode_s: float
+    decode_s: float  # on the model's clock (wall, or CPU seconds where the engine has them)
     drafts: int = 0  # steps that carried a draft
-    draft_s: float | None = None  # of decode_s, drafting (None: the engine cannot say)
+    draft_share: float | None = None  # the part of decode_s spent drafting (None: not measured)
     accepted_per_pos: tuple[int, ...] = ()
 
 
@@ -76,6 +76,7 @@ class SpeedupModel:
     runner_up: int | None
     within_noise: bool  # recommended and runner-up cannot be told apart
     note: str = ""
+    clock: str = "wall"  # which seconds the costs are in: "wall", or "cpu" (the engine's CPU seconds)
 
     def row(self, k: int) -> KRow:
         return next(r for r in self.rows if r.k == k)
@@ -149,7 +150,7 @@ def _rounds(base: Sequence[RepeatTiming], per_k: Mapping[int, Sequence[RepeatTim
 
 def speedup_model(method: str, base: Sequence[RepeatTiming], per_k: Mapping[int, Sequence[RepeatTiming]],
                   eligible: Sequence[int] | None = None,
-                  fit_ks: Sequence[int] | None = None) -> SpeedupModel | None:
+                  fit_ks: Sequence[int] | None = None, clock: str = "wall") -> SpeedupModel | None:
     """The model of one method's sweep (None with fewer than two Ks, or no round that the
     baseline and every K ran). ``eligible``: the Ks that may be recommended (e.g. those that
     pass the gate; default all). ``fit_ks``: the Ks the validation fit uses (default
@@ -168,10 +169,10 @@ def speedup_model(method: str, base: Sequence[RepeatTiming], per_k: Mapping[int,
 
     tau = {k: per_round(k, lambda t: t.tokens / t.iterations) for k in ks}
     cost = {k: per_round(k, lambda t: t.decode_s / t.iterations) / step for k in ks}
-    timed = all(by[k][r].draft_s is not None and by[k][r].drafts > 0 for k in ks for r in rounds)
+    timed = all(by[k][r].draft_share is not None and by[k][r].drafts > 0 for k in ks for r in rounds)
     if timed:
-        verify = {k: per_round(k, lambda t: (t.decode_s - t.draft_s) / t.iterations) / step for k in ks}
-        draft = {k: per_round(k, lambda t: t.draft_s / t.drafts) / step for k in ks}
+        verify = {k: per_round(k, lambda t: t.decode_s * (1 - t.draft_share) / t.iterations) / step for k in ks}
+        draft = {k: per_round(k, lambda t: t.decode_s * t.draft_share / t.drafts) / step for k in ks}
     accepted = {k: np.sum([by[k][r].accepted_per_pos for r in rounds], axis=0) if len(by[k][rounds[0]].accepted_per_pos)
                 else np.zeros(k) for k in ks}
     drafts = {k: int(sum(by[k][r].drafts for r in rounds)) for k in ks}
@@ -216,7 +217,7 @@ def speedup_model(method: str, base: Sequence[RepeatTiming], per_k: Mapping[int,
         verify_line=fit_line([k + 1 for k in ks], [float(np.median(verify[k])) for k in ks]) if timed else None,
         draft_line=fit_line(ks, [float(np.median(draft[k])) for k in ks]) if timed else None,
         fit_ks=fit if holdout is not None else (), holdout_line=holdout,
-        recommended=recommended, runner_up=runner_up, within_noise=within, note=note)
+        recommended=recommended, runner_up=runner_up, within_noise=within, note=note, clock=clock)
 
 
 def recommend(rows: Sequence[KRow], model_rounds: Mapping[int, np.ndarray], eligible: Sequence[int] | None,
