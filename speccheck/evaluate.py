@@ -250,8 +250,9 @@ def repeat_timing(record: RunRecord, clock: str = "wall") -> RepeatTiming:
     total = sum(specs[1:], specs[0] + SpecCounters(iterations=0, draft_s=0.0)) if specs else None
     wall = sum(c.decode_s for c in warm)
     return RepeatTiming(
-        repeat=record.repeat, tokens=sum(c.n_tokens - 1 for c in warm), iterations=sum(steps),
-        decode_s=sum(c.decode_cpu_s for c in warm) if clock == "cpu" else wall,
+        repeat=record.repeat, prompts=tuple(c.prompt_id for c in warm),
+        tokens=tuple(c.n_tokens - 1 for c in warm), iterations=tuple(steps),
+        seconds=tuple(c.decode_cpu_s if clock == "cpu" else c.decode_s for c in warm),
         drafts=total.drafts if total else 0,
         draft_share=total.draft_s / wall if total and total.draft_s is not None and len(specs) == len(warm)
         and wall > 0 else None,

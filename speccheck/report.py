@@ -210,7 +210,8 @@ def recommendation_line(m: SpeedupModel) -> str:
     """The K the speedup model recommends, with its uncertainty, and whether the runner-up is
     indistinguishable from it."""
     if m.recommended is None:
-        return f"recommended {m.method} K: none — {m.note}"
+        return f"recommended {m.method} K: none — {m.note}" + (
+            "; within noise of the baseline" if m.baseline_within_noise else "")
     r = m.row(m.recommended)
     text = (f"recommended {m.method} K={r.k}: {r.model:.2f}x ± {r.model_spread:.2f} modelled "
             f"(measured {r.measured:.2f}x ± {r.measured_spread:.2f}, {m.rounds} round(s))")
@@ -220,6 +221,8 @@ def recommendation_line(m: SpeedupModel) -> str:
                  else f"; clearly ahead of the runner-up K={u.k} ({u.model:.2f}x) in every round")
     elif m.within_noise:
         text += "; one round measures no spread: run --repeats 3 or more to know how sure this is"
+    if m.baseline_within_noise and m.rounds > 1:
+        text += "; not clearly faster than the baseline (within noise of 1.00x)"
     return text
 
 
@@ -229,8 +232,9 @@ def speedup_table(m: SpeedupModel) -> str:
     clock = ("the engine's CPU seconds (decode on one CPU thread: what an idle machine's wall clock "
              "shows; this machine's wall clock also measures the other load on it)" if m.clock == "cpu"
              else "wall seconds")
-    out = [f"{m.method}: speedup model from {m.rounds} round(s), each K paired with the baseline's run "
-           f"of its round; costs in one-token decode steps of the baseline, from {clock}",
+    out = [f"{m.method}: speedup model from {m.rounds} round(s) (each request at its least disturbed round; "
+           f"± : how far a figure moves when one round is left out); step costs in one-token decode steps "
+           f"of the baseline, from {clock}",
            f"  step cost(K) = {_line(*m.cost_line, 'K')}"
            + (f"  (target verify(n tokens) = {_line(*m.verify_line, 'n')}; drafter per step = "
               f"{_line(*m.draft_line, 'K')})" if m.verify_line and m.draft_line else ""), ""]

@@ -74,13 +74,13 @@ def synthetic(ks, counts, drafts, cost, loads=(1.0,), draft_share=None, base_tok
     K run accepts the first K positions of ``counts`` (out of ``drafts`` steps, each drafting);
     a step costs ``cost(K)`` decode steps; round r runs on a machine ``loads[r]`` times slower
     (every config of a round alike). ``draft_share(K)``: the part of a step spent drafting."""
-    base = [RepeatTiming(r, base_tokens, base_tokens, base_tokens * step_s * load)
+    base = [RepeatTiming(r, ("p",), (base_tokens,), (base_tokens,), (base_tokens * step_s * load,))
             for r, load in enumerate(loads)]
     per_k = {}
     for k in ks:
         acc = tuple(counts[:k])
         tokens = drafts + sum(acc)
-        per_k[k] = [RepeatTiming(r, tokens, drafts, drafts * cost(k) * step_s * load, drafts,
+        per_k[k] = [RepeatTiming(r, ("p",), (tokens,), (drafts,), (drafts * cost(k) * step_s * load,), drafts,
                                  None if draft_share is None else draft_share(k) / cost(k), acc)
                     for r, load in enumerate(loads)]
     return base, per_k
@@ -152,7 +152,8 @@ def test_only_eligible_ks_are_recommended():
 
 def noisy(per_k, factors):
     """The same sweep with the decode seconds of (K, round) scaled by factors[K][round]."""
-    return {k: [RepeatTiming(t.repeat, t.tokens, t.iterations, t.decode_s * factors.get(k, {}).get(t.repeat, 1.0),
+    return {k: [RepeatTiming(t.repeat, t.prompts, t.tokens, t.iterations,
+                             tuple(s * factors.get(k, {}).get(t.repeat, 1.0) for s in t.seconds),
                              t.drafts, t.draft_share, t.accepted_per_pos) for t in ts] for k, ts in per_k.items()}
 
 
@@ -162,7 +163,8 @@ def test_top_two_within_noise_when_rounds_disagree():
     base, per_k = synthetic(range(1, 6), counts, drafts, lambda k: 1.0 + 0.12 * k, (1.0, 1.0, 1.0))
     clean = speedup_model("mtp", base, per_k)
     assert (clean.recommended, clean.runner_up, clean.within_noise) == (4, 5, False)
-    m = speedup_model("mtp", base, noisy(per_k, {4: {0: 1.06, 1: 0.97}, 5: {1: 0.96, 2: 1.05}}))
+    # K=4 ran undisturbed in round 0 only, K=5 in round 2 only: which is faster hangs on one round
+    m = speedup_model("mtp", base, noisy(per_k, {4: {1: 1.06, 2: 1.06}, 5: {0: 1.06, 1: 1.06}}))
     assert {m.recommended, m.runner_up} == {4, 5}
     assert m.within_noise
     assert m.row(4).measured_spread > 0.02
@@ -246,3 +248,34 @@ def test_a_store_without_cpu_seconds_falls_back_to_the_wall_clock(tmp_path):
     assert m.clock == "wall"
     # each round's load hits baseline and every K alike: paired, it cancels
     assert m.row(2).measured == pytest.approx(tau_at(counts, 10, 2) / 1.4)
+
+
+def test_a_k_about_as_fast_as_the_baseline_is_said_to_be_within_noise():
+    counts, drafts = [30, 10, 2], 100  # tau(1) = 1.3 at a cost of 1.3: as fast as the baseline
+    base, per_k = synthetic(range(1, 4), counts, drafts, lambda k: 1.2 + 0.1 * k, (1.0, 1.0, 1.0))
+    m = speedup_model("mtp", base, noisy(per_k, {1: {0: 0.97}}))  # the rest of K=1 disturbed 3 %
+    assert m.recommended == 1 and m.row(1).measured > 1.0  # on the least disturbed rounds
+    assert m.baseline_within_noise  # without round 0 it is no faster
+    clear = speedup_model("mtp", *synthetic(range(1, 4), [90, 80, 70], drafts, lambda k: 1.1 + 0.1 * k,
+                                            (1.0, 1.2)))
+    assert clear.recommended == 3 and not clear.baseline_within_noise
+    slow = speedup_model("mtp", *synthetic(range(1, 4), [10, 1, 0], drafts, lambda k: 1.5 + 0.1 * k, (1.0, 1.2)))
+    assert slow.recommended is None and not slow.baseline_within_noise
+
+
+@given(st.lists(st.lists(st.floats(0.01, 10.0), min_size=3, max_size=3), min_size=1, max_size=5),
+       st.integers(1, 50), st.floats(1.0, 4.0))
+def test_least_disturbed_step_ignores_load_added_to_other_rounds(seconds, steps, extra):
+    """Other load only adds time: the estimate is at most any run's own, and adding time to a
+    round that was not a request's fastest does not move it."""
+    from speccheck.verify.speedup import least_disturbed_step
+
+    prompts = tuple(f"p{i}" for i in range(3))
+    runs = [RepeatTiming(r, prompts, (steps,) * 3, (steps,) * 3, tuple(s)) for r, s in enumerate(seconds)]
+    got = least_disturbed_step(runs)
+    assert all(got <= sum(t.seconds) / (3 * steps) + 1e-12 for t in runs)
+    fastest = {i: min(range(len(runs)), key=lambda r: seconds[r][i]) for i in range(3)}
+    slowed = [RepeatTiming(t.repeat, prompts, t.tokens, t.iterations,
+                           tuple(s if fastest[i] == t.repeat else s * extra for i, s in enumerate(t.seconds)))
+              for t in runs]
+    assert least_disturbed_step(slowed) == pytest.approx(got)

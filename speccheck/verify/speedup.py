@@ -12,9 +12,10 @@ recommendation comes from a model, not from the fastest run:
   verify(n tokens) and draft(K);
 - speedup(K) = τ(K) / cost(K).
 
-Every repeat of a sweep is a round (each config once, round-robin), paired with the baseline's
-run of the same round, so a drift in machine load cancels; medians over rounds, and the spread
-over rounds is the uncertainty. Pure functions over numbers; the store is read elsewhere.
+Every repeat of a sweep is a round (each config once, round-robin, so that every K meets the
+same spells of load); a config's cost takes each request at its least disturbed round (other
+load only ever adds time), and the uncertainty is how far the figures move when one round is
+left out. Pure functions over numbers; the store is read elsewhere.
 """
 from __future__ import annotations
 
@@ -26,16 +27,26 @@ import numpy as np
 
 @dataclass(frozen=True)
 class RepeatTiming:
-    """One run (repeat) of one config, summed over its warm requests (the first request of a
-    run warms up and is left out, as in the warm tok/s)."""
+    """One run (repeat) of one config: per warm request (the first request of a run warms up
+    and is left out, as in the warm tok/s) its tokens, steps and decode seconds; counters
+    summed over them."""
 
     repeat: int
-    tokens: int  # generated after each request's first token (which comes from the prefill)
-    iterations: int  # target steps that emitted them (baseline: one per token)
-    decode_s: float  # on the model's clock (wall, or CPU seconds where the engine has them)
+    prompts: tuple[str, ...]
+    tokens: tuple[int, ...]  # generated after each request's first token (that one is the prefill's)
+    iterations: tuple[int, ...]  # target steps that emitted them (baseline: one per token)
+    seconds: tuple[float, ...]  # decode seconds on the model's clock (wall, or the engine's CPU seconds)
     drafts: int = 0  # steps that carried a draft
-    draft_share: float | None = None  # the part of decode_s spent drafting (None: not measured)
+    draft_share: float | None = None  # the part of the seconds spent drafting (None: not measured)
     accepted_per_pos: tuple[int, ...] = ()
+
+    @property
+    def total_tokens(self) -> int:
+        return int(sum(self.tokens))
+
+    @property
+    def total_iterations(self) -> int:
+        return int(sum(self.iterations))
 
 
 @dataclass(frozen=True)
@@ -44,13 +55,13 @@ class KRow:
 
     k: int
     tau: float  # measured tokens per iteration (median over rounds)
-    cost: float  # measured seconds per target step / seconds per baseline decode step
+    cost: float  # seconds per target step / seconds per baseline decode step, least disturbed
     verify_cost: float | None  # the target's part of ``cost`` (None: no drafting seconds)
     draft_cost: float | None  # the drafter's seconds per drafting step, in decode steps
-    measured: float  # speedup over the baseline, median of the rounds (each paired)
-    measured_spread: float  # half the range of the rounds' speedups (0 with one round)
-    model: float  # τ(K) / the cost line fitted on every K
-    model_spread: float  # half the range of the same with each round's own cost line
+    measured: float  # τ / cost: the speedup over the baseline
+    measured_spread: float  # half the range of the same with one round left out (0: one round)
+    model: float  # τ / the cost line fitted on every K
+    model_spread: float  # half the range of the same with one round left out
     conditional_acceptance: tuple[float, ...]  # P(position i accepted | positions < i accepted)
     predicted: float | None = None  # from the fit Ks only (None: K is one of them)
     error: float | None = None  # predicted / measured - 1
@@ -75,6 +86,8 @@ class SpeedupModel:
     recommended: int | None  # None: no eligible K is faster than the baseline
     runner_up: int | None
     within_noise: bool  # recommended and runner-up cannot be told apart
+    #: the recommended K (or, with none, the fastest) cannot be told apart from the baseline
+    baseline_within_noise: bool = False
     note: str = ""
     clock: str = "wall"  # which seconds the costs are in: "wall", or "cpu" (the engine's CPU seconds)
 
@@ -139,11 +152,35 @@ def choose_fit_ks(ks: Sequence[int]) -> tuple[int, ...]:
 def _rounds(base: Sequence[RepeatTiming], per_k: Mapping[int, Sequence[RepeatTiming]]) -> list[int]:
     """Repeats that every K and the baseline ran (a round), with tokens and time to divide."""
     def usable(ts):
-        return {t.repeat for t in ts if t.tokens > 0 and t.iterations > 0 and t.decode_s > 0}
+        return {t.repeat for t in ts if t.total_tokens > 0 and t.total_iterations > 0 and sum(t.seconds) > 0}
     common = usable(base)
     for ts in per_k.values():
         common &= usable(ts)
     return sorted(common)
+
+
+def least_disturbed_step(runs: Sequence[RepeatTiming]) -> float:
+    """Seconds per step of one config over several runs, each request at its least disturbed
+    run: Σ_p steps_p · min_r(seconds_pr / steps_pr) / Σ_p steps_p over the requests that every
+    run made. Other load on the machine only ever adds time, so the minimum is the estimate
+    of the config's own cost (as timeit takes the minimum); the requests keep their weights."""
+    per = [{p: (n, s) for p, n, s in zip(t.prompts, t.iterations, t.seconds) if n > 0} for t in runs]
+    common = set(per[0]).intersection(*per[1:])
+    if not common:
+        raise ValueError("no request that every run made")
+    steps = {p: per[0][p][0] for p in common}
+    best = {p: min(r[p][1] / r[p][0] for r in per) for p in common}
+    return sum(steps[p] * best[p] for p in common) / sum(steps.values())
+
+
+def _estimate(base, per_k, ks, rounds, fit):
+    """Costs (decode steps) per K from these rounds, the line through every K and through the
+    fit Ks."""
+    step = least_disturbed_step([base[r] for r in rounds])
+    cost = {k: least_disturbed_step([per_k[k][r] for r in rounds]) / step for k in ks}
+    line = fit_line(ks, [cost[k] for k in ks])
+    holdout = fit_line(fit, [cost[k] for k in fit]) if 2 <= len(fit) < len(ks) else None
+    return cost, line, holdout
 
 
 # --- the model -----------------------------------------------------------------------------------
@@ -155,89 +192,89 @@ def speedup_model(method: str, base: Sequence[RepeatTiming], per_k: Mapping[int,
     baseline and every K ran). ``eligible``: the Ks that may be recommended (e.g. those that
     pass the gate; default all). ``fit_ks``: the Ks the validation fit uses (default
     :func:`choose_fit_ks`); the others are predicted from them and compared with what they
-    measured."""
+    measured. Spreads: the same figures with one round left out at a time."""
     ks = sorted(per_k)
     rounds = _rounds(base, per_k)
     if len(ks) < 2 or not rounds:
         return None
-    by = {k: {t.repeat: t for t in per_k[k]} for k in ks}
-    b = {t.repeat: t for t in base}
-    step = np.array([b[r].decode_s / b[r].tokens for r in rounds])  # a decode step, per round
-
-    def per_round(k, f):
-        return np.array([f(by[k][r]) for r in rounds], dtype=np.float64)
-
-    tau = {k: per_round(k, lambda t: t.tokens / t.iterations) for k in ks}
-    cost = {k: per_round(k, lambda t: t.decode_s / t.iterations) / step for k in ks}
-    timed = all(by[k][r].draft_share is not None and by[k][r].drafts > 0 for k in ks for r in rounds)
-    if timed:
-        verify = {k: per_round(k, lambda t: t.decode_s * (1 - t.draft_share) / t.iterations) / step for k in ks}
-        draft = {k: per_round(k, lambda t: t.decode_s * t.draft_share / t.drafts) / step for k in ks}
-    accepted = {k: np.sum([by[k][r].accepted_per_pos for r in rounds], axis=0) if len(by[k][rounds[0]].accepted_per_pos)
-                else np.zeros(k) for k in ks}
-    drafts = {k: int(sum(by[k][r].drafts for r in rounds)) for k in ks}
-
-    med_tau = {k: float(np.median(tau[k])) for k in ks}
-    med_cost = {k: float(np.median(cost[k])) for k in ks}
-    cost_line = fit_line(ks, [med_cost[k] for k in ks])
-    # each round's own line: the spread of the model
-    round_lines = [fit_line(ks, [cost[k][i] for k in ks]) for i in range(len(rounds))]
-    model_rounds = {k: np.array([med_tau[k] / (a + bb * k) for a, bb in round_lines]) for k in ks}
-
     fit = tuple(sorted(set(fit_ks))) if fit_ks is not None else choose_fit_ks(ks)
     if not set(fit) <= set(ks):
         raise ValueError(f"fit Ks {list(fit)} are not all among the measured Ks {ks}")
-    holdout = fit_line(fit, [med_cost[k] for k in fit]) if len(fit) >= 2 and len(fit) < len(ks) else None
+    by = {k: {t.repeat: t for t in per_k[k]} for k in ks}
+    b = {t.repeat: t for t in base}
+    runs = {k: [by[k][r] for r in rounds] for k in ks}
+
+    tau = {k: sum(t.total_tokens for t in runs[k]) / sum(t.total_iterations for t in runs[k]) for k in ks}
+    accepted = {k: np.sum([t.accepted_per_pos for t in runs[k]], axis=0) if runs[k][0].accepted_per_pos
+                else np.zeros(k, dtype=np.int64) for k in ks}
+    drafts = {k: sum(t.drafts for t in runs[k]) for k in ks}
+    cost, cost_line, holdout = _estimate(b, by, ks, rounds, fit)
+    # leave one round out: how much each figure hangs on a single round
+    reps = [_estimate(b, by, ks, [r for r in rounds if r != left], fit) for left in rounds] if len(rounds) > 1 else []
+    measured_reps = {k: np.array([tau[k] / c[k] for c, _, _ in reps]) for k in ks}
+    model_reps = {k: np.array([tau[k] / (line[0] + line[1] * k) for _, line, _ in reps]) for k in ks}
+
+    timed = all(t.draft_share is not None and t.drafts > 0 for k in ks for t in runs[k])
+    share = {k: float(np.median([t.draft_share for t in runs[k]])) if timed else None for k in ks}
+    drafted = {k: drafts[k] / sum(t.total_iterations for t in runs[k]) for k in ks}
 
     rows = []
     for k in ks:
-        measured = tau[k] / cost[k]
         predicted = error = None
         if holdout is not None and k not in fit:
             larger = [f for f in fit if f >= k]
             if larger:  # τ from the nearest larger fit K's acceptance, scaled by what it emitted
                 ref = larger[0]
                 counted = tau_at(accepted[ref], drafts[ref], ref)
-                t = tau_at(accepted[ref], drafts[ref], k) * (med_tau[ref] / counted if counted else 1.0)
+                t = tau_at(accepted[ref], drafts[ref], k) * (tau[ref] / counted if counted else 1.0)
                 predicted = t / (holdout[0] + holdout[1] * k)
-                error = predicted / float(np.median(measured)) - 1
+                error = predicted / (tau[k] / cost[k]) - 1
         rows.append(KRow(
-            k=k, tau=med_tau[k], cost=med_cost[k],
-            verify_cost=float(np.median(verify[k])) if timed else None,
-            draft_cost=float(np.median(draft[k])) if timed else None,
-            measured=float(np.median(measured)), measured_spread=half_range(measured),
-            model=med_tau[k] / (cost_line[0] + cost_line[1] * k),
-            model_spread=half_range(model_rounds[k]),
+            k=k, tau=tau[k], cost=cost[k],
+            verify_cost=cost[k] * (1 - share[k]) if timed else None,
+            draft_cost=cost[k] * share[k] / drafted[k] if timed else None,
+            measured=tau[k] / cost[k], measured_spread=half_range(measured_reps[k]),
+            model=tau[k] / (cost_line[0] + cost_line[1] * k), model_spread=half_range(model_reps[k]),
             conditional_acceptance=tuple(float(q) for q in conditional_acceptance(accepted[k], drafts[k])),
             predicted=predicted, error=error))
 
-    recommended, runner_up, within, note = recommend(rows, model_rounds, eligible, len(rounds))
+    recommended, runner_up, within, near_base, note = recommend(rows, model_reps, eligible, len(rounds))
     return SpeedupModel(
         method=method, rounds=len(rounds), rows=tuple(rows), cost_line=cost_line,
-        verify_line=fit_line([k + 1 for k in ks], [float(np.median(verify[k])) for k in ks]) if timed else None,
-        draft_line=fit_line(ks, [float(np.median(draft[k])) for k in ks]) if timed else None,
+        verify_line=fit_line([k + 1 for k in ks], [r.verify_cost for r in rows]) if timed else None,
+        draft_line=fit_line(ks, [r.draft_cost for r in rows]) if timed else None,
         fit_ks=fit if holdout is not None else (), holdout_line=holdout,
-        recommended=recommended, runner_up=runner_up, within_noise=within, note=note, clock=clock)
+        recommended=recommended, runner_up=runner_up, within_noise=within, note=note, clock=clock,
+        baseline_within_noise=near_base)
 
 
-def recommend(rows: Sequence[KRow], model_rounds: Mapping[int, np.ndarray], eligible: Sequence[int] | None,
-              rounds: int) -> tuple[int | None, int | None, bool, str]:
-    """(recommended K, runner-up, whether the two are within noise, why none). A K is a
+def recommend(rows: Sequence[KRow], model_reps: Mapping[int, np.ndarray], eligible: Sequence[int] | None,
+              rounds: int) -> tuple[int | None, int | None, bool, bool, str]:
+    """(recommended K, runner-up, whether the two are within noise, whether the recommended
+    K — or with none, the fastest — is within noise of the baseline, why none). A K is a
     candidate if it may be recommended and both its modelled and measured speedups beat the
-    baseline: a K slower than no speculation is nobody's best. The two are within noise when
-    one round alone cannot say, when the rounds disagree which is faster, or when the gap is
-    smaller than the recommended K's own spread."""
+    baseline: a K slower than no speculation is nobody's best. Two figures are within noise
+    when one round alone cannot say, when leaving out one round (``model_reps``) changes which
+    is faster, or when the gap is no larger than the spread."""
+    def near_baseline(r: KRow) -> bool:
+        per_round = model_reps[r.k]
+        return rounds < 2 or bool(np.any(per_round <= 1.0) and np.any(per_round > 1.0)) \
+            or abs(r.model - 1.0) <= r.model_spread
+
     allowed = set(r.k for r in rows) if eligible is None else set(eligible)
     candidates = sorted((r for r in rows if r.k in allowed and r.model > 1.0 and r.measured > 1.0),
                         key=lambda r: (-r.model, r.k))
     if not candidates:
-        best = max(rows, key=lambda r: r.model)
+        pool = [r for r in rows if r.k in allowed] or list(rows)
+        best = max(pool, key=lambda r: r.model)
         why = "no K is faster than the baseline" if allowed else "no K passes the gate"
-        return None, None, False, f"{why} (highest: K={best.k} at {best.model:.2f}x modelled, {best.measured:.2f}x measured)"
+        return None, None, False, near_baseline(best), (
+            f"{why} (highest: K={best.k} at {best.model:.2f}x ± {best.model_spread:.2f} modelled, "
+            f"{best.measured:.2f}x measured)")
     top = candidates[0]
     if len(candidates) == 1:
-        return top.k, None, rounds < 2, ""
+        return top.k, None, rounds < 2, near_baseline(top), ""
     second = candidates[1]
-    gaps = model_rounds[top.k] - model_rounds[second.k]
+    gaps = model_reps[top.k] - model_reps[second.k]
     within = rounds < 2 or bool(np.any(gaps <= 0)) or (top.model - second.model) <= top.model_spread
-    return top.k, second.k, within, ""
+    return top.k, second.k, within, near_baseline(top), ""
