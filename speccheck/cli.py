@@ -474,7 +474,8 @@ def sweep(methods, k, engine, model, draft, corpus, repeats, engine_args, store_
     from speccheck.runner import run_suite
 
     plan = _plan(engine, model, draft, methods, k, (), corpus, repeats, 5, engine_args, no_attribution=True)
-    plan.round_robin = True  # load drift on a shared machine then hits every K of a round alike
+    plan.round_robin = True  # every K of a round meets the same spells of load on a shared machine
+    plan.fresh_process_repeat = False  # speed and acceptance; determinism across processes is `run`'s
     suite = run_suite(plan, Store(store_dir), log=lambda m: click.echo(m, err=True))
     if repeats < 2:  # a sweep is about speed and acceptance; determinism needs --repeats 2
         settings = ("require_deterministic=false", *settings)

@@ -61,7 +61,9 @@ class KRow:
     measured: float  # τ / cost: the speedup over the baseline
     measured_spread: float  # half the range of the same with one round left out (0: one round)
     model: float  # τ / the cost line fitted on every K
-    model_spread: float  # half the range of the same with one round left out
+    #: the larger of: half the range of the same with one round left out, and the standard
+    #: error of the cost line at K (from the measured costs' scatter around it)
+    model_spread: float
     conditional_acceptance: tuple[float, ...]  # P(position i accepted | positions < i accepted)
     predicted: float | None = None  # from the fit Ks only (None: K is one of them)
     error: float | None = None  # predicted / measured - 1
@@ -160,17 +162,27 @@ def _rounds(base: Sequence[RepeatTiming], per_k: Mapping[int, Sequence[RepeatTim
 
 
 def least_disturbed_step(runs: Sequence[RepeatTiming]) -> float:
-    """Seconds per step of one config over several runs, each request at its least disturbed
-    run: Σ_p steps_p · min_r(seconds_pr / steps_pr) / Σ_p steps_p over the requests that every
-    run made. Other load on the machine only ever adds time, so the minimum is the estimate
-    of the config's own cost (as timeit takes the minimum); the requests keep their weights."""
-    per = [{p: (n, s) for p, n, s in zip(t.prompts, t.iterations, t.seconds) if n > 0} for t in runs]
-    common = set(per[0]).intersection(*per[1:])
+    """Seconds per step of one config over several runs: each request at its least disturbed
+    run (min over runs of its seconds / steps), then the median over the requests that every
+    run made. Other load on the machine only ever adds time, so the minimum estimates the
+    config's own cost (as timeit takes the minimum), and the median sets aside a request that
+    was disturbed in every run."""
+    per = [{p: s / n for p, n, s in zip(t.prompts, t.iterations, t.seconds) if n > 0} for t in runs]
+    common = sorted(set(per[0]).intersection(*per[1:]))
     if not common:
         raise ValueError("no request that every run made")
-    steps = {p: per[0][p][0] for p in common}
-    best = {p: min(r[p][1] / r[p][0] for r in per) for p in common}
-    return sum(steps[p] * best[p] for p in common) / sum(steps.values())
+    return float(np.median([min(r[p] for r in per) for p in common]))
+
+
+def line_standard_error(x: Sequence[float], y: Sequence[float], line: tuple[float, float]) -> np.ndarray:
+    """Standard error of a least-squares line at each x, from the points' scatter around it
+    (0 with two points: a line through two points has no scatter to tell)."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if len(x) < 3:
+        return np.zeros_like(x)
+    residual = y - (line[0] + line[1] * x)
+    sigma = np.sqrt((residual ** 2).sum() / (len(x) - 2))
+    return sigma * np.sqrt(1 / len(x) + (x - x.mean()) ** 2 / ((x - x.mean()) ** 2).sum())
 
 
 def _estimate(base, per_k, ks, rounds, fit):
@@ -213,6 +225,8 @@ def speedup_model(method: str, base: Sequence[RepeatTiming], per_k: Mapping[int,
     reps = [_estimate(b, by, ks, [r for r in rounds if r != left], fit) for left in rounds] if len(rounds) > 1 else []
     measured_reps = {k: np.array([tau[k] / c[k] for c, _, _ in reps]) for k in ks}
     model_reps = {k: np.array([tau[k] / (line[0] + line[1] * k) for _, line, _ in reps]) for k in ks}
+    line_at = {k: cost_line[0] + cost_line[1] * k for k in ks}
+    line_se = dict(zip(ks, line_standard_error(ks, [cost[k] for k in ks], cost_line)))
 
     timed = all(t.draft_share is not None and t.drafts > 0 for k in ks for t in runs[k])
     share = {k: float(np.median([t.draft_share for t in runs[k]])) if timed else None for k in ks}
@@ -234,7 +248,8 @@ def speedup_model(method: str, base: Sequence[RepeatTiming], per_k: Mapping[int,
             verify_cost=cost[k] * (1 - share[k]) if timed else None,
             draft_cost=cost[k] * share[k] / drafted[k] if timed else None,
             measured=tau[k] / cost[k], measured_spread=half_range(measured_reps[k]),
-            model=tau[k] / (cost_line[0] + cost_line[1] * k), model_spread=half_range(model_reps[k]),
+            model=tau[k] / line_at[k],
+            model_spread=max(half_range(model_reps[k]), tau[k] / line_at[k] * float(line_se[k]) / line_at[k]),
             conditional_acceptance=tuple(float(q) for q in conditional_acceptance(accepted[k], drafts[k])),
             predicted=predicted, error=error))
 
@@ -253,17 +268,19 @@ def recommend(rows: Sequence[KRow], model_reps: Mapping[int, np.ndarray], eligib
     """(recommended K, runner-up, whether the two are within noise, whether the recommended
     K — or with none, the fastest — is within noise of the baseline, why none). A K is a
     candidate if it may be recommended and both its modelled and measured speedups beat the
-    baseline: a K slower than no speculation is nobody's best. Two figures are within noise
-    when one round alone cannot say, when leaving out one round (``model_reps``) changes which
-    is faster, or when the gap is no larger than the spread."""
+    baseline: a K slower than no speculation is nobody's best; the runner-up is the next K
+    faster than the baseline by the model. Two figures are within noise when one round alone
+    cannot say, when leaving out one round (``model_reps``) changes which is faster, or when
+    the gap is no larger than their spreads together."""
     def near_baseline(r: KRow) -> bool:
         per_round = model_reps[r.k]
         return rounds < 2 or bool(np.any(per_round <= 1.0) and np.any(per_round > 1.0)) \
             or abs(r.model - 1.0) <= r.model_spread
 
     allowed = set(r.k for r in rows) if eligible is None else set(eligible)
-    candidates = sorted((r for r in rows if r.k in allowed and r.model > 1.0 and r.measured > 1.0),
-                        key=lambda r: (-r.model, r.k))
+    faster = sorted((r for r in rows if r.k in allowed and r.model > 1.0), key=lambda r: (-r.model, r.k))
+    tops = [r for r in faster if r.measured > 1.0]
+    candidates = tops[:1] + [r for r in faster if tops and r.k != tops[0].k]
     if not candidates:
         pool = [r for r in rows if r.k in allowed] or list(rows)
         best = max(pool, key=lambda r: r.model)
@@ -276,5 +293,5 @@ def recommend(rows: Sequence[KRow], model_reps: Mapping[int, np.ndarray], eligib
         return top.k, None, rounds < 2, near_baseline(top), ""
     second = candidates[1]
     gaps = model_reps[top.k] - model_reps[second.k]
-    within = rounds < 2 or bool(np.any(gaps <= 0)) or (top.model - second.model) <= top.model_spread
+    within = rounds < 2 or bool(np.any(gaps <= 0)) or top.model - second.model <= top.model_spread + second.model_spread
     return top.k, second.k, within, near_baseline(top), ""
