@@ -184,6 +184,8 @@ def test_rounds_are_the_repeats_every_config_ran():
     assert speedup_model("mtp", base, per_k).rounds == 2
     assert speedup_model("mtp", base, {1: per_k[1]}) is None  # one K: nothing to fit
     assert speedup_model("mtp", [], per_k) is None  # no baseline
+    other = [RepeatTiming(t.repeat, ("q",), t.tokens, t.iterations, t.seconds) for t in base]
+    assert speedup_model("mtp", base[:1] + other[1:], per_k) is None  # no request in both rounds
 
 
 # --- from a store: evaluate_suite -> SuiteResult.speedup -> report ---------------------------------
@@ -281,3 +283,23 @@ def test_least_disturbed_step_ignores_load_added_to_other_rounds(seconds, steps,
                            tuple(s if fastest[i] == t.repeat else s * extra for i, s in enumerate(t.seconds)))
               for t in runs]
     assert least_disturbed_step(slowed) == pytest.approx(got)
+
+
+def test_the_recommendation_says_plainly_how_sure_it_is():
+    from speccheck.report import recommendation_line, speedup_table
+
+    clear = speedup_model("mtp", *synthetic(range(1, 8), [90, 80, 70, 30, 10, 3, 1], 100,
+                                            lambda k: 1.0 + 0.1 * k, (1.0, 1.3, 0.9)))
+    line = recommendation_line(clear)
+    assert line.startswith(f"recommended mtp K={clear.recommended}: ") and "clearly ahead of the runner-up" in line
+    table = speedup_table(clear)
+    assert "validation: K=2,3,5,6 predicted from K=1,4,7 alone" in table and "max |error| 0.0 %" in table
+    assert table.count("| fit |") == 3
+
+    counts, drafts = [90, 80, 70, 45, 27], 100
+    base, per_k = synthetic(range(1, 6), counts, drafts, lambda k: 1.0 + 0.12 * k, (1.0, 1.0, 1.0))
+    flat = speedup_model("mtp", base, noisy(per_k, {4: {1: 1.06, 2: 1.06}, 5: {0: 1.06, 1: 1.06}}))
+    assert "is within noise of it — either will do" in recommendation_line(flat)
+
+    slow = speedup_model("mtp", *synthetic(range(1, 4), [20, 5, 1], 100, lambda k: 1.3 + 0.2 * k, (1.0, 1.1)))
+    assert recommendation_line(slow).startswith("recommended mtp K: none — no K is faster than the baseline")

@@ -152,12 +152,17 @@ def choose_fit_ks(ks: Sequence[int]) -> tuple[int, ...]:
 
 
 def _rounds(base: Sequence[RepeatTiming], per_k: Mapping[int, Sequence[RepeatTiming]]) -> list[int]:
-    """Repeats that every K and the baseline ran (a round), with tokens and time to divide."""
+    """Repeats that every K and the baseline ran (a round), with tokens and time to divide;
+    none when some config made no request in every one of them."""
     def usable(ts):
         return {t.repeat for t in ts if t.total_tokens > 0 and t.total_iterations > 0 and sum(t.seconds) > 0}
     common = usable(base)
     for ts in per_k.values():
         common &= usable(ts)
+    for ts in [base, *per_k.values()]:
+        runs = [t for t in ts if t.repeat in common]
+        if runs and not set(runs[0].prompts).intersection(*(t.prompts for t in runs[1:])):
+            return []
     return sorted(common)
 
 
