@@ -233,7 +233,8 @@ def speedup_table(m: SpeedupModel) -> str:
              "shows; this machine's wall clock also measures the other load on it)" if m.clock == "cpu"
              else "wall seconds")
     out = [f"{m.method}: speedup model from {m.rounds} round(s) (each request at its least disturbed round; "
-           f"± : how far a figure moves when one round is left out); step costs in one-token decode steps "
+           f"±: how far a figure moves with one round left out, for the model at least the cost line's "
+           f"standard error); step costs in one-token decode steps "
            f"of the baseline, from {clock}",
            f"  step cost(K) = {_line(*m.cost_line, 'K')}"
            + (f"  (target verify(n tokens) = {_line(*m.verify_line, 'n')}; drafter per step = "

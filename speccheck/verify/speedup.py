@@ -5,7 +5,8 @@ recommendation comes from a model, not from the fastest run:
 
 - tokens per iteration τ(K) is measured (greedy counters repeat run to run); for a K that was
   not run it follows from a larger K's per-position acceptance: τ(K) = 1 + Σ_{i<K} P(the first
-  i+1 draft tokens accepted) — the drafter writes the same tokens at positions < K whatever K is;
+  i+1 draft tokens accepted) — exact for a drafter that writes the same tokens at positions < K
+  whatever K is (MTP, drafting recursively), close for a block drafter whose block sees K masks;
 - the cost of one target step at K, in one-token decode steps of the baseline measured in the
   same round, is a line in K (the verify forward grows with the K+1 tokens it checks, the
   drafter with the K tokens it writes); with the engine's drafting seconds it splits into
