@@ -232,7 +232,7 @@ def speedup_table(m: SpeedupModel) -> str:
     clock = ("the engine's CPU seconds (decode on one CPU thread: what an idle machine's wall clock "
              "shows; this machine's wall clock also measures the other load on it)" if m.clock == "cpu"
              else "wall seconds")
-    out = [f"{m.method}: speedup model from {m.rounds} round(s) (each request at its least disturbed round; "
+    out = [f"{m.method}: speedup model from {m.rounds} round(s) (each K's cost from its least disturbed request; "
            f"±: how far a figure moves with one round left out, for the model at least the cost line's "
            f"standard error); step costs in one-token decode steps "
            f"of the baseline, from {clock}",

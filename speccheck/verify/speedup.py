@@ -168,16 +168,17 @@ def _rounds(base: Sequence[RepeatTiming], per_k: Mapping[int, Sequence[RepeatTim
 
 
 def least_disturbed_step(runs: Sequence[RepeatTiming]) -> float:
-    """Seconds per step of one config over several runs: each request at its least disturbed
-    run (min over runs of its seconds / steps), then the median over the requests that every
-    run made. Other load on the machine only ever adds time, so the minimum estimates the
-    config's own cost (as timeit takes the minimum), and the median sets aside a request that
-    was disturbed in every run."""
+    """Seconds per step of one config over several runs: its least disturbed request, the
+    minimum of seconds / steps over the requests that every run made. Other load on a shared
+    machine only ever adds time, and it comes in spells of seconds to minutes that can cover
+    a whole run, so the config's quietest request is the best estimate of its own cost (as
+    timeit takes the minimum); requests differ less in their own cost per step (context
+    length) than load changes it."""
     per = [{p: s / n for p, n, s in zip(t.prompts, t.iterations, t.seconds) if n > 0} for t in runs]
     common = sorted(set(per[0]).intersection(*per[1:]))
     if not common:
         raise ValueError("no request that every run made")
-    return float(np.median([min(r[p] for r in per) for p in common]))
+    return float(min(r[p] for r in per for p in common))
 
 
 def line_standard_error(x: Sequence[float], y: Sequence[float], line: tuple[float, float]) -> np.ndarray:
@@ -242,7 +243,7 @@ def speedup_model(method: str, base: Sequence[RepeatTiming], per_k: Mapping[int,
     for k in ks:
         predicted = error = None
         if holdout is not None and k not in fit:
-            larger = [f for f in fit if f >= k]
+            larger = [f for f in fit if f >= k and len(accepted[f]) >= k]
             if larger:  # τ from the nearest larger fit K's acceptance, scaled by what it emitted
                 ref = larger[0]
                 counted = tau_at(accepted[ref], drafts[ref], ref)
