@@ -14,9 +14,11 @@ import numpy as np
 from speccheck.policy import Policy
 from speccheck.store import Suite, config_sort_key
 from speccheck.types import Completion, RunRecord, SpecConfig, SpecCounters
-from speccheck.verify.speedup import RepeatTiming, SpeedupModel, speedup_model
 from speccheck.verify import (
     END,
+    RepeatTiming,
+    SpeedupModel,
+    speedup_model,
     Acceptance,
     DriftTest,
     FlipBudget,

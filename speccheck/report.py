@@ -8,8 +8,7 @@ from pathlib import Path
 
 from speccheck.evaluate import ConfigResult, SuiteResult
 from speccheck.types import SpecConfig
-from speccheck.verify import END, Divergence
-from speccheck.verify.speedup import SpeedupModel
+from speccheck.verify import END, Divergence, SpeedupModel
 
 
 def _pct(x: float | None, digits: int = 2) -> str:
