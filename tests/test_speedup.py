@@ -303,3 +303,12 @@ def test_the_recommendation_says_plainly_how_sure_it_is():
 
     slow = speedup_model("mtp", *synthetic(range(1, 4), [20, 5, 1], 100, lambda k: 1.3 + 0.2 * k, (1.0, 1.1)))
     assert recommendation_line(slow).startswith("recommended mtp K: none — no K is faster than the baseline")
+
+
+def test_the_emitted_share_falls_with_k_from_what_the_reference_run_emitted():
+    from speccheck.verify.speedup import emitted_share
+
+    assert emitted_share(2.2, 2.4, 4, 4) == pytest.approx(2.2 / 2.4)
+    assert emitted_share(2.2, 2.4, 4, 0) == 1.0
+    assert 2.2 / 2.4 < emitted_share(2.2, 2.4, 4, 2) < 1.0
+    assert emitted_share(2.4, 2.4, 7, 3) == 1.0  # nothing cut at the reference: nothing cut below it

@@ -127,6 +127,15 @@ def tau_at(accepted_per_pos: Sequence[int], drafts: int, k: int) -> float:
     return 1.0 + float(acceptance_rates(accepted_per_pos, drafts)[:k].sum())
 
 
+def emitted_share(emitted_tau: float, counted_tau: float, ref: int, k: int) -> float:
+    """Of the tokens the counters accept per iteration, the share a run at ``k`` emits, from a
+    run at ``ref``: each request's last step is cut at its end (max_tokens, a stop), and what
+    it loses there grows with K, so the share falls from 1 at K=0 to the one ``ref`` showed."""
+    if not counted_tau or not ref:
+        return 1.0
+    return 1.0 - (1.0 - emitted_tau / counted_tau) * k / ref
+
+
 def fit_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
     """Least-squares (a, b) of y = a + b·x; needs two distinct x."""
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
@@ -244,10 +253,10 @@ def speedup_model(method: str, base: Sequence[RepeatTiming], per_k: Mapping[int,
         predicted = error = None
         if holdout is not None and k not in fit:
             larger = [f for f in fit if f >= k and len(accepted[f]) >= k]
-            if larger:  # τ from the nearest larger fit K's acceptance, scaled by what it emitted
+            if larger:  # τ from the nearest larger fit K's acceptance
                 ref = larger[0]
-                counted = tau_at(accepted[ref], drafts[ref], ref)
-                t = tau_at(accepted[ref], drafts[ref], k) * (tau[ref] / counted if counted else 1.0)
+                t = tau_at(accepted[ref], drafts[ref], k) * emitted_share(
+                    tau[ref], tau_at(accepted[ref], drafts[ref], ref), ref, k)
                 predicted = t / (holdout[0] + holdout[1] * k)
                 error = predicted / (tau[k] / cost[k]) - 1
         rows.append(KRow(
