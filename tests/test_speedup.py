@@ -312,3 +312,24 @@ def test_the_emitted_share_falls_with_k_from_what_the_reference_run_emitted():
     assert emitted_share(2.2, 2.4, 4, 0) == 1.0
     assert 2.2 / 2.4 < emitted_share(2.2, 2.4, 4, 2) < 1.0
     assert emitted_share(2.4, 2.4, 7, 3) == 1.0  # nothing cut at the reference: nothing cut below it
+
+
+def test_cpu_seconds_and_drafting_seconds_survive_the_store(tmp_path):
+    """decode_cpu_s and SpecCounters.draft_s are stored and read back; a run stored without
+    them (an older speccheck, or an engine that cannot say) reads back as None."""
+    from speccheck.store import Store
+    from speccheck.types import Completion, RunRecord, SpecConfig, SpecCounters
+
+    suite = Store(tmp_path).suite("t", {"corpus_hash": "h", "engine": "t", "corpus": "c"})
+    ids = np.array([[5, 6], [6, 7], [7, 8]], np.int32)
+    lps = np.tile(np.array([-0.1, -4.0], np.float32), (3, 1))
+    spec = SpecCounters(1, 2, 1, [1, 0], iterations=1, draft_s=0.004)
+    with_cpu = Completion("a", [1], [5, 6, 7], lps[:, 0], ids, lps, decode_s=0.03, decode_cpu_s=0.011, spec=spec)
+    without = Completion("b", [1], [5, 6, 7], lps[:, 0], ids, lps, decode_s=0.03,
+                         spec=SpecCounters(1, 2, 1, [1, 0], iterations=1))
+    suite.write_run(RunRecord(SpecConfig("mtp", 2), {"engine": "t"}, "c", "h", 0, False,
+                              completions=[with_cpu, without]))
+    a, b = suite.load_run("mtp-k2", 0).completions
+    assert a.decode_cpu_s == 0.011 and a.spec.draft_s == 0.004
+    assert b.decode_cpu_s is None and b.spec.draft_s is None
+    assert (a.spec + b.spec).draft_s is None and (a.spec + a.spec).draft_s == pytest.approx(0.008)
