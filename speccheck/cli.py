@@ -474,17 +474,23 @@ def report(suite, store_dir, golden_dir, policy_file, settings, out, html_file):
 @click.option("--model", default=None, help="Model path (engine-specific; reference: shipped weights).")
 @click.option("--draft", default=None, help="External drafter path (dflash, dflash2).")
 @click.option("--corpus", default="default", show_default=True, help="Built-in corpus name or a file path.")
-@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 100),
-              help="Runs per config (2 or more also gates determinism).")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100),
+              help="Rounds: runs per config, round-robin (the spread of the recommendation; 2 or "
+                   "more also gates determinism).")
 @click.option("--engine-arg", "engine_args", multiple=True, help=ENGINE_ARG_HELP)
 @store_option
 @_apply(policy_options)
 def sweep(methods, k, engine, model, draft, corpus, repeats, engine_args, store_dir, policy_file, settings):
-    """K-sweep: run a method over a K range and print the seed's table with the best K."""
-    from speccheck.report import best_configs, sweep_table
+    """K-sweep: run a method over a K range, round-robin (every K once per round, with the
+    baseline), and print the seed's table, then per method the speedup model — measured and
+    predicted speedup per K, the model checked on the Ks its fit left out — and the K it
+    recommends, or that the top two are within noise. Use --repeats 3 or more for a spread."""
+    from speccheck.report import best_configs, speedup_table, sweep_table
     from speccheck.runner import run_suite
 
     plan = _plan(engine, model, draft, methods, k, (), corpus, repeats, 5, engine_args, no_attribution=True)
+    plan.round_robin = True  # every K of a round meets the same spells of load on a shared machine
+    plan.fresh_process_repeat = False  # speed and acceptance; determinism across processes is `run`'s
     suite = run_suite(plan, Store(store_dir), log=lambda m: click.echo(m, err=True))
     if repeats < 2:  # a sweep is about speed and acceptance; determinism needs --repeats 2
         settings = ("require_deterministic=false", *settings)
@@ -492,8 +498,12 @@ def sweep(methods, k, engine, model, draft, corpus, repeats, engine_args, store_
     click.echo(sweep_table(result))
     best = best_configs(result)
     for method in dict.fromkeys(c.method for c in plan.configs if not c.is_baseline):
-        click.echo(f"best {method}: {best[method]}" if method in best else
-                   f"best {method}: none (no passing {method} config is faster than the baseline)")
+        click.echo(f"\nfastest measured {method}: {best[method]} (median warm tok/s of this sweep)" if method in best
+                   else f"\nfastest measured {method}: none (no passing {method} config is faster than the baseline)")
+        if method in result.speedup:
+            click.echo(speedup_table(result.speedup[method]))
+        else:
+            click.echo(f"no speedup model for {method}: it needs two or more Ks and a baseline run in the same round")
 
 
 @main.group()

@@ -13,9 +13,12 @@ import numpy as np
 
 from speccheck.policy import Policy
 from speccheck.store import Suite, config_sort_key
-from speccheck.types import Completion, RunRecord, SpecConfig
+from speccheck.types import Completion, RunRecord, SpecConfig, SpecCounters
 from speccheck.verify import (
     END,
+    RepeatTiming,
+    SpeedupModel,
+    speedup_model,
     Acceptance,
     DriftTest,
     FlipBudget,
@@ -68,6 +71,14 @@ class Speed:
     cold_tok_s: float | None  # the first request of the first run
     ttft_s: float | None  # median
     speedup: float | None  # warm tok/s over the baseline's, same suite
+    #: per stored repeat, its warm requests' tokens, steps and seconds: the speedup model's
+    #: input, in wall seconds and (where every request has them) in the engine's CPU seconds
+    repeats: tuple[RepeatTiming, ...] = ()
+    cpu_repeats: tuple[RepeatTiming, ...] = ()
+
+    @property
+    def cpu_timed(self) -> bool:
+        return bool(self.cpu_repeats) and len(self.cpu_repeats) == len(self.repeats)
 
 
 @dataclass
@@ -183,6 +194,8 @@ class SuiteResult:
     #: why path noise was not measured (tau then comes from the policy floors); None when it was
     noise_missing: str | None = None
     plan: dict | None = None  # what `speccheck run` recorded it would store (None: older suite)
+    #: per method swept over two or more Ks: the speedup model and the K it recommends
+    speedup: dict[str, SpeedupModel] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -203,7 +216,8 @@ class SuiteResult:
                 "noise": self.noise, "noise_missing": self.noise_missing,
                 "tau_tie": self.tau_tie, "tau_low": self.tau_low, "policy": self.policy,
                 "plan": self.plan, "passed": self.passed,
-                "configs": [c.to_dict() for c in self.configs]}
+                "configs": [c.to_dict() for c in self.configs],
+                "speedup": {m: asdict(model) for m, model in self.speedup.items()}}
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -221,6 +235,56 @@ def speed_of(records: Sequence[RunRecord]) -> tuple[float | None, float | None, 
     cold = (first.n_tokens - 1) / first.decode_s if first else None
     ttfts = [c.ttft_s for rec in records for c in rec.completions[1:] if c.ttft_s > 0]
     return (median(warm) if warm else None, cold, median(ttfts) if ttfts else None)
+
+
+def _warm(record: RunRecord) -> list[Completion]:
+    """A run's requests that decoded, but the first (warm-up), as in :func:`_warm_rates`."""
+    return [c for c in record.completions if c.decode_s > 0 and c.n_tokens > 1][1:]
+
+
+def repeat_timing(record: RunRecord, clock: str = "wall") -> RepeatTiming:
+    """A run's warm requests summed: tokens, target steps, decode seconds on ``clock`` ("cpu":
+    the engine's CPU seconds), the share of them spent drafting, counters."""
+    warm = _warm(record)
+    specs = [c.spec for c in warm if c.spec is not None]
+    steps = [c.n_tokens - 1 if c.spec is None else
+             (c.spec.iterations if c.spec.iterations is not None else c.spec.drafts) for c in warm]
+    total = sum(specs[1:], specs[0] + SpecCounters(iterations=0, draft_s=0.0)) if specs else None
+    wall = sum(c.decode_s for c in warm)
+    return RepeatTiming(
+        repeat=record.repeat, prompts=tuple(c.prompt_id for c in warm),
+        tokens=tuple(c.n_tokens - 1 for c in warm), iterations=tuple(steps),
+        seconds=tuple(c.decode_cpu_s if clock == "cpu" else c.decode_s for c in warm),
+        drafts=total.drafts if total else 0,
+        draft_share=total.draft_s / wall if total and total.draft_s is not None and len(specs) == len(warm)
+        and wall > 0 else None,
+        accepted_per_pos=tuple(total.accepted_per_pos) if total else ())
+
+
+def speedup_models(results: Sequence["ConfigResult"]) -> dict[str, SpeedupModel]:
+    """Per method run at two or more Ks (and a baseline), the speedup model; only Ks that
+    pass every check may be recommended. Costs are in the engine's CPU seconds where every
+    run has them (the wall clock of a shared machine measures the other load as much), else
+    in wall seconds."""
+    base = next((r for r in results if r.config == "baseline"), None)
+    by_method: dict[str, dict[int, ConfigResult]] = {}
+    for r in results:
+        cfg = SpecConfig.from_name(r.config)
+        if not cfg.is_baseline and r.speed.repeats:
+            by_method.setdefault(cfg.method, {})[cfg.k] = r
+    models = {}
+    for method, per_k in by_method.items():
+        if base is None:
+            break
+        runs = [base, *per_k.values()]
+        clock = "cpu" if all(r.speed.repeats for r in runs) and all(
+            r.speed.cpu_timed for r in runs) else "wall"
+        pick = (lambda r: r.speed.cpu_repeats) if clock == "cpu" else (lambda r: r.speed.repeats)
+        model = speedup_model(method, pick(base), {k: pick(r) for k, r in per_k.items()},
+                              eligible=[k for k, r in per_k.items() if r.verdict == "pass"], clock=clock)
+        if model is not None:
+            models[method] = model
+    return models
 
 
 def rescore_gaps(suite: Suite, name: str, repeat: int, comps: Sequence[Completion]) -> list[str]:
@@ -536,7 +600,11 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
         missing=suite.missing(name))
 
     warm, cold, ttft = speed_of(ok)
-    result.speed = Speed(warm, cold, ttft, warm / base_speed if warm and base_speed else None)
+    runs = [r for r in ok if r.repeat >= 0]
+    cpu = all(c.decode_cpu_s is not None for r in runs for c in _warm(r))
+    result.speed = Speed(warm, cold, ttft, warm / base_speed if warm and base_speed else None,
+                         tuple(repeat_timing(r) for r in runs),
+                         tuple(repeat_timing(r, "cpu") for r in runs) if cpu and runs else ())
     result.noise_missing = noise_missing
     is_spec = name != "baseline"
     if is_spec:
@@ -968,7 +1036,7 @@ def evaluate_suite(suite: Suite, policy: Policy, configs: Sequence[str] | None =
                                golden_acceptance, detok, base_speed, noise_missing, kernel,
                                golden_noise, base_variant) for n in names]
     return SuiteResult(suite.id, suite.meta, identity, noise, tau_tie, tau_low, policy.to_dict(), results,
-                       noise_missing, suite.load_plan())
+                       noise_missing, suite.load_plan(), speedup_models(results))
 
 
 # --- two suites: what changed between them and what it changed ---------------------------------

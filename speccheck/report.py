@@ -8,7 +8,7 @@ from pathlib import Path
 
 from speccheck.evaluate import ConfigResult, SuiteResult
 from speccheck.types import SpecConfig
-from speccheck.verify import END, Divergence
+from speccheck.verify import END, Divergence, SpeedupModel
 
 
 def _pct(x: float | None, digits: int = 2) -> str:
@@ -202,6 +202,63 @@ def best_configs(result: SuiteResult) -> dict[str, str]:
     return {m: r.config for m, r in best.items()}
 
 
+def _line(a: float, b: float, var: str) -> str:
+    return f"{a:.2f} {'+' if b >= 0 else '-'} {abs(b):.3f}·{var}"
+
+
+def recommendation_line(m: SpeedupModel) -> str:
+    """The K the speedup model recommends, with its uncertainty, and whether the runner-up is
+    indistinguishable from it."""
+    if m.recommended is None:
+        return f"recommended {m.method} K: none — {m.note}" + (
+            "; within noise of the baseline" if m.baseline_within_noise else "")
+    r = m.row(m.recommended)
+    text = (f"recommended {m.method} K={r.k}: {r.model:.2f}x ± {r.model_spread:.2f} modelled "
+            f"(measured {r.measured:.2f}x ± {r.measured_spread:.2f}, {m.rounds} round(s))")
+    if m.runner_up is not None:
+        u = m.row(m.runner_up)
+        text += (f"; K={u.k} ({u.model:.2f}x) is within noise of it — either will do" if m.within_noise
+                 else f"; clearly ahead of the runner-up K={u.k} ({u.model:.2f}x) in every round")
+    elif m.within_noise:
+        text += "; one round measures no spread: run --repeats 3 or more to know how sure this is"
+    if m.baseline_within_noise and m.rounds > 1:
+        text += "; not clearly faster than the baseline (within noise of 1.00x)"
+    return text
+
+
+def speedup_table(m: SpeedupModel) -> str:
+    """Measured and modelled speedup per K, the validation of the model on the Ks its fit did
+    not use, and the recommendation."""
+    clock = ("the engine's CPU seconds (decode on one CPU thread: what an idle machine's wall clock "
+             "shows; this machine's wall clock also measures the other load on it)" if m.clock == "cpu"
+             else "wall seconds")
+    out = [f"{m.method}: speedup model from {m.rounds} round(s) (each K's cost from its least disturbed request; "
+           f"±: how far a figure moves with one round left out, for the model at least the cost line's "
+           f"standard error); step costs in one-token decode steps "
+           f"of the baseline, from {clock}",
+           f"  step cost(K) = {_line(*m.cost_line, 'K')}"
+           + (f"  (target verify(n tokens) = {_line(*m.verify_line, 'n')}; drafter per step = "
+              f"{_line(*m.draft_line, 'K')})" if m.verify_line and m.draft_line else ""), ""]
+    fit = ",".join(map(str, m.fit_ks))
+    out += [f"| K | tokens/iter | step cost | measured speedup | modelled (all K) | predicted from K={fit or '-'} "
+            "| error | conditional acceptance p0.. |", "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in m.rows:
+        pred = "fit" if r.k in m.fit_ks else ("-" if r.predicted is None else f"{r.predicted:.2f}x")
+        err = "-" if r.error is None else f"{100 * r.error:+.1f} %"
+        acc = "/".join(f".{round(100 * q):02d}" if q < 1 else "1.0" for q in r.conditional_acceptance[:8])
+        out.append(f"| {r.k} | {r.tau:.2f} | {r.cost:.2f} | {r.measured:.2f}x ± {r.measured_spread:.2f} | "
+                   f"{r.model:.2f}x ± {r.model_spread:.2f} | {pred} | {err} | {acc or '-'} |")
+    checked = [r for r in m.rows if r.error is not None]
+    if checked:
+        out.append(f"\nvalidation: K={','.join(str(r.k) for r in checked)} predicted from K={fit} alone: "
+                   + ", ".join(f"K={r.k} {100 * r.error:+.1f} %" for r in checked)
+                   + f" (max |error| {100 * m.max_error:.1f} %)")
+    else:
+        out.append("\nvalidation: none (the fit needs every K of this sweep; sweep 3 or more Ks)")
+    out.append(recommendation_line(m))
+    return "\n".join(out)
+
+
 def markdown_report(result: SuiteResult, detok=None) -> str:
     ident = result.identity
     lines = [f"# speccheck report — {result.suite}", "",
@@ -219,6 +276,8 @@ def markdown_report(result: SuiteResult, detok=None) -> str:
     if best:
         lines += ["Best passing config per method (warm tok/s): "
                   + ", ".join(f"{m}: **{c}**" for m, c in best.items()), ""]
+    for model in result.speedup.values():
+        lines += [f"## Which K: {model.method}", "", speedup_table(model), ""]
     lines += ["## Divergences from the baseline", ""]
     any_div = False
     for r in result.configs:

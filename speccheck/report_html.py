@@ -14,7 +14,8 @@ from html import escape
 from pathlib import Path
 
 from speccheck.evaluate import ConfigResult, SuiteResult
-from speccheck.report import acceptance_str, attribution_str, best_configs, determinism_str
+from speccheck.report import (acceptance_str, attribution_str, best_configs, determinism_str,
+                              recommendation_line, speedup_table)
 from speccheck.svgplot import PALETTE, StripPoint, heat_grid, line_plot, log_strip
 from speccheck.verify import END, Divergence
 
@@ -216,6 +217,13 @@ def sweep_plots(result: SuiteResult) -> str:
             + "</div>")
 
 
+def speedup_notes(result: SuiteResult) -> str:
+    """Per method swept over Ks: the K the speedup model recommends, its figures folded."""
+    return "".join(f"<p class='recommend'><b>{_e(recommendation_line(m))}</b></p><details><summary>"
+                   f"{_e(m.method)}: measured and predicted speedup per K</summary><pre>{_e(speedup_table(m))}"
+                   "</pre></details>" for m in result.speedup.values())
+
+
 def acceptance_plot(result: SuiteResult) -> str:
     rows = [r for r in ordered(result) if r.acceptance is not None and r.acceptance.per_pos]
     if not rows:
@@ -415,7 +423,7 @@ def html_report(result: SuiteResult, detok=None) -> str:
         banner(result),
         "<p class='note'>" + " · ".join(f"<a href='#{a}'>{t}</a>" for a, t in SECTIONS) + "</p>",
         "<h2 id='configs'>Configs</h2>", summary_table(result),
-        "<h2 id='sweep'>K-sweep</h2>", sweep_plots(result),
+        "<h2 id='sweep'>K-sweep</h2>", sweep_plots(result), speedup_notes(result),
         "<h2 id='acceptance'>Acceptance per draft position</h2>", acceptance_plot(result),
         "<h2 id='margins'>Divergence margins</h2>", margin_plot(result),
         "<h2 id='agreement'>Per-prompt agreement with the baseline</h2>", agreement_grid(result),

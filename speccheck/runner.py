@@ -57,6 +57,9 @@ class RunPlan:
     #: globs over the engine's kernel-path labels to attribute with (empty: all of them);
     #: each path costs an engine start, so a user on a real engine picks the ones they need
     attribution_paths: tuple[str, ...] = ()
+    #: run repeat 0 of every config, then repeat 1, ... (a sweep: a drift in machine load then
+    #: hits every config of a round alike, instead of all repeats of one config)
+    round_robin: bool = False
 
     def suite_meta(self, corpus: Corpus) -> dict:
         return {"engine": self.engine, "model": self.model, "draft": self.draft,
@@ -233,6 +236,8 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
         # repeat -1: the corpus all at once (plan.concurrent copies of each prompt)
         wanted = [(c, r) for c in plan.configs
                   for r in list(range(plan.repeats)) + ([-1] if plan.concurrent else [])]
+        if plan.round_robin:  # stable: configs keep their order within a round
+            wanted.sort(key=lambda cr: cr[1] if cr[1] >= 0 else plan.repeats)
         todo = [(c, r) for c, r in wanted
                 if not (suite.is_complete(c.name, r)
                         and weights_fingerprint(suite.run_identity(c.name, r)) == current

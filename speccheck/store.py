@@ -295,7 +295,7 @@ def read_run(d: Path, redo: str = _REDO_DEFAULT, manifest: dict | None = None) -
                     logprobs=a["logprobs"][sl], topk_ids=a["topk_ids"][sl],
                     topk_logprobs=a["topk_logprobs"][sl], text=meta["text"],
                     finish_reason=meta["finish_reason"], ttft_s=meta["ttft_s"],
-                    decode_s=meta["decode_s"],
+                    decode_s=meta["decode_s"], decode_cpu_s=meta.get("decode_cpu_s"),
                     spec=_counters(meta["spec"])))
         cfg = m["config"]
         return RunRecord(
@@ -454,7 +454,8 @@ class Suite:
             "completions": [
                 {"prompt_id": c.prompt_id, "text": c.text, "finish_reason": c.finish_reason,
                  "ttft_s": c.ttft_s, "decode_s": c.decode_s, "n_tokens": c.n_tokens,
-                 "spec": c.spec.to_dict() if c.spec else None}
+                 "spec": c.spec.to_dict() if c.spec else None,
+                 **({"decode_cpu_s": c.decode_cpu_s} if c.decode_cpu_s is not None else {})}
                 for c in comps
             ],
             "files": {"arrays.npz": file_sum(tmp / "arrays.npz")},

@@ -81,6 +81,9 @@ class SpecCounters:
     #: verify steps the engine ran for the request, with and without a draft (None where the
     #: engine cannot say, e.g. a server's /metrics): what tokens/iteration is checked against
     iterations: int | None = None
+    #: seconds of the request's decode_s spent drafting (None where the engine cannot say):
+    #: what separates the drafter's cost from the target's verify cost in the speedup model
+    draft_s: float | None = None
 
     def __add__(self, other: "SpecCounters") -> "SpecCounters":
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
@@ -93,6 +96,7 @@ class SpecCounters:
             [x + y for x, y in zip(a, b)],
             None if self.iterations is None or other.iterations is None
             else self.iterations + other.iterations,
+            None if self.draft_s is None or other.draft_s is None else self.draft_s + other.draft_s,
         )
 
     def to_dict(self) -> dict:
@@ -114,6 +118,10 @@ class Completion:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     spec: SpecCounters | None = None
+    #: CPU seconds of the engine's process during decode, where they measure the decode's own
+    #: work (a CPU engine on one thread; None elsewhere): on a machine shared with other load
+    #: they are what an idle machine's wall clock would show, so the speedup model prefers them
+    decode_cpu_s: float | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int32)
@@ -196,7 +204,7 @@ class RunRecord:
         counters = [c.spec for c in self.completions if c.spec is not None]
         if not counters:
             return None
-        total = counters[0] + SpecCounters(iterations=0)  # a copy, iterations kept (or None)
+        total = counters[0] + SpecCounters(iterations=0, draft_s=0.0)  # a copy; iterations, draft_s kept (or None)
         for c in counters[1:]:
             total = total + c
         return total

@@ -92,14 +92,22 @@ def test_end_to_end_smoke_run_diff_gate_report(tmp_path):
     assert same.exit_code == 0 and "4/4 prompts exact" in same.output
 
 
-def test_sweep_prints_the_k_table_and_best_k(tmp_path):
-    r = CliRunner().invoke(main, ["sweep", "--store", str(tmp_path / "st"), "--method", "mtp", "--k", "1-2",
-                                  "--corpus", "smoke"])
+def test_sweep_prints_the_k_table_the_speedup_model_and_a_recommendation(tmp_path):
+    """A real sweep on the reference engine (smoke corpus, K 1-3, one round): the seed's
+    table, then the speedup model validated on the K its fit left out, and a recommendation
+    (or none, where no K beats the baseline: which is a measurement of this machine)."""
+    r = CliRunner().invoke(main, ["sweep", "--store", str(tmp_path / "st"), "--method", "mtp", "--k", "1-3",
+                                  "--corpus", "smoke", "--repeats", "1"])
     assert r.exit_code == 0, r.output
     rows = [line for line in r.output.splitlines() if line.startswith("| mtp-k")]
-    assert [row.split("|")[1].strip() for row in rows] == ["mtp-k1", "mtp-k2"]
-    # which K wins is a measurement (and none may beat the baseline on a loaded machine)
-    assert re.search(r"best mtp: (mtp-k[12]\b|none)", r.output), r.output
+    assert [row.split("|")[1].strip() for row in rows] == ["mtp-k1", "mtp-k2", "mtp-k3"]
+    assert "speedup model from 1 round(s)" in r.output and "engine's CPU seconds" in r.output
+    model = [line.split("|")[1:-1] for line in r.output.splitlines() if re.match(r"\| \d \|", line)]
+    assert [m[0].strip() for m in model] == ["1", "2", "3"]
+    assert [m[5].strip() for m in model][::2] == ["fit", "fit"]  # K=1 and K=3 fit, K=2 validates
+    assert re.search(r"validation: K=2 predicted from K=1,3 alone: K=2 [+-]\d+\.\d %", r.output), r.output
+    assert re.search(r"recommended mtp K(=[123]: \d\.\d\dx ± \d\.\d\d .*one round measures no spread"
+                     r"|: none — no K is faster)", r.output), r.output
 
 
 def test_runs_made_with_other_weights_are_redone(tmp_path):

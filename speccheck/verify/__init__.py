@@ -14,6 +14,7 @@ from speccheck.verify.logprobs import (DeltaSummary, DriftTest, FlipBudget, Pair
                                        typical_ratio, signed_rank_test_greater, summarize)
 from speccheck.verify.margins import (CLASSES, SEVERITY, Classification, calibrate_thresholds,
                                       classify_divergence, margins, path_noise, rank_of)
+from speccheck.verify.speedup import RepeatTiming, SpeedupModel, speedup_model
 from speccheck.verify.ties import canonical_rows, canonical_topk
 from speccheck.verify.streams import (DeterminismResult, PrefixAgreement, determinism,
                                       first_divergence, prefix_agreement, text_similarity,
@@ -29,6 +30,7 @@ __all__ = [
     "paired_drift_test", "signed_rank_test_greater", "hodges_lehmann", "typical_ratio",
     "CLASSES", "SEVERITY", "Classification", "calibrate_thresholds", "classify_divergence",
     "margins", "path_noise", "rank_of",
+    "RepeatTiming", "SpeedupModel", "speedup_model",
     "canonical_rows", "canonical_topk",
     "DeterminismResult", "PrefixAgreement", "determinism", "first_divergence",
     "prefix_agreement", "text_similarity", "unique_completions",

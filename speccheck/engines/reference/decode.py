@@ -105,6 +105,7 @@ class Generation:
     decode_s: float
     spec: SpecCounters | None = None
     iterations: int = 0  # target forwards after the prefill: verify steps, with or without a draft
+    decode_cpu_s: float | None = None  # the process's CPU seconds of decode_s (on one CPU thread)
 
 
 @dataclass
@@ -262,15 +263,18 @@ class Decoder:
         rows = torch.log_softmax(self.target.logits(torch.cat(last), top_k), -1)
         return (caches[0] if len(caches) == 1 else Cache.join(caches)), hidden, aux, rows
 
-    def _generations(self, prompts, outs, counters, iterations, t0, t1, t2) -> list[Generation]:
+    def _generations(self, prompts, outs, counters, iterations, t0, t1, t2, cpu_s=None) -> list[Generation]:
         """Generation per sequence; batch times shared out (prefill by prompt tokens, decode
-        by generated tokens)."""
+        by generated tokens). CPU seconds only where they are the decode's own work (CPU, one
+        thread): on a shared machine they are what an idle one's wall clock would show."""
         _sync(self.device)
+        cpu_s = cpu_s if self.device.type == "cpu" and torch.get_num_threads() == 1 else None
         n_prompt = sum(map(len, prompts))
         n_decoded = sum(len(o.tokens) - 1 for o in outs) or 1
         return [Generation(o.tokens, o.lps, np.array(o.tk_ids), np.array(o.tk_lps), o.finish,
                            (t1 - t0) * len(p) / n_prompt,
-                           (t2 - t1) * (len(o.tokens) - 1) / n_decoded, c, it)
+                           (t2 - t1) * (len(o.tokens) - 1) / n_decoded, c, it,
+                           cpu_s and cpu_s * (len(o.tokens) - 1) / n_decoded)
                 for p, o, c, it in zip(prompts, outs, counters, iterations)]
 
     def _baseline(self, prompts, max_tokens, top_k, ignore_eos, emit) -> list[Generation]:
@@ -280,7 +284,7 @@ class Decoder:
         cache, _, _, rows = self._prefill(prompts, max(map(len, prompts)) + max(max_tokens) + 2,
                                           top_k)
         _sync(self.device)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         live = list(range(len(prompts)))  # sequences still decoding, in cache order
         while True:
             tok = rows.argmax(-1)
@@ -296,9 +300,9 @@ class Decoder:
             h, _ = self.target(tok[:, None], cache, gdn_form=self.knobs.gdn_decode,
                                attn_form=self.knobs.attn_decode)
             rows = torch.log_softmax(self.target.logits(h[:, 0], top_k), -1)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         iterations = [len(o.tokens) - 1 for o in outs]
-        return self._generations(prompts, outs, [None] * len(outs), iterations, t0, t1, t2)
+        return self._generations(prompts, outs, [None] * len(outs), iterations, t0, t1, t2, c2 - c1)
 
     def _speculative(self, prompts, max_tokens, method, k, top_k, ignore_eos, emit) -> list[Generation]:
         fault = self.knobs.fault
@@ -320,7 +324,7 @@ class Decoder:
         for b, o in enumerate(outs):
             o.add([x[b]], rows[b:b + 1])
         _sync(self.device)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
 
         # per sequence: the drafter's state, and target outputs for positions whose successors
         # are known but the drafter has not seen (the prompt's, to begin with)
@@ -355,8 +359,8 @@ class Decoder:
             if B > 1 and len(still) < len(live):
                 cache.select(still)
             live = [live[j] for j in still]
-        t2 = time.perf_counter()
-        return self._generations(prompts, outs, counters, iterations, t0, t1, t2)
+        t2, c2 = time.perf_counter(), time.process_time()
+        return self._generations(prompts, outs, counters, iterations, t0, t1, t2, c2 - c1)
 
     def _verify_step(self, cache, live, x, tokens, outs, iterations, counters, states, pending,
                      verified, method, k, aux_ids, conv_history, top_k) -> None:
@@ -364,7 +368,9 @@ class Decoder:
         K+1 positions, emit the accepted prefix plus the target's own next token, and keep
         exactly the state of the emitted positions."""
         fault = self.knobs.fault
+        t_draft = time.perf_counter()
         drafts = [self._draft(method, states[b], tokens[b], pending[b], k) for b in live]
+        draft_s = (time.perf_counter() - t_draft) / len(live)  # drafts end in .tolist(): synced
         for b in live:
             pending[b] = None
         feed = self._t([[x[b]] + d for b, d in zip(live, drafts)])  # [n, k+1]
@@ -388,6 +394,7 @@ class Decoder:
             iterations[b] += 1
             c = counters[b]
             c.drafts, c.draft_tokens = c.drafts + 1, c.draft_tokens + k
+            c.draft_s = (c.draft_s or 0.0) + draft_s
             c.accepted_tokens += m + 1 if fault == "accepted-counts-bonus" else m
             for i in range(m):
                 c.accepted_per_pos[i] += 1

@@ -326,7 +326,7 @@ class ReferenceEngine(Engine):
             raise EngineError(f"reference engine failed on prompt {names}: {e}") from e
         return [Completion(p.id, list(ids), g.token_ids, g.logprobs, g.topk_ids, g.topk_logprobs,
                            self.detokenize(g.token_ids), g.finish_reason, g.ttft_s, g.decode_s,
-                           replace(g.spec, iterations=g.iterations) if g.spec else None)
+                           replace(g.spec, iterations=g.iterations) if g.spec else None, g.decode_cpu_s)
                 for p, ids, g in zip(prompts, prompt_ids, gens)]
 
     def score(self, prompt_ids: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
