@@ -23,7 +23,8 @@ import numpy as np
 
 from speccheck import __version__
 from speccheck.corpus import Corpus, load_corpus
-from speccheck.engines import Engine, EngineError, EngineUsageError, make_engine
+from speccheck.engines import RUN_ONLY_ARGS, Engine, EngineError, EngineUsageError, make_engine
+from speccheck.engines.base import ScoringUnavailable
 from speccheck.store import Store, StoreError, Suite, suite_id
 from speccheck.types import RunRecord, SpecConfig
 from speccheck.verify import first_divergence
@@ -106,8 +107,9 @@ def _print(msg: str) -> None:
 def plan_suite_id(plan: RunPlan, corpus: Corpus | None = None) -> str:
     """The id of the suite this plan runs in (its corpus loaded unless given)."""
     corpus = corpus or plan.load_corpus()
-    return suite_id(plan.engine, plan.model, plan.draft, plan.engine_args, corpus.name, corpus.hash,
-                    plan.ignore_eos)
+    skip = RUN_ONLY_ARGS.get(plan.engine, frozenset())
+    args = {k: v for k, v in plan.engine_args.items() if k not in skip}
+    return suite_id(plan.engine, plan.model, plan.draft, args, corpus.name, corpus.hash, plan.ignore_eos)
 
 
 def open_suite(plan: RunPlan, store: Store, corpus: Corpus) -> Suite:
@@ -350,6 +352,8 @@ def rescore_suite(engine: Engine, suite: Suite, config_names: Sequence[str], log
     before it starts, then each config's share with the time left at the pace so far."""
     if not suite.is_complete("baseline", 0):
         return
+    # also what an earlier run stored but could not rescore (a server that speculates)
+    config_names = list(dict.fromkeys([*config_names, *suite.configs()]))
     base = suite.load_run("baseline", 0).by_prompt()
     base_scores = suite.load_rescore("baseline", 0) if suite.has_rescore("baseline", 0) else None
     work: list[tuple[str, list, list]] = []  # (config, its completions, those to score)
@@ -370,7 +374,11 @@ def rescore_suite(engine: Engine, suite: Suite, config_names: Sequence[str], log
         if done and differ:
             left = (time.perf_counter() - started) / done * (sum(tokens) - done)
             log(f"rescoring {name} ({len(differ)} output(s); about {left:.0f} s left)")
-        scores = _score_record(engine, differ) if differ else {}
+        try:
+            scores = _score_record(engine, differ) if differ else {}
+        except ScoringUnavailable as e:
+            log(f"rescoring {name} left for later: {e}")
+            return
         done += n
         if name == "baseline":
             base_scores = scores

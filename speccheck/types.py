@@ -82,8 +82,9 @@ class SpecCounters:
     #: engine cannot say, e.g. a server's /metrics): what tokens/iteration is checked against
     iterations: int | None = None
     #: seconds of the request's decode_s spent drafting (None where the engine cannot say):
-    #: what separates the drafter's cost from the target's verify cost in the speedup model
-    draft_s: float | None = None
+    #: what separates the drafter's cost from the target's verify cost in the speedup model (a
+    #: timing, not a count: two runs with equal counters are equal)
+    draft_s: float | None = field(default=None, compare=False)
 
     def __add__(self, other: "SpecCounters") -> "SpecCounters":
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))

@@ -95,13 +95,20 @@ def test_ignore_eos_is_sent_to_the_server(ref):
 
 
 def test_score_matches_in_process(ref, prompts):
-    """Rescoring through prompt_logprobs, on the server under test and on a separate
-    baseline server (score_base_url), equals the in-process engine's score()."""
+    """Rescoring through prompt_logprobs, on a baseline server under test and on a separate
+    baseline server (score_base_url) next to a speculating one, equals the in-process
+    engine's score(); a server that speculates is never asked (vLLM 0.26 answered unrelated
+    prompt logprobs there): ScoringUnavailable, naming what to do instead."""
+    from speccheck.engines.base import ScoringUnavailable
+
     ids = [ref.tokenize(p) for p in prompts]
     conts = [c.token_ids.tolist() for c in ref.generate(prompts, ids, SpecConfig(), TOP_K)]
     want = ref.score(ids, conts, TOP_K)
     with running_server("mtp", 2) as url, running_server("baseline", engine=ref) as base:
-        on_self = _client(url).score(ids, conts, TOP_K)
+        with pytest.raises(ScoringUnavailable, match="score_base_url=URL") as refused:
+            _client(url).score(ids, conts, TOP_K)
+        assert "speculative decoding" in str(refused.value)
+        on_self = _client(base).score(ids, conts, TOP_K)
         on_base = _client(url, score_base_url=base)
         assert on_base.identity()["score_base_url"] == base
         served = lambda: parse_metrics(httpx.get(base + "/metrics").text)["requests"]  # noqa: E731
@@ -287,25 +294,36 @@ def test_scored_from_vllm_prompt_logprobs():
 def test_cli_run_against_serve_passes_gate(tmp_path):
     """The deployment rehearsal, as a user runs it: a baseline server, `speccheck run
     --engine openai`, then the same port restarted with MTP K=2 and run into the same store
-    (the finished baseline is skipped), then `speccheck gate`."""
+    (the finished baseline is skipped; outputs that differ from the baseline's are not
+    rescored on the speculating server), then the baseline server again, whose run rescores
+    what was left, then `speccheck gate`."""
     from click.testing import CliRunner
 
     from speccheck.cli import main
+    from speccheck.store import Store
 
     store = str(tmp_path / "store")
     port = _free_port()
     cli = CliRunner()
-    for method, k in (("baseline", None), ("mtp", 2)):
+    for step, (method, k) in enumerate((("baseline", None), ("mtp", 2), ("baseline", None))):
         with running_server(method, k, port=port) as url:
             args = ["run", "--engine", "openai", "--engine-arg", f"base_url={url}",
                     "--method", method, "--corpus", "smoke", "--store", store]
             result = cli.invoke(main, args + (["--k", str(k)] if k else []))
             assert result.exit_code == 0, result.output
+            if step == 2:
+                break
             # and the corpus all at once: 4 prompts x 2 concurrent requests to the server
             assert f"{method if k is None else f'mtp-k{k}'} all at once: 8 requests" in result.output
             # the second repeat runs in a process of its own, but the server is the same one
             r1 = next(line for line in result.output.splitlines() if " r1 " in line)
             assert "[new client, same server]" in r1 and "fresh process" not in result.output
+            if step == 1:  # rescored only if no output differs from the baseline's
+                suite = Store(store).latest()
+                assert suite.has_rescore("mtp-k2", 0) != ("rescoring mtp-k2 left for later" in result.output)
+    suite = Store(store).latest()
+    assert suite.configs() == ["baseline", "mtp-k2"] or set(suite.configs()) == {"baseline", "mtp-k2"}
+    assert suite.has_rescore("mtp-k2", 0)
     gate = cli.invoke(main, ["gate", "--store", store])
     assert gate.exit_code == 0, gate.output
     assert "mtp-k2" in gate.output and "baseline" in gate.output

@@ -268,3 +268,58 @@ def test_attribution_paths_reach_the_attribution_step(tmp_path):
     items = suite.load_attribution("mtp-k3")
     for it in items:
         assert set(it["paths"]) <= {"gdn=chunked", "gdn=recurrent"}, it["paths"]
+
+
+class RefusingScorer:
+    """Test double: the reference engine behind a scorer that refuses, as the openai engine
+    does on a server that speculates (ScoringUnavailable)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def score(self, *args, **kwargs):
+        from speccheck.engines.base import ScoringUnavailable
+        raise ScoringUnavailable("the server at http://x runs speculative decoding")
+
+
+def test_rescoring_refused_is_left_for_a_later_run_that_can(tmp_path):
+    """A run whose engine cannot rescore (ScoringUnavailable) stores its outputs without the
+    rescoring and says so; the next rescoring pass, even one planned for the baseline only,
+    rescores what was left (the openai flow: spec server, then the baseline server again)."""
+    from speccheck.engines import make_engine
+    from speccheck.runner import RunPlan, rescore_suite, run_suite
+    from speccheck.store import Store
+    from speccheck.types import SpecConfig
+
+    store, args = Store(tmp_path / "s"), {"fault": "stale-state"}
+    run_suite(RunPlan(engine_args=args, corpus="smoke", repeats=1, attribute=False,
+                      configs=[SpecConfig()]), store, log=lambda m: None)  # scored as it ran
+    suite = run_suite(RunPlan(engine_args=args, corpus="smoke", repeats=1, attribute=False, rescore=False,
+                              configs=[SpecConfig.from_name("mtp-k3")]), store, log=lambda m: None)
+    engine = make_engine("reference", None, args)
+    try:
+        said = []
+        assert suite.has_rescore("baseline", 0) and not suite.has_rescore("mtp-k3", 0)
+        rescore_suite(RefusingScorer(engine), suite, ["mtp-k3"], said.append)
+        assert not suite.has_rescore("mtp-k3", 0)
+        assert any("rescoring mtp-k3 left for later" in m and "speculative" in m for m in said), said
+        rescore_suite(engine, suite, ["baseline"], said.append)
+        assert suite.has_rescore("mtp-k3", 0)
+    finally:
+        engine.close()
+
+
+def test_where_the_openai_engine_rescores_is_not_part_of_the_suite():
+    """score_base_url, timeouts and the key's variable change how speccheck talks to a server,
+    not what it computes: a spec run rescored on a baseline server beside it is in the baseline's
+    suite. The server under test (base_url) and the tokenizer still are."""
+    from speccheck.runner import RunPlan, plan_suite_id
+
+    def sid(**args):
+        return plan_suite_id(RunPlan(engine="openai", corpus="smoke", engine_args=args))
+
+    base = sid(base_url="http://127.0.0.1:8000")
+    assert sid(base_url="http://127.0.0.1:8000", score_base_url="http://127.0.0.1:8001",
+               timeout="30", retries="1", backoff="2", api_key_env="K") == base
+    assert sid(base_url="http://127.0.0.1:8001") != base
+    assert sid(base_url="http://127.0.0.1:8000", tokenizer="/t/tokenizer.json") != base

@@ -6,6 +6,12 @@ import importlib
 
 from speccheck.engines.base import Engine, EngineError, EngineUsageError
 
+#: engine args that change how speccheck talks to an engine, not what it computes: left out of
+#: the suite's id (kept here, not on the classes, so that no engine module loads to compute an id)
+RUN_ONLY_ARGS: dict[str, frozenset[str]] = {
+    "openai": frozenset({"score_base_url", "timeout", "retries", "backoff", "api_key_env"}),
+}
+
 ENGINES = {
     "reference": "speccheck.engines.reference.engine:ReferenceEngine",
     "vllm": "speccheck.engines.vllm:VllmEngine",

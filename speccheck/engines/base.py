@@ -21,6 +21,12 @@ class EngineUsageError(ValueError):
     """Bad engine options or input (unknown arg, wrong API key, missing model): exit code 2."""
 
 
+class ScoringUnavailable(EngineError):
+    """The engine cannot give trustworthy teacher-forced scores where it runs now (a server
+    that speculates); the runner leaves the rescoring to a later run that can, and the gate
+    counts the evidence as missing until then."""
+
+
 #: generate_streaming()'s callback: the tokens one step decided, their logprobs, and the top-k
 #: ids and logprobs at each of them (plain lists: [n], [n], [n][k], [n][k])
 OnTokens = Callable[[list, list, list, list], None]

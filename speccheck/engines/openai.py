@@ -45,7 +45,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from speccheck.engines.base import Engine, EngineError, EngineUsageError
+from speccheck.engines.base import Engine, EngineError, EngineUsageError, ScoringUnavailable
 from speccheck.types import Completion, Prompt, Scored, SpecConfig, SpecCounters
 from speccheck.verify.ties import canonical_topk
 
@@ -768,10 +768,23 @@ class OpenAIEngine(Engine):
     def score(self, prompt_ids: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
               top_k: int) -> list[Scored]:
         """Teacher-forced scores through vLLM's ``prompt_logprobs``, on ``score_base_url``
-        when given, else on the server under test. Prompt logprobs come from the target's
-        prefill, but some vLLM versions read them after the drafter ran (reported NaNs
-        with MTP + CUDA graphs), so a baseline server is the safer place to rescore."""
+        when given, else on the server under test -- never on a server that speculates:
+        there vLLM 0.26 (MTP K=3, CUDA graphs, H200) answered 10 of 28 rescoring requests
+        with logprobs unrelated to the sequence (top-1 matching the forced tokens at 0-46 %
+        where the same request offline matched 98-100 %), which reads as hundreds of
+        high-confidence divergences on a healthy server. ScoringUnavailable then: the
+        runner leaves the rescoring to a later run against a server without speculation."""
         self._server()
+        url = self._score_url or self.base_url
+        if parse_metrics(self._request("GET", "/metrics", base=url).text)["spec"] is not None:
+            raise ScoringUnavailable(
+                f"the server at {_redact(url)} runs speculative decoding (its /metrics carry vLLM's "
+                "spec-decode counters), and prompt_logprobs from such a server are not trustworthy "
+                "(vLLM 0.26 with MTP returned unrelated logprobs for 10 of 28 rescored outputs). "
+                "Rescore on a server without speculation: restart it without --speculative-config "
+                "and run `speccheck run --method baseline` into this --store (stored runs are "
+                "kept; the missing rescoring is done then), or pass --engine-arg "
+                "score_base_url=URL of such a server started beside it.")
         out = []
         for p, c in zip(prompt_ids, continuations, strict=True):
             full = [int(t) for t in p] + [int(t) for t in c]
