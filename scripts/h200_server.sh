@@ -11,9 +11,9 @@
 #   bash scripts/h200_server.sh spec       mtp-k3 through :8001 (rescored on :8000), and the
 #       same config offline (`--engine vllm`): teacher-forced agreement side by side.
 #   bash scripts/h200_server.sh sameurl    as README's server recipe: the baseline server on
-#       :8000, then the same port restarted with MTP K=3, both runs into ONE store (one suite:
-#       the spec run is judged against that baseline), then teacher-forced agreement side by
-#       side with the offline store $OFFLINE_STORE (scripts/h200_vllm.sh run, same settings).
+#       :8000, then the same port restarted with MTP K=3, then the baseline again (which
+#       rescores the MTP outputs), all into ONE store (one suite), then teacher-forced
+#       agreement side by side with the offline store $OFFLINE_STORE (h200_vllm.sh run).
 #
 # SERVER_KERNELS (default: the old eager + Triton GDN settings) replaces the kernel flags, e.g.
 # SERVER_KERNELS="--attention-backend TRITON_ATTN" for CUDA graphs and vLLM's own GDN prefill.
@@ -137,6 +137,11 @@ sameurl() {
     --speculative-config '{"method": "mtp", "num_speculative_tokens": 3}'
   wait_up 8000 600 || { tail -30 "$WORK/server-sameurl-mtp3.log"; return 3; }
   sc run --engine openai --base-url http://127.0.0.1:8000 --method mtp --k 3 --corpus "$corpus" \
+    --store "$st" --engine-arg "$tok" --no-attribution 2>&1 | tail -3
+  stop 8000  # the baseline server again: it rescores the MTP outputs (never a speculating one)
+  serve 8000 "$WORK/server-sameurl-baseline2.log"
+  wait_up 8000 600 || { tail -30 "$WORK/server-sameurl-baseline2.log"; return 3; }
+  sc run --engine openai --base-url http://127.0.0.1:8000 --method baseline --corpus "$corpus" \
     --store "$st" --engine-arg "$tok" --no-attribution 2>&1 | tail -3
   stop 8000
   sc diff --store "$st" 2>&1 | sed -n '1,80p'
