@@ -376,6 +376,21 @@ def server_findings(base_url: str, api_key_env: str | None = None) -> list[Findi
     return out
 
 
+def cute_dsl_warmup_finding(capability: tuple[int, int] | None, cute_dsl: bool, quack: bool) -> Finding | None:
+    """vLLM 0.26 warms up its CuTe-DSL router GEMM on SM90+ whenever ``cutlass`` imports
+    (model_executor/warmup/kernel_warmup.py, ``_warmup_ll_bf16_router_gemm``), and that
+    imports ``quack`` (quack-kernels, one of vLLM's requirements): with FlashInfer's CuTe-DSL
+    installed but not quack, every engine start fails there (seen on the H200)."""
+    if capability is None or capability[0] < 9 or not cute_dsl:
+        return None
+    if quack:
+        return Finding(OK, "CuTe-DSL warm-up", "cutlass and quack import (vLLM's router GEMM warm-up)")
+    return Finding(FAIL, "CuTe-DSL warm-up", "cutlass (CuTe DSL) imports but quack does not: vLLM 0.26's "
+                   "kernel warm-up imports quack whenever cutlass imports, so the engine fails to start",
+                   "pip install quack-kernels (vLLM 0.26 requires it), or take nvidia-cutlass-dsl off the "
+                   "path (then use --gdn-prefill-backend triton: FlashInfer's SM90 GDN kernel needs it)")
+
+
 def _linear_key_head_dim(model: str | None) -> int | None:
     try:
         cfg = json.loads((Path(model) / "config.json").read_text()) if model else {}
@@ -408,9 +423,13 @@ def diagnose(engine: str = "reference", model: str | None = None, base_url: str 
                                       peer_access(tp) if len(info.get("gpus") or []) >= tp else None)
     if engine == "vllm" or _version("vllm"):
         gpus = info.get("gpus") or []
-        findings.append(gdn_prefill_finding(
-            tuple(gpus[0]["capability"]) if gpus else None, _linear_key_head_dim(model),
-            _version("flashinfer-python") or _version("flashinfer"), _cute_dsl_importable()))
+        cap = tuple(gpus[0]["capability"]) if gpus else None
+        findings.append(gdn_prefill_finding(cap, _linear_key_head_dim(model),
+                                            _version("flashinfer-python") or _version("flashinfer"),
+                                            _cute_dsl_importable()))
+        warmup = cute_dsl_warmup_finding(cap, _cute_dsl_importable(), _importable("quack"))
+        if warmup:
+            findings.append(warmup)
     if model:
         findings += model_findings(model, info, k, tp=tp)
     elif engine == "vllm":

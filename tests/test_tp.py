@@ -561,3 +561,16 @@ def test_doctor_says_which_gdn_prefill_kernel_vllm_runs(cap, head, fi, dsl, stat
     assert words in f.line()
     if status == "FAIL":
         assert "gdn-prefill-backend triton" in f.fix
+
+
+def test_doctor_says_when_vllm_s_cute_dsl_warmup_would_fail():
+    """Seen on the H200: with CuTe DSL importable (FlashInfer's GDN prefill needs it) vLLM 0.26's
+    warm-up imports quack; without it every engine start fails. Doctor says so before."""
+    from speccheck.doctor import cute_dsl_warmup_finding
+
+    assert cute_dsl_warmup_finding(None, True, False) is None
+    assert cute_dsl_warmup_finding((8, 9), True, False) is None
+    assert cute_dsl_warmup_finding((9, 0), False, False) is None
+    bad = cute_dsl_warmup_finding((9, 0), True, False)
+    assert bad.status == "FAIL" and "quack-kernels" in bad.fix
+    assert cute_dsl_warmup_finding((9, 0), True, True).status == "ok"
