@@ -106,8 +106,10 @@ def test_sweep_prints_the_k_table_the_speedup_model_and_a_recommendation(tmp_pat
     assert [m[0].strip() for m in model] == ["1", "2", "3"]
     assert [m[5].strip() for m in model][::2] == ["fit", "fit"]  # K=1 and K=3 fit, K=2 validates
     assert re.search(r"validation: K=2 predicted from K=1,3 alone: K=2 [+-]\d+\.\d %", r.output), r.output
-    assert re.search(r"recommended mtp K(=[123]: \d\.\d\dx ± \d\.\d\d .*one round measures no spread"
-                     r"|: none — no K is faster)", r.output), r.output
+    # one round cannot tell how sure it is: the line says so (a runner-up within noise, or no
+    # spread measured), whichever K this machine's load makes fastest
+    assert re.search(r"recommended mtp K(=[123]: \d\.\d\dx ± \d\.\d\d .*(one round measures no spread"
+                     r"|is within noise of it)|: none — no K is faster)", r.output), r.output
 
 
 def test_runs_made_with_other_weights_are_redone(tmp_path):
