@@ -288,6 +288,17 @@ class PerPositionStates:
         dk = decay[:, :, i, : i + 1, None] * k[:, :, : i + 1]
         return cum[:, :, i].exp()[..., None, None] * s0 + dk.transpose(-1, -2) @ v_new[:, :, : i + 1]
 
+    def at_rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """Row b's state after position idx[b] (a ragged batch keeps a count per sequence):
+        one gather instead of a state per row. The masked decay row is zero past idx[b], so
+        the sum runs over all T positions."""
+        rows = torch.arange(idx.shape[0], device=idx.device)
+        if self.stacked is not None:
+            return self.stacked[rows, idx]
+        s0, cum, decay, k, v_new = self.parts
+        dk = decay[rows, :, idx][..., None] * k  # [B,H,T,Dk]
+        return cum[rows, :, idx].exp()[..., None, None] * s0 + dk.transpose(-1, -2) @ v_new
+
     def stack(self) -> torch.Tensor:
         if self.stacked is None:
             self.stacked = torch.stack([self.at(i) for i in range(len(self))], dim=1)
@@ -443,9 +454,11 @@ class Cache:
             if isinstance(n_new, int):
                 self.conv[i] = window[:, conv_keep[0]: conv_keep[0] + k1]
                 self.gdn[i] = per_state.at(keep[0] - 1)
-            else:
-                self.conv[i] = torch.stack([window[b, n: n + k1] for b, n in enumerate(conv_keep)])
-                self.gdn[i] = torch.stack([per_state.at(n - 1)[b] for b, n in enumerate(keep)])
+            else:  # one gather per layer, whatever the batch size
+                dev = window.device
+                at = torch.tensor(conv_keep, device=dev)[:, None] + torch.arange(k1, device=dev)
+                self.conv[i] = window[torch.arange(len(conv_keep), device=dev)[:, None], at]
+                self.gdn[i] = per_state.at_rows(torch.tensor(keep, device=dev) - 1)
                 if alias_first:
                     self.conv[i] = self.conv[i][:1].expand_as(self.conv[i]).clone()
                     self.gdn[i] = self.gdn[i][:1].expand_as(self.gdn[i]).clone()
@@ -759,11 +772,14 @@ class MTPModule(nn.Module):
         both [B,T,H], at positions cache.length.. (or 0.. without a cache)."""
         x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1)
         x = self.fc(x).float()
-        start = 0 if cache is None else cache.length
+        start = 0 if cache is None else (cache.length if cache.lengths is None else cache.lengths)
         for i, layer in enumerate(self.layers):
             x = layer(x, cache, i, start, attn_form=attn_form)
         if cache is not None:
-            cache.length += embeds.shape[1]
+            if cache.lengths is None:
+                cache.length += embeds.shape[1]
+            else:
+                cache.lengths = cache.lengths + embeds.shape[1]
         return self.norm(x)
 
 
@@ -787,6 +803,11 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
+    def _rope(self, positions: torch.Tensor, dtype) -> tuple:
+        """cos/sin for [T] positions, or [B,T] (a batch at its own positions: [B,1,T,D])."""
+        cos, sin = rope_cos_sin(positions, self.d, self.theta, dtype)
+        return (cos, sin) if positions.dim() == 1 else (cos[:, None], sin[:, None])
+
     def _kv_heads(self, k: torch.Tensor, v: torch.Tensor, cos, sin) -> tuple:
         """[B,T,Hkv*D] projections -> normed, rotated K and V [B,Hkv,T,D]."""
         B, T, _ = k.shape
@@ -795,23 +816,33 @@ class DFlashAttention(nn.Module):
 
     def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
         kv = F.linear(x, fused_weight(self, "kv", [self.k_proj, self.v_proj]))
-        cos, sin = rope_cos_sin(positions, self.d, self.theta, kv.dtype)
-        return self._kv_heads(*kv.split(self.nkv * self.d, dim=-1), cos, sin)
+        return self._kv_heads(*kv.split(self.nkv * self.d, dim=-1), *self._rope(positions, kv.dtype))
 
     def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None):
         """x: [B,T,H] block slots at ``positions``; mask (optional, bool [T, L+T], True = may
         attend) for batched training blocks. ctx_k/v: [B,Hkv,L,D] context, or with
         ``ctx_len`` buffers holding it in [:ctx_len] with room after it: the block's own
-        K/V are written there (scratch) instead of copying the context."""
+        K/V are written there (scratch) instead of copying the context. A tensor ``ctx_len``
+        [B] (with ``positions`` [B,T]) is a batch of sequences each with its own context
+        length: row b's block goes to [ctx_len[b]:], keys past it are masked."""
         B, T, _ = x.shape
         qkv = F.linear(x, fused_weight(self, "qkv", [self.q_proj, self.k_proj, self.v_proj]))
         nq, nk = self.nh * self.d, self.nkv * self.d
-        cos, sin = rope_cos_sin(positions, self.d, self.theta, qkv.dtype)
+        cos, sin = self._rope(positions, qkv.dtype)
         q = self.q_norm(qkv[..., :nq].view(B, T, self.nh, self.d)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k, v = self._kv_heads(qkv[..., nq:nq + nk], qkv[..., nq + nk:], cos, sin)
         if ctx_len is None:
             K, V = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        elif isinstance(ctx_len, torch.Tensor):
+            rows = torch.arange(B, device=x.device)[:, None]
+            ctx_k[rows, :, positions] = k.transpose(1, 2)
+            ctx_v[rows, :, positions] = v.transpose(1, 2)
+            end = positions[:, -1] + 1  # [B]
+            L = int(end.max())
+            K, V = ctx_k[:, :, :L], ctx_v[:, :, :L]
+            if bool((end < L).any()):
+                mask = (torch.arange(L, device=x.device) < end[:, None])[:, None, None, :]
         else:
             ctx_k[:, :, ctx_len:ctx_len + T] = k
             ctx_v[:, :, ctx_len:ctx_len + T] = v
