@@ -238,25 +238,41 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
         log(f"suite {suite.id}: {len(plan.configs)} configs x {plan.repeats} repeats{together} "
             f"on corpus {corpus.name} ({len(corpus.prompts)} prompts); {done} already stored, "
             f"{len(todo)} to run")
-        for i, (config, repeat) in enumerate(todo):
+
+        def is_fresh(repeat: int) -> bool:
+            return (plan.fresh_process_repeat and plan.repeats > 1 and repeat == plan.repeats - 1
+                    and not engine.fresh_process_per_config)
+
+        alongside = FreshAlongside(plan, store, suite, log) if engine.fresh_process_alongside else None
+        if alongside:  # each config's fresh-process repeat first: it runs while the others do
+            todo.sort(key=lambda cr: (plan.configs.index(cr[0]), not is_fresh(cr[1])))
+        eta = ConfigEta([c.name for c, _ in todo])
+        try:
+            for i, (config, repeat) in enumerate(todo):
+                what = f"{config.name} " + ("all at once" if repeat < 0 else f"r{repeat}")
+                eta.start(config.name)
+                if progress:
+                    progress(i, len(todo), f"{what}{eta.text()}")
+                if repeat < 0:
+                    record = run_one(engine, suite, corpus, inputs, config, repeat, plan.top_k,
+                                     fresh_process=engine.fresh_process_per_config,
+                                     copies=plan.concurrent)
+                elif is_fresh(repeat) and alongside:
+                    alongside.start(config, repeat)  # waits for the previous one first
+                    continue
+                elif is_fresh(repeat):
+                    record = run_in_fresh_process(plan, store, suite, config, repeat)
+                else:
+                    record = run_one(engine, suite, corpus, inputs, config, repeat, plan.top_k,
+                                     fresh_process=engine.fresh_process_per_config)
+                log(_summary_line(record))
             if progress:
-                progress(i, len(todo), f"{config.name} " + ("all at once" if repeat < 0 else f"r{repeat}"))
-            fresh = (plan.fresh_process_repeat and plan.repeats > 1 and repeat == plan.repeats - 1
-                     and not engine.fresh_process_per_config)
-            if repeat < 0:
-                record = run_one(engine, suite, corpus, inputs, config, repeat, plan.top_k,
-                                 fresh_process=engine.fresh_process_per_config,
-                                 copies=plan.concurrent)
-            elif fresh:
-                record = run_in_fresh_process(plan, store, suite, config, repeat)
-            else:
-                record = run_one(engine, suite, corpus, inputs, config, repeat, plan.top_k,
-                                 fresh_process=engine.fresh_process_per_config)
-            log(_summary_line(record))
-        if progress:
-            progress(len(todo), len(todo), "rescoring teacher-forced")
-        if plan.rescore:
-            rescore_suite(engine, suite, [c.name for c in plan.configs], log)
+                progress(len(todo), len(todo), "rescoring teacher-forced")
+            if plan.rescore:
+                rescore_suite(engine, suite, [c.name for c in plan.configs], log)
+        finally:
+            if alongside:
+                alongside.wait()
         if plan.attribute:
             if progress:
                 progress(len(todo), len(todo), "attributing divergences to kernel paths")
@@ -270,7 +286,79 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
     return suite
 
 
+# --- progress ----------------------------------------------------------------------------------
+
+class ConfigEta:
+    """Time left in the generation phase, from the wall time of the configs finished so far
+    (a config = all its runs, which are alike in cost across configs to a factor of ~2)."""
+
+    def __init__(self, names: Sequence[str]):
+        self.names = list(dict.fromkeys(names))
+        self.current: str | None = None
+        self.began = time.perf_counter()
+        self.finished = 0
+
+    def start(self, name: str) -> None:
+        if name != self.current:
+            if self.current is not None:
+                self.finished += 1
+            self.current = name
+
+    def text(self) -> str:
+        n = len(self.names)
+        if self.current is None or not n:
+            return ""
+        i = self.names.index(self.current) + 1
+        if not self.finished:
+            return f" (config {i}/{n})"
+        per = (time.perf_counter() - self.began) / self.finished
+        left = per * (n - self.finished)
+        return f" (config {i}/{n}, ~{per:.0f} s per config, about {_duration(left)} left)"
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    return f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"
+
+
 # --- fresh-process repeats ---------------------------------------------------------------------
+
+class FreshAlongside:
+    """Fresh-process repeats run one at a time in a background thread (each in its own new
+    process, as :func:`run_in_fresh_process`) while the main process runs the in-process
+    repeats: on an engine with a spare core (the CPU reference engine at one thread) the
+    matrix takes about half the wall time, and each run still sees exactly what it would
+    alone (its outputs do not depend on timing)."""
+
+    def __init__(self, plan: RunPlan, store: Store, suite: Suite, log: Log):
+        self.plan, self.store, self.suite, self.log = plan, store, suite, log
+        self.thread = None
+        self.error: BaseException | None = None
+
+    def start(self, config: SpecConfig, repeat: int) -> None:
+        import threading
+
+        self.wait()
+
+        def work() -> None:
+            try:
+                record = run_in_fresh_process(self.plan, self.store, self.suite, config, repeat)
+                self.log(_summary_line(record))
+            except BaseException as e:  # noqa: BLE001 - raised in the main thread by wait()
+                self.error = e
+
+        self.thread = threading.Thread(target=work, name=f"speccheck-fresh-{config.name}",
+                                       daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
 
 def run_in_fresh_process(plan: RunPlan, store: Store, suite: Suite, config: SpecConfig,
                          repeat: int) -> RunRecord:
@@ -344,13 +432,18 @@ def rescore_suite(engine: Engine, suite: Suite, config_names: Sequence[str], log
     if base_scores is None:
         base_scores = _score_record(engine, list(base.values()))
         suite.write_rescore("baseline", 0, list(base_scores), list(base_scores.values()))
+    # outputs several configs share (they often diverge from the baseline alike) are scored once
+    known: dict[tuple, object] = {}
     for name in config_names:
         if name == "baseline" or not suite.is_complete(name, 0) or suite.has_rescore(name, 0):
             continue
         comps = suite.load_run(name, 0).completions
         differ = [c for c in comps if c.prompt_id not in base
                   or first_divergence(c.token_ids, base[c.prompt_id].token_ids) is not None]
-        scores = _score_record(engine, differ) if differ else {}
+        key = {c.prompt_id: (c.prompt_id, c.prompt_ids.tobytes(), c.token_ids.tobytes()) for c in differ}
+        new = [c for c in differ if key[c.prompt_id] not in known]
+        known.update({key[pid]: s for pid, s in _score_record(engine, new).items()})
+        scores = {pid: known[k] for pid, k in key.items()}
         merged = {c.prompt_id: scores.get(c.prompt_id) or base_scores[c.prompt_id] for c in comps}
         suite.write_rescore(name, 0, list(merged), list(merged.values()))
         log(f"{name:>12} rescored teacher-forced ({len(differ)} of {len(comps)} outputs differ from baseline)")
@@ -393,27 +486,33 @@ def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: S
     if not todo:
         return
     all_items = [it for items in todo.values() for it in items]
+    # configs that diverge at the same place share one re-score per kernel path
+    unique: dict[tuple, list[dict]] = {}
+    for it in all_items:
+        unique.setdefault((it["prompt_id"], tuple(it["prompt_ids"]), tuple(it["prefix"])), []).append(it)
+    firsts = [group[0] for group in unique.values()]
     started = time.perf_counter()
     for i, (label, args) in enumerate(variants.items()):
         if not all_items:
             break
         eta = (f", about {(time.perf_counter() - started) / i * (len(variants) - i):.0f} s left" if i else "")
-        log(f"attribution: kernel path {i + 1}/{len(variants)} ({label}) on {len(all_items)} divergent "
+        log(f"attribution: kernel path {i + 1}/{len(variants)} ({label}) on {len(firsts)} divergent "
             f"prefix(es){eta}")
         try:
             engine = make_engine(plan.engine, plan.model, {**plan.engine_args, **args}, plan.draft)
             try:
-                scored = engine.score([it["prompt_ids"] for it in all_items],
-                                      [it["prefix"] for it in all_items], top_k=2)
+                scored = engine.score([it["prompt_ids"] for it in firsts],
+                                      [it["prefix"] for it in firsts], top_k=2)
             finally:
                 engine.close()
         except (EngineError, EngineUsageError, RuntimeError) as e:
             log(f"attribution variant {label} failed: {e}")
             continue
-        for it, s in zip(all_items, scored):
-            token = int(s.topk_ids[it["position"], 0])
+        for group, s in zip(unique.values(), scored):
+            token = int(s.topk_ids[group[0]["position"], 0])
             if token >= 0:  # -1: that path could not compute this position (engine says why)
-                it.setdefault("paths", {})[label] = token
+                for it in group:
+                    it.setdefault("paths", {})[label] = token
     for name, items in todo.items():
         for it in items:
             paths = it.pop("paths", {})
