@@ -546,13 +546,12 @@ class Decoder:
         p = len(tokens) - 1
         start = st["len"]
         assert start == p - n
-        pos = torch.arange(start, p, device=self.device)
+        pos = range(start, p)  # consecutive: RoPE slices its table
         for li, (ck, cv) in enumerate(self.drafter.context_kv(pending_aux[None], pos)):
             st["k"][li][:, :, start:p] = ck
             st["v"][li][:, :, start:p] = cv
         st["len"] = p
         block = [tokens[-1]] + [self.cfg.mask_token_id] * k
         emb = self.target.embed_tokens(self._t(block))[None]
-        bpos = torch.arange(p, p + k + 1, device=self.device)
-        hb = self.drafter(emb, bpos, list(zip(st["k"], st["v"])), ctx_len=p)
+        hb = self.drafter(emb, range(p, p + k + 1), list(zip(st["k"], st["v"])), ctx_len=p)
         return self.target.rough_logits(hb[0, 1:]).argmax(-1).tolist()

@@ -220,13 +220,16 @@ def _rope_table(rot_dim: int, theta: float, dtype, device) -> tuple:
         freqs = torch.arange(ROPE_TABLE_SIZE, dtype=torch.float32, device=device)[:, None] \
             * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = emb.sin()
+        sin[:, : rot_dim // 2] *= -1  # the sign of rotate_half's first half, see apply_rope
+        return emb.cos().to(dtype), sin.to(dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor | range, rot_dim: int, theta: float, dtype,
                  device=None) -> tuple:
-    """Neox-style RoPE cos/sin for ``rot_dim`` leading dims at ``positions`` (a tensor, or a
-    ``range`` for consecutive positions), looked up in a table computed once in fp32."""
+    """Neox-style RoPE cos and (signed, see :func:`apply_rope`) sin for ``rot_dim`` leading
+    dims at ``positions`` (a tensor, or a ``range`` for consecutive positions), looked up in a
+    table computed once in fp32."""
     if isinstance(positions, range):
         if positions.stop > ROPE_TABLE_SIZE:
             raise ValueError(f"position {positions.stop - 1} is past the {ROPE_TABLE_SIZE} "
@@ -238,12 +241,15 @@ def rope_cos_sin(positions: torch.Tensor | range, rot_dim: int, theta: float, dt
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., T, D]; rotates the first ``cos.shape[-1]`` dims (partial rotary)."""
+    """x: [..., T, D]; rotates the first ``cos.shape[-1]`` dims (partial rotary):
+    ``x * cos + rotate_half(x) * sin`` with rotate_half(x) = [-x2, x1], computed as
+    [x2, x1] (one roll) times the signed sin of :func:`rope_cos_sin`: the same products
+    (a sign flip is exact), fewer ops."""
     r = cos.shape[-1]
-    xr, xp = x[..., :r], x[..., r:]
-    x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
-    rot = torch.cat([-x2, x1], dim=-1)
-    return torch.cat([xr * cos + rot * sin, xp], dim=-1)
+    if r == x.shape[-1]:
+        return x * cos + x.roll(r // 2, -1) * sin
+    xr = x[..., :r]
+    return torch.cat([xr * cos + xr.roll(r // 2, -1) * sin, x[..., r:]], dim=-1)
 
 
 # --------------------------------------------------------------------------- gated delta rule
@@ -551,7 +557,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             q = q.repeat_interleave(self.nv // self.nk, dim=2)
             k = k.repeat_interleave(self.nv // self.nk, dim=2)
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        neg_a = inference_cached(self, "neg_a", [self.A_log], lambda: -self.A_log.float().exp())
+        g = neg_a * F.softplus(a.float() + self.dt_bias)
         if form == "recurrent":
             if state is None:
                 state = q.new_zeros(B, self.nv, self.dk, self.dv, dtype=torch.float32)
@@ -803,8 +810,11 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
-    def _rope(self, positions: torch.Tensor, dtype) -> tuple:
-        """cos/sin for [T] positions, or [B,T] (a batch at its own positions: [B,1,T,D])."""
+    def _rope(self, positions: torch.Tensor | range, dtype) -> tuple:
+        """cos/sin for [T] positions (a tensor or a range), or [B,T] (a batch at its own
+        positions: [B,1,T,D])."""
+        if isinstance(positions, range):
+            return rope_cos_sin(positions, self.d, self.theta, dtype, self.q_proj.weight.device)
         cos, sin = rope_cos_sin(positions, self.d, self.theta, dtype)
         return (cos, sin) if positions.dim() == 1 else (cos[:, None], sin[:, None])
 
