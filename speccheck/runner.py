@@ -243,36 +243,30 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
             return (plan.fresh_process_repeat and plan.repeats > 1 and repeat == plan.repeats - 1
                     and not engine.fresh_process_per_config)
 
-        alongside = FreshAlongside(plan, store, suite, log) if engine.fresh_process_alongside else None
-        if alongside:  # each config's fresh-process repeat first: it runs while the others do
-            todo.sort(key=lambda cr: (plan.configs.index(cr[0]), not is_fresh(cr[1])))
-        eta = ConfigEta([c.name for c, _ in todo])
-        try:
+        def in_process(config: SpecConfig, repeat: int) -> RunRecord:
+            return run_one(engine, suite, corpus, inputs, config, repeat, plan.top_k,
+                           fresh_process=engine.fresh_process_per_config,
+                           copies=plan.concurrent if repeat < 0 else 0)
+
+        eta = RunEta(todo)
+        if engine.fresh_process_alongside and any(is_fresh(r) for _, r in todo):
+            run_two_lanes(todo, is_fresh, in_process,
+                          lambda c, r: run_in_fresh_process(plan, store, suite, c, r),
+                          eta, log, progress)
+        else:
             for i, (config, repeat) in enumerate(todo):
-                what = f"{config.name} " + ("all at once" if repeat < 0 else f"r{repeat}")
-                eta.start(config.name)
                 if progress:
-                    progress(i, len(todo), f"{what}{eta.text()}")
-                if repeat < 0:
-                    record = run_one(engine, suite, corpus, inputs, config, repeat, plan.top_k,
-                                     fresh_process=engine.fresh_process_per_config,
-                                     copies=plan.concurrent)
-                elif is_fresh(repeat) and alongside:
-                    alongside.start(config, repeat)  # waits for the previous one first
-                    continue
-                elif is_fresh(repeat):
+                    progress(i, len(todo), _what(config, repeat) + eta.text())
+                if is_fresh(repeat):
                     record = run_in_fresh_process(plan, store, suite, config, repeat)
                 else:
-                    record = run_one(engine, suite, corpus, inputs, config, repeat, plan.top_k,
-                                     fresh_process=engine.fresh_process_per_config)
+                    record = in_process(config, repeat)
+                eta.finish(config, repeat)
                 log(_summary_line(record))
-            if progress:
-                progress(len(todo), len(todo), "rescoring teacher-forced")
-            if plan.rescore:
-                rescore_suite(engine, suite, [c.name for c in plan.configs], log)
-        finally:
-            if alongside:
-                alongside.wait()
+        if progress:
+            progress(len(todo), len(todo), "rescoring teacher-forced")
+        if plan.rescore:
+            rescore_suite(engine, suite, [c.name for c in plan.configs], log)
         if plan.attribute:
             if progress:
                 progress(len(todo), len(todo), "attributing divergences to kernel paths")
@@ -288,32 +282,34 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
 
 # --- progress ----------------------------------------------------------------------------------
 
-class ConfigEta:
-    """Time left in the generation phase, from the wall time of the configs finished so far
-    (a config = all its runs, which are alike in cost across configs to a factor of ~2)."""
+def _what(config: SpecConfig, repeat: int) -> str:
+    return f"{config.name} " + ("all at once" if repeat < 0 else f"r{repeat}")
 
-    def __init__(self, names: Sequence[str]):
-        self.names = list(dict.fromkeys(names))
-        self.current: str | None = None
+
+class RunEta:
+    """Progress of the generation phase per config (how many of its runs are stored) and the
+    time left, from the wall time per run so far (runs of one corpus cost alike to a factor
+    of ~2, and any order of configs mixes them)."""
+
+    def __init__(self, todo: Sequence[tuple[SpecConfig, int]]):
+        self.left = {}
+        for config, _ in todo:
+            self.left[config.name] = self.left.get(config.name, 0) + 1
+        self.total, self.done = len(todo), 0
         self.began = time.perf_counter()
-        self.finished = 0
 
-    def start(self, name: str) -> None:
-        if name != self.current:
-            if self.current is not None:
-                self.finished += 1
-            self.current = name
+    def finish(self, config: SpecConfig, repeat: int) -> None:
+        self.done += 1
+        self.left[config.name] -= 1
 
     def text(self) -> str:
-        n = len(self.names)
-        if self.current is None or not n:
-            return ""
-        i = self.names.index(self.current) + 1
-        if not self.finished:
-            return f" (config {i}/{n})"
-        per = (time.perf_counter() - self.began) / self.finished
-        left = per * (n - self.finished)
-        return f" (config {i}/{n}, ~{per:.0f} s per config, about {_duration(left)} left)"
+        configs = len(self.left)
+        finished = sum(1 for n in self.left.values() if n == 0)
+        if not self.done:
+            return f" (configs done 0/{configs})"
+        left = (time.perf_counter() - self.began) / self.done * (self.total - self.done)
+        return (f" (configs done {finished}/{configs}, runs {self.done}/{self.total}, "
+                f"about {_duration(left)} left)")
 
 
 def _duration(seconds: float) -> str:
@@ -323,47 +319,59 @@ def _duration(seconds: float) -> str:
 
 # --- fresh-process repeats ---------------------------------------------------------------------
 
-class FreshAlongside:
-    """Fresh-process repeats run one at a time in a background thread (each in its own new
-    process, as :func:`run_in_fresh_process`) while the main process runs the in-process
-    repeats: on an engine with a spare core (the CPU reference engine at one thread) the
-    matrix takes about half the wall time, and each run still sees exactly what it would
-    alone (its outputs do not depend on timing)."""
+def run_two_lanes(todo, is_fresh, in_process, in_fresh_process, eta: RunEta, log: Log,
+                  progress) -> None:
+    """The runs on two lanes at once, for an engine that leaves a core free (the CPU
+    reference engine at one thread): this process runs the in-process repeats, a background
+    thread starts the fresh-process repeats one after another, and runs of the corpus all at
+    once go to whichever lane is free first (in a fresh process on the second lane). Each run
+    still computes exactly what it would alone; the matrix takes about half the wall time."""
+    import threading
 
-    def __init__(self, plan: RunPlan, store: Store, suite: Suite, log: Log):
-        self.plan, self.store, self.suite, self.log = plan, store, suite, log
-        self.thread = None
-        self.error: BaseException | None = None
+    own = {True: [t for t in todo if t[1] >= 0 and is_fresh(t[1])],
+           False: [t for t in todo if t[1] >= 0 and not is_fresh(t[1])]}
+    either = [t for t in todo if t[1] < 0]
+    lock = threading.Lock()
+    errors: list[BaseException] = []
 
-    def start(self, config: SpecConfig, repeat: int) -> None:
-        import threading
+    def take(fresh: bool):
+        with lock:
+            if errors:
+                return None
+            queue = own[fresh] or either
+            return queue.pop(0) if queue else None
 
-        self.wait()
+    def done(config, repeat, record) -> None:
+        with lock:
+            eta.finish(config, repeat)
+        log(_summary_line(record))
 
-        def work() -> None:
-            try:
-                record = run_in_fresh_process(self.plan, self.store, self.suite, config, repeat)
-                self.log(_summary_line(record))
-            except BaseException as e:  # noqa: BLE001 - raised in the main thread by wait()
-                self.error = e
+    def second_lane() -> None:
+        try:
+            while (task := take(True)) is not None:
+                done(*task, in_fresh_process(*task))
+        except BaseException as e:  # noqa: BLE001 - raised in this thread below
+            errors.append(e)
 
-        self.thread = threading.Thread(target=work, name=f"speccheck-fresh-{config.name}",
-                                       daemon=True)
-        self.thread.start()
-
-    def wait(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
+    lane = threading.Thread(target=second_lane, name="speccheck-fresh-lane", daemon=True)
+    lane.start()
+    try:
+        while (task := take(False)) is not None:
+            if progress:
+                progress(eta.done, eta.total, _what(*task) + eta.text())
+            done(*task, in_process(*task))
+    except BaseException as e:
+        errors.append(e)
+    lane.join()
+    if errors:
+        raise errors[0]
 
 
 def run_in_fresh_process(plan: RunPlan, store: Store, suite: Suite, config: SpecConfig,
                          repeat: int) -> RunRecord:
     """One (config, repeat) in a new Python process: catches state that leaks across runs
-    in-process (caches, allocator, JIT) and differences in process start-up."""
+    in-process (caches, allocator, JIT) and differences in process start-up. (Repeat -1, the
+    corpus all at once, runs there too when :func:`run_two_lanes` sends it.)"""
     request = {"plan": {**plan.__dict__, "configs": [config.to_dict()]}, "store": str(store.root),
                "suite": suite.id, "repeat": repeat, "parent": os.getpid()}
     proc = subprocess.run([sys.executable, "-m", "speccheck.runner", json.dumps(request)],
@@ -410,8 +418,9 @@ def _worker_main(argv: Sequence[str]) -> int:
         return 2
     try:
         inputs = suite.load_inputs() or tokenized_inputs(suite, engine, corpus)
-        run_one(engine, suite, corpus, inputs, plan.configs[0], request["repeat"], plan.top_k,
-                fresh_process=True)
+        repeat = request["repeat"]
+        run_one(engine, suite, corpus, inputs, plan.configs[0], repeat, plan.top_k,
+                fresh_process=True, copies=plan.concurrent if repeat < 0 else 0)
     finally:
         engine.close()
     return 0
