@@ -467,9 +467,7 @@ class Decoder:
     def _draft_init_batch(self, method, B, max_len):
         """One drafter state for a batch of B sequences, each at its own length."""
         if method == "mtp":
-            mcache = Cache(len(self.mtp.layers), max_len)
-            mcache.lengths = torch.zeros(B, dtype=torch.long, device=self.device)
-            return mcache
+            return {"cache": None, "max_len": max_len}  # made at the first call (_draft_batch)
         net = self.drafter if method == "dflash" else self.dflash2
         dc = self.cfg.drafter
         shape = (B, dc.num_key_value_heads, max_len, dc.head_dim)
@@ -479,8 +477,9 @@ class Decoder:
 
     def _draft_select(self, st, rows: list[int]) -> None:
         """Keep the batch drafter state of these sequences only (as Cache.select)."""
-        if isinstance(st, Cache):
-            st.select(rows)
+        if "cache" in st:
+            if st["cache"] is not None:
+                st["cache"].select(rows)
             return
         idx = self._t(rows)
         st["k"], st["v"] = [t[idx] for t in st["k"]], [t[idx] for t in st["v"]]
@@ -495,18 +494,27 @@ class Decoder:
         p_t = self._t(p)
         rows = torch.arange(len(live), device=self.device)
         if method == "mtp":
-            T = max(n)
-            ids = [tokens[b][pb - nb + 1: pb + 1] + [tokens[b][pb]] * (T - nb)
-                   for b, pb, nb in zip(live, p, n)]
-            hid = torch.nn.utils.rnn.pad_sequence([pending[b] for b in live], batch_first=True)
-            st.lengths = p_t - self._t(n)
-            mh = self.mtp(self.target.embed_tokens(self._t(ids)), hid, st)[rows, self._t(n) - 1]
+            if st["cache"] is None:  # the prompts, each alone (a batch pads all to the longest)
+                caches, last = [], []
+                for b, pb in zip(live, p):
+                    caches.append(Cache(len(self.mtp.layers), st["max_len"]))
+                    emb = self.target.embed_tokens(self._t(tokens[b][1: pb + 1]))[None]
+                    last.append(self.mtp(emb, pending[b][None], caches[-1])[0, -1])
+                mc = st["cache"] = Cache.join(caches)
+                mh = torch.stack(last)
+            else:
+                mc, T = st["cache"], max(n)
+                ids = [tokens[b][pb - nb + 1: pb + 1] + [tokens[b][pb]] * (T - nb)
+                       for b, pb, nb in zip(live, p, n)]
+                hid = torch.nn.utils.rnn.pad_sequence([pending[b] for b in live], batch_first=True)
+                mc.lengths = p_t - self._t(n)
+                mh = self.mtp(self.target.embed_tokens(self._t(ids)), hid, mc)[rows, self._t(n) - 1]
             out = [self.target.rough_logits(mh).argmax(-1)]
-            st.lengths = p_t
+            mc.lengths = p_t
             for _ in range(k - 1):
-                mh = self.mtp(self.target.embed_tokens(out[-1])[:, None], mh[:, None], st)[:, 0]
+                mh = self.mtp(self.target.embed_tokens(out[-1])[:, None], mh[:, None], mc)[:, 0]
                 out.append(self.target.rough_logits(mh).argmax(-1))
-            st.lengths = p_t  # drop the speculative positions
+            mc.lengths = p_t  # drop the speculative positions
             return torch.stack(out, 1).tolist()
         net = self.drafter if method == "dflash" else self.dflash2
         pos = self._t([i for pb, nb in zip(p, n) for i in range(pb - nb, pb)])
