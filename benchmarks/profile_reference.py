@@ -14,6 +14,7 @@ import argparse
 import statistics
 import sys
 import time
+import types
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -26,7 +27,7 @@ from speccheck.engines.reference.model import Cache
 #: the phases of Decoder's loops, timed in :func:`loop_phases` (object, attribute, label)
 PHASES = (("target", "forward", "target forward"), ("target", "logits", "lm head"),
           ("decoder", "_draft_mtp", "MTP drafting"), ("decoder", "_draft_dflash", "DFlash draft"),
-          ("cache", "commit", "commit/rollback"), ("out", "add", "emit (top-k to host)"))
+          ("cache", "commit", "commit/rollback"), ("decode", "emitted_rows", "emit (top-k to host)"))
 
 
 def loop_phases(eng, corpus: str, max_prompts: int, runs) -> None:
@@ -36,7 +37,7 @@ def loop_phases(eng, corpus: str, max_prompts: int, runs) -> None:
     sync = torch.cuda.synchronize if d.device.type == "cuda" else (lambda: None)
     prompts = list(load_corpus(corpus).prompts)[:max_prompts]
     ids = [eng.tokenize(p) for p in prompts]
-    owners = {"target": d.target, "decoder": d, "cache": Cache, "out": decode_module._Out}
+    owners = {"target": d.target, "decoder": d, "cache": Cache, "decode": decode_module}
     spent: dict[str, float] = {}
     originals = []
 
@@ -87,8 +88,17 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=100, help="timed repetitions per step")
     ap.add_argument("--corpus", default="code", help="corpus of the decode-loop split")
     ap.add_argument("--prompts", type=int, default=8, help="prompts of it to run")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time by the wall clock or by this thread's CPU time (CPU engine at one "
+                         "thread; on a shared machine the wall clock also measures the others)")
+    ap.add_argument("--no-profiler", action="store_true", help="skip the torch.profiler op lists")
     a = ap.parse_args(argv)
     eng = ReferenceEngine(engine_args=dict(kv.split("=", 1) for kv in a.engine_arg))
+    if a.clock == "cpu":
+        if eng.device.type != "cpu" or torch.get_num_threads() != 1:
+            ap.error("--clock cpu needs the CPU engine at one thread (threads=1, the default)")
+        global time  # this script's clock and the decoder's become this thread's CPU time
+        time = decode_module.time = types.SimpleNamespace(perf_counter=time.thread_time)
     d, target, knobs = eng.decoder, eng.decoder.target, eng.decoder.knobs
     cuda = d.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -159,7 +169,7 @@ def main(argv=None) -> int:
         phases = [("decode step", decode), ("verify K=7 + commit", lambda: verify(7))]
         if st is not None:
             phases.append(("DFlash block draft", dflash_block))
-        for name, f in phases:
+        for name, f in [] if a.no_profiler else phases:
             with profile(activities=acts) as p:
                 for _ in range(20):
                     f()

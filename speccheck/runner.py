@@ -249,21 +249,31 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
         log(f"suite {suite.id}: {len(plan.configs)} configs x {plan.repeats} repeats{together} "
             f"on corpus {corpus.name} ({len(corpus.prompts)} prompts); {done} already stored, "
             f"{len(todo)} to run")
-        for i, (config, repeat) in enumerate(todo):
-            if progress:
-                progress(i, len(todo), f"{config.name} " + ("all at once" if repeat < 0 else f"r{repeat}"))
-            fresh = (plan.fresh_process_repeat and plan.repeats > 1 and repeat == plan.repeats - 1
-                     and not engine.fresh_process_per_config)
-            if repeat < 0:
-                record = run_one(engine, suite, corpus, inputs, config, repeat, plan.top_k,
-                                 fresh_process=engine.fresh_process_per_config,
-                                 copies=plan.concurrent)
-            elif fresh:
-                record = run_in_fresh_process(plan, store, suite, config, repeat)
-            else:
-                record = run_one(engine, suite, corpus, inputs, config, repeat, plan.top_k,
-                                 fresh_process=engine.fresh_process_per_config)
-            log(_summary_line(record))
+
+        def is_fresh(repeat: int) -> bool:
+            return (plan.fresh_process_repeat and plan.repeats > 1 and repeat == plan.repeats - 1
+                    and not engine.fresh_process_per_config)
+
+        def in_process(config: SpecConfig, repeat: int) -> RunRecord:
+            return run_one(engine, suite, corpus, inputs, config, repeat, plan.top_k,
+                           fresh_process=engine.fresh_process_per_config,
+                           copies=plan.concurrent if repeat < 0 else 0)
+
+        eta = RunEta(todo)
+        if engine.fresh_process_alongside and any(is_fresh(r) for _, r in todo):
+            run_two_lanes(todo, is_fresh, in_process,
+                          lambda c, r: run_in_fresh_process(plan, store, suite, c, r),
+                          eta, log, progress)
+        else:
+            for i, (config, repeat) in enumerate(todo):
+                if progress:
+                    progress(i, len(todo), _what(config, repeat) + eta.text())
+                if is_fresh(repeat):
+                    record = run_in_fresh_process(plan, store, suite, config, repeat)
+                else:
+                    record = in_process(config, repeat)
+                eta.finish(config, repeat)
+                log(_summary_line(record))
         if progress:
             progress(len(todo), len(todo), "rescoring teacher-forced")
         if plan.rescore:
@@ -282,12 +292,98 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
     return suite
 
 
+# --- progress ----------------------------------------------------------------------------------
+
+def _what(config: SpecConfig, repeat: int) -> str:
+    return f"{config.name} " + ("all at once" if repeat < 0 else f"r{repeat}")
+
+
+class RunEta:
+    """Progress of the generation phase per config (how many of its runs are stored) and the
+    time left, from the wall time per run so far (runs of one corpus cost alike to a factor
+    of ~2, and any order of configs mixes them)."""
+
+    def __init__(self, todo: Sequence[tuple[SpecConfig, int]]):
+        self.left = {}
+        for config, _ in todo:
+            self.left[config.name] = self.left.get(config.name, 0) + 1
+        self.total, self.done = len(todo), 0
+        self.began = time.perf_counter()
+
+    def finish(self, config: SpecConfig, repeat: int) -> None:
+        self.done += 1
+        self.left[config.name] -= 1
+
+    def text(self) -> str:
+        configs = len(self.left)
+        finished = sum(1 for n in self.left.values() if n == 0)
+        if not self.done:
+            return f" (configs done 0/{configs})"
+        left = (time.perf_counter() - self.began) / self.done * (self.total - self.done)
+        return (f" (configs done {finished}/{configs}, runs {self.done}/{self.total}, "
+                f"about {_duration(left)} left)")
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    return f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"
+
+
 # --- fresh-process repeats ---------------------------------------------------------------------
+
+def run_two_lanes(todo, is_fresh, in_process, in_fresh_process, eta: RunEta, log: Log,
+                  progress) -> None:
+    """The runs on two lanes at once, for an engine that leaves a core free (the CPU
+    reference engine at one thread): this process runs the in-process repeats, a background
+    thread starts the fresh-process repeats one after another, and runs of the corpus all at
+    once go to whichever lane is free first (in a fresh process on the second lane). Each run
+    still computes exactly what it would alone; the matrix takes about half the wall time."""
+    import threading
+
+    own = {True: [t for t in todo if t[1] >= 0 and is_fresh(t[1])],
+           False: [t for t in todo if t[1] >= 0 and not is_fresh(t[1])]}
+    either = [t for t in todo if t[1] < 0]
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def take(fresh: bool):
+        with lock:
+            if errors:
+                return None
+            queue = own[fresh] or either
+            return queue.pop(0) if queue else None
+
+    def done(config, repeat, record) -> None:
+        with lock:
+            eta.finish(config, repeat)
+        log(_summary_line(record))
+
+    def second_lane() -> None:
+        try:
+            while (task := take(True)) is not None:
+                done(*task, in_fresh_process(*task))
+        except BaseException as e:  # noqa: BLE001 - raised in this thread below
+            errors.append(e)
+
+    lane = threading.Thread(target=second_lane, name="speccheck-fresh-lane", daemon=True)
+    lane.start()
+    try:
+        while (task := take(False)) is not None:
+            if progress:
+                progress(eta.done, eta.total, _what(*task) + eta.text())
+            done(*task, in_process(*task))
+    except BaseException as e:
+        errors.append(e)
+    lane.join()
+    if errors:
+        raise errors[0]
+
 
 def run_in_fresh_process(plan: RunPlan, store: Store, suite: Suite, config: SpecConfig,
                          repeat: int) -> RunRecord:
     """One (config, repeat) in a new Python process: catches state that leaks across runs
-    in-process (caches, allocator, JIT) and differences in process start-up."""
+    in-process (caches, allocator, JIT) and differences in process start-up. (Repeat -1, the
+    corpus all at once, runs there too when :func:`run_two_lanes` sends it.)"""
     request = {"plan": {**plan.__dict__, "configs": [config.to_dict()]}, "store": str(store.root),
                "suite": suite.id, "repeat": repeat, "parent": os.getpid()}
     proc = subprocess.run([sys.executable, "-m", "speccheck.runner", json.dumps(request)],
@@ -334,8 +430,9 @@ def _worker_main(argv: Sequence[str]) -> int:
         return 2
     try:
         inputs = suite.load_inputs() or tokenized_inputs(suite, engine, corpus)
-        run_one(engine, suite, corpus, inputs, plan.configs[0], request["repeat"], plan.top_k,
-                fresh_process=True)
+        repeat = request["repeat"]
+        run_one(engine, suite, corpus, inputs, plan.configs[0], repeat, plan.top_k,
+                fresh_process=True, copies=plan.concurrent if repeat < 0 else 0)
     finally:
         engine.close()
     return 0
@@ -359,6 +456,8 @@ def rescore_suite(engine: Engine, suite: Suite, config_names: Sequence[str], log
     work: list[tuple[str, list, list]] = []  # (config, its completions, those to score)
     if base_scores is None:
         work.append(("baseline", list(base.values()), list(base.values())))
+    # outputs several configs share (they often diverge from the baseline alike) are scored once
+    known: dict[tuple, object] = {}
     for name in config_names:
         if name == "baseline" or not suite.is_complete(name, 0) or suite.has_rescore(name, 0):
             continue
@@ -374,11 +473,14 @@ def rescore_suite(engine: Engine, suite: Suite, config_names: Sequence[str], log
         if done and differ:
             left = (time.perf_counter() - started) / done * (sum(tokens) - done)
             log(f"rescoring {name} ({len(differ)} output(s); about {left:.0f} s left)")
+        key = {c.prompt_id: (c.prompt_id, c.prompt_ids.tobytes(), c.token_ids.tobytes()) for c in differ}
+        new = [c for c in differ if key[c.prompt_id] not in known]
         try:
-            scores = _score_record(engine, differ) if differ else {}
+            known.update({key[pid]: s for pid, s in _score_record(engine, new).items()} if new else {})
         except ScoringUnavailable as e:
             log(f"rescoring {name} left for later: {e}")
             return
+        scores = {pid: known[k] for pid, k in key.items()}
         done += n
         if name == "baseline":
             base_scores = scores
@@ -442,27 +544,33 @@ def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: S
     if not todo:
         return
     all_items = [it for items in todo.values() for it in items]
+    # configs that diverge at the same place share one re-score per kernel path
+    unique: dict[tuple, list[dict]] = {}
+    for it in all_items:
+        unique.setdefault((it["prompt_id"], tuple(it["prompt_ids"]), tuple(it["prefix"])), []).append(it)
+    firsts = [group[0] for group in unique.values()]
     started = time.perf_counter()
     for i, (label, args) in enumerate(variants.items()):
         if not all_items:
             break
         eta = (f", about {(time.perf_counter() - started) / i * (len(variants) - i):.0f} s left" if i else "")
-        log(f"attribution: kernel path {i + 1}/{len(variants)} ({label}) on {len(all_items)} divergent "
+        log(f"attribution: kernel path {i + 1}/{len(variants)} ({label}) on {len(firsts)} divergent "
             f"prefix(es){eta}")
         try:
             engine = make_engine(plan.engine, plan.model, {**plan.engine_args, **args}, plan.draft)
             try:
-                scored = engine.score([it["prompt_ids"] for it in all_items],
-                                      [it["prefix"] for it in all_items], top_k=2)
+                scored = engine.score([it["prompt_ids"] for it in firsts],
+                                      [it["prefix"] for it in firsts], top_k=2)
             finally:
                 engine.close()
         except (EngineError, EngineUsageError, RuntimeError) as e:
             log(f"attribution variant {label} failed: {e}")
             continue
-        for it, s in zip(all_items, scored):
-            token = int(s.topk_ids[it["position"], 0])
+        for group, s in zip(unique.values(), scored):
+            token = int(s.topk_ids[group[0]["position"], 0])
             if token >= 0:  # -1: that path could not compute this position (engine says why)
-                it.setdefault("paths", {})[label] = token
+                for it in group:
+                    it.setdefault("paths", {})[label] = token
     for name, items in todo.items():
         for it in items:
             paths = it.pop("paths", {})

@@ -51,6 +51,21 @@ def test_gdn_per_position_state_is_prefix_state():
         assert torch.allclose(per[:, i], s_i, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+def test_per_row_state_of_a_batch_is_that_rows_prefix_state(form):
+    """A ragged batch keeps a different count per row: at_rows(idx)[b] is row b's state
+    after position idx[b], as the one-row at() gives it."""
+    q, k, v, g, beta, s0 = _gdn_inputs(8, seed=2, B=3)
+    fn = gdn_chunked if form == "chunked" else gdn_recurrent
+    _, _, per = fn(q, k, v, g, beta, s0, per_position=True)
+    idx = torch.tensor([0, 7, 4])
+    rows = per.at_rows(idx)
+    assert rows.shape == s0.shape
+    for b, i in enumerate(idx.tolist()):
+        assert torch.allclose(rows[b], per.at(i)[b], atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(rows[0], rows[1], atol=1e-3)  # the rows really differ
+
+
 @pytest.fixture(scope="module")
 def nets():
     cfg = ReferenceConfig()

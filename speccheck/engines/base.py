@@ -37,6 +37,9 @@ class Engine(ABC):
     #: run every config in a fresh subprocess (GPU memory and engine state released between
     #: configs); the reference engine runs in-process and uses a fresh process for one repeat.
     fresh_process_per_config: ClassVar[bool] = False
+    #: the runner may run the fresh-process repeat of one config alongside the in-process runs
+    #: (an engine that uses fewer cores than the machine has, and no device memory to share)
+    fresh_process_alongside: bool = False
     #: the engine runs only the one config its server runs (openai): the matrix is exactly what
     #: the user names, without the implicit baseline.
     serves_one_config: ClassVar[bool] = False

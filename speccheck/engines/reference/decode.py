@@ -131,17 +131,20 @@ class _Out:
 
     def add(self, tokens: list[int], rows: torch.Tensor) -> None:
         """tokens[i] was emitted from log-prob row rows[i] (fp32 [n, V])."""
+        self.extend(tokens, *emitted_rows(rows, tokens, self.top_k))
+
+    def extend(self, tokens: list[int], idx: np.ndarray, vals: np.ndarray,
+               chosen: np.ndarray) -> None:
+        """As :meth:`add`, from :func:`emitted_rows`' arrays (a batch computes them at once);
+        what it keeps goes to ``emit`` at once."""
         n = len(self.tokens)
-        self._add(tokens, rows)
+        self._extend(tokens, idx, vals, chosen)
         if self.emit is not None and len(self.tokens) > n:
             self.emit(self.tokens[n:], self.lps[n:], [r.tolist() for r in self.tk_ids[n:]],
                       [r.tolist() for r in self.tk_lps[n:]])
 
-    def _add(self, tokens: list[int], rows: torch.Tensor) -> None:
-        vals, idx = rows.topk(self.top_k, dim=-1)
-        chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
-        idx, vals = canonical_rows(idx.cpu().numpy(), vals.cpu().numpy())
-        chosen = chosen.cpu().numpy()
+    def _extend(self, tokens: list[int], idx: np.ndarray, vals: np.ndarray,
+                chosen: np.ndarray) -> None:
         if self.finish is not None:
             return
         for i, t in enumerate(tokens):
@@ -156,6 +159,15 @@ class _Out:
             if (self.finish == "stop" and self.cut_at_eos) or \
                     (self.finish == "length" and self.cut_at_max):
                 return
+
+
+def emitted_rows(rows: torch.Tensor, tokens: list[int], top_k: int) -> tuple:
+    """Host copies of what is stored per emitted token: the canonical top-k (ids, logprobs)
+    of each log-prob row [n, V] and the logprob of tokens[i] in row i."""
+    vals, idx = rows.topk(top_k, dim=-1)
+    chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
+    idx, vals = canonical_rows(idx.cpu().numpy(), vals.cpu().numpy())
+    return idx, vals, chosen.cpu().numpy()
 
 
 def _sync(device: torch.device) -> None:
@@ -288,8 +300,10 @@ class Decoder:
         live = list(range(len(prompts)))  # sequences still decoding, in cache order
         while True:
             tok = rows.argmax(-1)
+            toks = tok.tolist()
+            idx, vals, chosen = emitted_rows(rows, toks, top_k)
             for j, b in enumerate(live):
-                outs[b].add([int(tok[j])], rows[j:j + 1])
+                outs[b].extend(toks[j:j + 1], idx[j:j + 1], vals[j:j + 1], chosen[j:j + 1])
             still = [j for j, b in enumerate(live) if outs[b].finish is None]
             if not still:
                 break
@@ -326,9 +340,19 @@ class Decoder:
         _sync(self.device)
         t1, c1 = time.perf_counter(), time.process_time()
 
-        # per sequence: the drafter's state, and target outputs for positions whose successors
-        # are known but the drafter has not seen (the prompt's, to begin with)
-        states = [self._draft_init(method, max_len) for _ in range(B)]
+        # the drafter's state (per sequence alone; one for the whole batch, drafting all live
+        # sequences in one call), and per sequence the target outputs at positions whose
+        # successors are known but the drafter has not seen (the prompt's, to begin with)
+        if B == 1:
+            states = [self._draft_init(method, max_len)]
+
+            def draft_all(live):
+                return [self._draft(method, states[0], tokens[0], pending[0], k)]
+        else:
+            bstate = self._draft_init_batch(method, B, max_len)
+
+            def draft_all(live):
+                return self._draft_batch(method, bstate, live, tokens, pending, k)
         pending = [hidden[b] if method == "mtp" else torch.cat([aux[b][i] for i in aux_ids], -1)
                    for b in range(B)]
         last_hidden = [hidden[b][-1:] for b in range(B)]  # (fault mtp-stale-hidden)
@@ -346,6 +370,7 @@ class Decoder:
         live = [b for b in range(B) if outs[b].finish is None]  # sequences still decoding
         if B > 1:
             cache.select(live)
+            self._draft_select(bstate, live)
         step = 0
         while live:
             step += 1
@@ -353,23 +378,24 @@ class Decoder:
                 self._step_without_draft(cache, live, x, tokens, outs, iterations, verified,
                                          aux_ids, top_k)
             else:
-                self._verify_step(cache, live, x, tokens, outs, iterations, counters, states,
-                                  pending, verified, method, k, aux_ids, conv_history, top_k)
+                self._verify_step(cache, live, x, tokens, outs, iterations, counters, draft_all,
+                                  pending, verified, k, aux_ids, conv_history, top_k)
             still = [j for j, b in enumerate(live) if outs[b].finish is None]
             if B > 1 and len(still) < len(live):
                 cache.select(still)
+                self._draft_select(bstate, still)
             live = [live[j] for j in still]
         t2, c2 = time.perf_counter(), time.process_time()
         return self._generations(prompts, outs, counters, iterations, t0, t1, t2, c2 - c1)
 
-    def _verify_step(self, cache, live, x, tokens, outs, iterations, counters, states, pending,
-                     verified, method, k, aux_ids, conv_history, top_k) -> None:
+    def _verify_step(self, cache, live, x, tokens, outs, iterations, counters, draft_all, pending,
+                     verified, k, aux_ids, conv_history, top_k) -> None:
         """Draft K tokens per live sequence, verify them with the target in one forward of
         K+1 positions, emit the accepted prefix plus the target's own next token, and keep
         exactly the state of the emitted positions."""
         fault = self.knobs.fault
         t_draft = time.perf_counter()
-        drafts = [self._draft(method, states[b], tokens[b], pending[b], k) for b in live]
+        drafts = draft_all(live)
         draft_s = (time.perf_counter() - t_draft) / len(live)  # drafts end in .tolist(): synced
         for b in live:
             pending[b] = None
@@ -380,15 +406,24 @@ class Decoder:
         rows = torch.log_softmax(self.target.logits(h.flatten(0, 1), top_k), -1)
         rows = rows.view(len(live), k + 1, -1)
         top2 = rows.topk(2, dim=-1).indices.cpu().tolist()
-        kept = []
+        kept, emits, picked = [], [], []
         for j, b in enumerate(live):
             m = 0
             while m < k and (drafts[j][m] == top2[j][m][0]
                              or (fault == "accept-top2" and drafts[j][m] == top2[j][m][1])):
                 m += 1
             bonus_pos = min(m + 1, k) if fault == "bonus-off-by-one" else m
-            emitted = drafts[j][:m] + [top2[j][bonus_pos][0]]
-            outs[b].add(emitted, rows[j, list(range(m)) + [bonus_pos]])
+            emits.append(drafts[j][:m] + [top2[j][bonus_pos][0]])
+            picked += [j * (k + 1) + i for i in list(range(m)) + [bonus_pos]]
+            kept.append(m)
+        # every sequence's emitted rows to the host at once
+        flat = [t for e in emits for t in e]
+        idx, vals, chosen = emitted_rows(rows.view(-1, rows.shape[-1])[picked], flat, top_k)
+        at = 0
+        for j, b in enumerate(live):
+            m, emitted = kept[j], emits[j]
+            outs[b].extend(emitted, idx[at:at + m + 1], vals[at:at + m + 1], chosen[at:at + m + 1])
+            at += m + 1
             tokens[b].extend(emitted)
             x[b] = emitted[-1]
             iterations[b] += 1
@@ -399,7 +434,7 @@ class Decoder:
             for i in range(m):
                 c.accepted_per_pos[i] += 1
             verified(b, h[j, : m + 1], [aux[i][j, : m + 1] for i in aux_ids])
-            kept.append(m + 1)
+            kept[j] = m + 1
         state_keep = ([min(n, conv_history) for n in kept]
                       if fault == "accepted-clamped-to-conv" else None)
         one_kernel = fault == "decode-kernel-verify"  # it wrote only the final state
@@ -452,6 +487,73 @@ class Decoder:
                 "k": [w.new_zeros(shape) for _ in self.drafter.layers],
                 "v": [w.new_zeros(shape) for _ in self.drafter.layers]}
 
+    def _draft_init_batch(self, method, B, max_len):
+        """One drafter state for a batch of B sequences, each at its own length."""
+        if method == "mtp":
+            return {"cache": None, "max_len": max_len}  # made at the first call (_draft_batch)
+        net = self.drafter if method == "dflash" else self.dflash2
+        dc = self.cfg.drafter
+        shape = (B, dc.num_key_value_heads, max_len, dc.head_dim)
+        w = self.target.embed_tokens.weight
+        return {"k": [w.new_zeros(shape) for _ in net.layers],
+                "v": [w.new_zeros(shape) for _ in net.layers]}
+
+    def _draft_select(self, st, rows: list[int]) -> None:
+        """Keep the batch drafter state of these sequences only (as Cache.select)."""
+        if "cache" in st:
+            if st["cache"] is not None:
+                st["cache"].select(rows)
+            return
+        idx = self._t(rows)
+        st["k"], st["v"] = [t[idx] for t in st["k"]], [t[idx] for t in st["v"]]
+
+    def _draft_batch(self, method, st, live, tokens, pending, k) -> list[list[int]]:
+        """K draft tokens for every live sequence of a batch in one drafter call per step
+        (each sequence at its own length; the first call feeds each its own number of newly
+        verified positions, padded to the longest: padded positions are never read, and
+        are overwritten before any query reaches them)."""
+        n = [pending[b].shape[0] for b in live]
+        p = [len(tokens[b]) - 1 for b in live]
+        p_t = self._t(p)
+        rows = torch.arange(len(live), device=self.device)
+        if method == "mtp":
+            if st["cache"] is None:  # the prompts, each alone (a batch pads all to the longest)
+                caches, last = [], []
+                for b, pb in zip(live, p):
+                    caches.append(Cache(len(self.mtp.layers), st["max_len"]))
+                    emb = self.target.embed_tokens(self._t(tokens[b][1: pb + 1]))[None]
+                    last.append(self.mtp(emb, pending[b][None], caches[-1])[0, -1])
+                mc = st["cache"] = Cache.join(caches)
+                mh = torch.stack(last)
+            else:
+                mc, T = st["cache"], max(n)
+                ids = [tokens[b][pb - nb + 1: pb + 1] + [tokens[b][pb]] * (T - nb)
+                       for b, pb, nb in zip(live, p, n)]
+                hid = torch.nn.utils.rnn.pad_sequence([pending[b] for b in live], batch_first=True)
+                mc.lengths = p_t - self._t(n)
+                mh = self.mtp(self.target.embed_tokens(self._t(ids)), hid, mc)[rows, self._t(n) - 1]
+            out = [self.target.rough_logits(mh).argmax(-1)]
+            mc.lengths = p_t
+            for _ in range(k - 1):
+                mh = self.mtp(self.target.embed_tokens(out[-1])[:, None], mh[:, None], mc)[:, 0]
+                out.append(self.target.rough_logits(mh).argmax(-1))
+            mc.lengths = p_t  # drop the speculative positions
+            return torch.stack(out, 1).tolist()
+        net = self.drafter if method == "dflash" else self.dflash2
+        pos = self._t([i for pb, nb in zip(p, n) for i in range(pb - nb, pb)])
+        which = torch.repeat_interleave(rows, self._t(n))
+        aux = torch.cat([pending[b] for b in live])[None]
+        for li, (ck, cv) in enumerate(net.context_kv(aux, pos)):
+            st["k"][li][which, :, pos] = ck[0].transpose(0, 1)
+            st["v"][li][which, :, pos] = cv[0].transpose(0, 1)
+        block = self._t([[tokens[b][-1]] + [self.cfg.mask_token_id] * k for b in live])
+        bpos = p_t[:, None] + torch.arange(k + 1, device=self.device)
+        hb = net(self.target.embed_tokens(block), bpos, list(zip(st["k"], st["v"])), ctx_len=p_t)
+        if method == "dflash2":
+            return _dflash2.select_drafts(net, self.target, hb[:, 1:], block[:, 0],
+                                          self.selector).tolist()
+        return self.target.rough_logits(hb[:, 1:]).argmax(-1).tolist()
+
     def _draft_mtp(self, mcache: Cache, tokens, pending_h, k) -> list[int]:
         """MTP entry at position t takes (embedding of token t+1, target hidden at t).
         Feed the newly verified positions, then recurse on the module's own hidden."""
@@ -475,13 +577,12 @@ class Decoder:
         p = len(tokens) - 1
         start = st["len"]
         assert start == p - n
-        pos = torch.arange(start, p, device=self.device)
+        pos = range(start, p)  # consecutive: RoPE slices its table
         for li, (ck, cv) in enumerate(self.drafter.context_kv(pending_aux[None], pos)):
             st["k"][li][:, :, start:p] = ck
             st["v"][li][:, :, start:p] = cv
         st["len"] = p
         block = [tokens[-1]] + [self.cfg.mask_token_id] * k
         emb = self.target.embed_tokens(self._t(block))[None]
-        bpos = torch.arange(p, p + k + 1, device=self.device)
-        hb = self.drafter(emb, bpos, list(zip(st["k"], st["v"])), ctx_len=p)
+        hb = self.drafter(emb, range(p, p + k + 1), list(zip(st["k"], st["v"])), ctx_len=p)
         return self.target.rough_logits(hb[0, 1:]).argmax(-1).tolist()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
@@ -74,6 +75,14 @@ def _sha256(path: Path) -> str | None:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def parse_engine_args(args: dict[str, str]) -> dict[str, str]:
@@ -178,6 +187,8 @@ class ReferenceEngine(Engine):
         self.tok_path = tok_path
         if self.args["threads"]:
             torch.set_num_threads(int(self.args["threads"]))
+        # a second process at these threads fits beside this one (runner.FreshAlongside)
+        self.fresh_process_alongside = 2 * torch.get_num_threads() <= _cpus()
         dev = self.args["device"]
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -185,6 +196,7 @@ class ReferenceEngine(Engine):
             raise EngineUsageError("--engine-arg device=cuda but CUDA is not available here")
         self.device = torch.device(dev)
         if dev == "cuda":
+            self.fresh_process_alongside = False  # one device, and its memory, per process
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
             torch.backends.cudnn.deterministic = True

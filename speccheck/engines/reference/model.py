@@ -220,13 +220,16 @@ def _rope_table(rot_dim: int, theta: float, dtype, device) -> tuple:
         freqs = torch.arange(ROPE_TABLE_SIZE, dtype=torch.float32, device=device)[:, None] \
             * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = emb.sin()
+        sin[:, : rot_dim // 2] *= -1  # the sign of rotate_half's first half, see apply_rope
+        return emb.cos().to(dtype), sin.to(dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor | range, rot_dim: int, theta: float, dtype,
                  device=None) -> tuple:
-    """Neox-style RoPE cos/sin for ``rot_dim`` leading dims at ``positions`` (a tensor, or a
-    ``range`` for consecutive positions), looked up in a table computed once in fp32."""
+    """Neox-style RoPE cos and (signed, see :func:`apply_rope`) sin for ``rot_dim`` leading
+    dims at ``positions`` (a tensor, or a ``range`` for consecutive positions), looked up in a
+    table computed once in fp32."""
     if isinstance(positions, range):
         if positions.stop > ROPE_TABLE_SIZE:
             raise ValueError(f"position {positions.stop - 1} is past the {ROPE_TABLE_SIZE} "
@@ -238,12 +241,15 @@ def rope_cos_sin(positions: torch.Tensor | range, rot_dim: int, theta: float, dt
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., T, D]; rotates the first ``cos.shape[-1]`` dims (partial rotary)."""
+    """x: [..., T, D]; rotates the first ``cos.shape[-1]`` dims (partial rotary):
+    ``x * cos + rotate_half(x) * sin`` with rotate_half(x) = [-x2, x1], computed as
+    [x2, x1] (one roll) times the signed sin of :func:`rope_cos_sin`: the same products
+    (a sign flip is exact), fewer ops."""
     r = cos.shape[-1]
-    xr, xp = x[..., :r], x[..., r:]
-    x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
-    rot = torch.cat([-x2, x1], dim=-1)
-    return torch.cat([xr * cos + rot * sin, xp], dim=-1)
+    if r == x.shape[-1]:
+        return x * cos + x.roll(r // 2, -1) * sin
+    xr = x[..., :r]
+    return torch.cat([xr * cos + xr.roll(r // 2, -1) * sin, x[..., r:]], dim=-1)
 
 
 # --------------------------------------------------------------------------- gated delta rule
@@ -287,6 +293,17 @@ class PerPositionStates:
         # S_i = exp(cum_i) S0 + sum_{j<=i} exp(cum_i - cum_j) k_j v_new_j^T
         dk = decay[:, :, i, : i + 1, None] * k[:, :, : i + 1]
         return cum[:, :, i].exp()[..., None, None] * s0 + dk.transpose(-1, -2) @ v_new[:, :, : i + 1]
+
+    def at_rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """Row b's state after position idx[b] (a ragged batch keeps a count per sequence):
+        one gather instead of a state per row. The masked decay row is zero past idx[b], so
+        the sum runs over all T positions."""
+        rows = torch.arange(idx.shape[0], device=idx.device)
+        if self.stacked is not None:
+            return self.stacked[rows, idx]
+        s0, cum, decay, k, v_new = self.parts
+        dk = decay[rows, :, idx][..., None] * k  # [B,H,T,Dk]
+        return cum[rows, :, idx].exp()[..., None, None] * s0 + dk.transpose(-1, -2) @ v_new
 
     def stack(self) -> torch.Tensor:
         if self.stacked is None:
@@ -443,9 +460,11 @@ class Cache:
             if isinstance(n_new, int):
                 self.conv[i] = window[:, conv_keep[0]: conv_keep[0] + k1]
                 self.gdn[i] = per_state.at(keep[0] - 1)
-            else:
-                self.conv[i] = torch.stack([window[b, n: n + k1] for b, n in enumerate(conv_keep)])
-                self.gdn[i] = torch.stack([per_state.at(n - 1)[b] for b, n in enumerate(keep)])
+            else:  # one gather per layer, whatever the batch size
+                dev = window.device
+                at = torch.tensor(conv_keep, device=dev)[:, None] + torch.arange(k1, device=dev)
+                self.conv[i] = window[torch.arange(len(conv_keep), device=dev)[:, None], at]
+                self.gdn[i] = per_state.at_rows(torch.tensor(keep, device=dev) - 1)
                 if alias_first:
                     self.conv[i] = self.conv[i][:1].expand_as(self.conv[i]).clone()
                     self.gdn[i] = self.gdn[i][:1].expand_as(self.gdn[i]).clone()
@@ -538,7 +557,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             q = q.repeat_interleave(self.nv // self.nk, dim=2)
             k = k.repeat_interleave(self.nv // self.nk, dim=2)
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        neg_a = inference_cached(self, "neg_a", [self.A_log], lambda: -self.A_log.float().exp())
+        g = neg_a * F.softplus(a.float() + self.dt_bias)
         if form == "recurrent":
             if state is None:
                 state = q.new_zeros(B, self.nv, self.dk, self.dv, dtype=torch.float32)
@@ -759,11 +779,14 @@ class MTPModule(nn.Module):
         both [B,T,H], at positions cache.length.. (or 0.. without a cache)."""
         x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], -1)
         x = self.fc(x).float()
-        start = 0 if cache is None else cache.length
+        start = 0 if cache is None else (cache.length if cache.lengths is None else cache.lengths)
         for i, layer in enumerate(self.layers):
             x = layer(x, cache, i, start, attn_form=attn_form)
         if cache is not None:
-            cache.length += embeds.shape[1]
+            if cache.lengths is None:
+                cache.length += embeds.shape[1]
+            else:
+                cache.lengths = cache.lengths + embeds.shape[1]
         return self.norm(x)
 
 
@@ -787,6 +810,14 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
+    def _rope(self, positions: torch.Tensor | range, dtype) -> tuple:
+        """cos/sin for [T] positions (a tensor or a range), or [B,T] (a batch at its own
+        positions: [B,1,T,D])."""
+        if isinstance(positions, range):
+            return rope_cos_sin(positions, self.d, self.theta, dtype, self.q_proj.weight.device)
+        cos, sin = rope_cos_sin(positions, self.d, self.theta, dtype)
+        return (cos, sin) if positions.dim() == 1 else (cos[:, None], sin[:, None])
+
     def _kv_heads(self, k: torch.Tensor, v: torch.Tensor, cos, sin) -> tuple:
         """[B,T,Hkv*D] projections -> normed, rotated K and V [B,Hkv,T,D]."""
         B, T, _ = k.shape
@@ -795,23 +826,33 @@ class DFlashAttention(nn.Module):
 
     def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
         kv = F.linear(x, fused_weight(self, "kv", [self.k_proj, self.v_proj]))
-        cos, sin = rope_cos_sin(positions, self.d, self.theta, kv.dtype)
-        return self._kv_heads(*kv.split(self.nkv * self.d, dim=-1), cos, sin)
+        return self._kv_heads(*kv.split(self.nkv * self.d, dim=-1), *self._rope(positions, kv.dtype))
 
     def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None):
         """x: [B,T,H] block slots at ``positions``; mask (optional, bool [T, L+T], True = may
         attend) for batched training blocks. ctx_k/v: [B,Hkv,L,D] context, or with
         ``ctx_len`` buffers holding it in [:ctx_len] with room after it: the block's own
-        K/V are written there (scratch) instead of copying the context."""
+        K/V are written there (scratch) instead of copying the context. A tensor ``ctx_len``
+        [B] (with ``positions`` [B,T]) is a batch of sequences each with its own context
+        length: row b's block goes to [ctx_len[b]:], keys past it are masked."""
         B, T, _ = x.shape
         qkv = F.linear(x, fused_weight(self, "qkv", [self.q_proj, self.k_proj, self.v_proj]))
         nq, nk = self.nh * self.d, self.nkv * self.d
-        cos, sin = rope_cos_sin(positions, self.d, self.theta, qkv.dtype)
+        cos, sin = self._rope(positions, qkv.dtype)
         q = self.q_norm(qkv[..., :nq].view(B, T, self.nh, self.d)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k, v = self._kv_heads(qkv[..., nq:nq + nk], qkv[..., nq + nk:], cos, sin)
         if ctx_len is None:
             K, V = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        elif isinstance(ctx_len, torch.Tensor):
+            rows = torch.arange(B, device=x.device)[:, None]
+            ctx_k[rows, :, positions] = k.transpose(1, 2)
+            ctx_v[rows, :, positions] = v.transpose(1, 2)
+            end = positions[:, -1] + 1  # [B]
+            L = int(end.max())
+            K, V = ctx_k[:, :, :L], ctx_v[:, :, :L]
+            if bool((end < L).any()):
+                mask = (torch.arange(L, device=x.device) < end[:, None])[:, None, None, :]
         else:
             ctx_k[:, :, ctx_len:ctx_len + T] = k
             ctx_v[:, :, ctx_len:ctx_len + T] = v
