@@ -423,11 +423,11 @@ def diagnose(engine: str = "reference", model: str | None = None, base_url: str 
                                       peer_access(tp) if len(info.get("gpus") or []) >= tp else None)
     if engine == "vllm" or _version("vllm"):
         gpus = info.get("gpus") or []
-        cap = tuple(gpus[0]["capability"]) if gpus else None
+        cap, cute_dsl = (tuple(gpus[0]["capability"]) if gpus else None), _cute_dsl_importable()
         findings.append(gdn_prefill_finding(cap, _linear_key_head_dim(model),
                                             _version("flashinfer-python") or _version("flashinfer"),
-                                            _cute_dsl_importable()))
-        warmup = cute_dsl_warmup_finding(cap, _cute_dsl_importable(), _importable("quack"))
+                                            cute_dsl))
+        warmup = cute_dsl_warmup_finding(cap, cute_dsl, _importable("quack"))
         if warmup:
             findings.append(warmup)
     if model:

@@ -476,7 +476,7 @@ def rescore_suite(engine: Engine, suite: Suite, config_names: Sequence[str], log
         key = {c.prompt_id: (c.prompt_id, c.prompt_ids.tobytes(), c.token_ids.tobytes()) for c in differ}
         new = [c for c in differ if key[c.prompt_id] not in known]
         try:
-            known.update({key[pid]: s for pid, s in _score_record(engine, new).items()} if new else {})
+            known.update({key[pid]: s for pid, s in _score_record(engine, new).items()})
         except ScoringUnavailable as e:
             log(f"rescoring {name} left for later: {e}")
             return
