@@ -12,6 +12,8 @@
 #       beside it the same settings through vLLM's OpenAI server, baseline then MTP K=3 on
 #       one URL (h200_server.sh sameurl); then baselines with one kernel switch flipped each
 #       (job_flips), to check that attribution named the right switch.
+#       GO_JOBS picks jobs (default doctor kernels offline server flips); golden: smoke+code
+#       alone for golden/vllm; bench: the embedded engine on CUDA once server/flips/golden end.
 #   bash scripts/h200_session.sh wait S  waits up to S seconds (until every job ended), prints
 #       each job's state and log tail, and packs what exists into $OUT/session.tgz.
 set -uo pipefail
@@ -90,6 +92,20 @@ job_flips() {  # once the offline matrix is generated (its attribution running):
   done
 }
 
+job_golden() {  # smoke+code alone under the same defaults: the committed golden/vllm baseline
+  until [ -f "$JOBS/export.rc" ]; do sleep 2; done
+  CORPUS=smoke+code GPU_UTIL=0.2 CONFIGS='mtp-k3 dflash-k7' ATTENTION=TRITON_ATTN DEADLINE_S=600 \
+    CAPTURE=0 RUN_ARGS='--no-attribution' OUT=$JOBS/golden WORK=/tmp/speccheck-golden \
+    bash scripts/h200_vllm.sh run "$CKPT"
+}
+
+job_bench() {  # the embedded engine's speed on CUDA, once the vLLM jobs beside it are done
+  until { [ -f "$JOBS/server.rc" ] || [ ! -f "$JOBS/server.log" ]; } && \
+        { [ -f "$JOBS/flips.rc" ] || [ ! -f "$JOBS/flips.log" ]; } && \
+        { [ -f "$JOBS/golden.rc" ] || [ ! -f "$JOBS/golden.log" ]; }; do sleep 3; done
+  PYTHONPATH=$R python3 benchmarks/bench_reference.py --engine-arg device=cuda ${BENCH_ARGS:---mtp-k 1,3 --dflash-k 7}
+}
+
 go() {
   local j
   for j in ${GO_JOBS:-doctor kernels offline server flips}; do bg "$j" "bash scripts/h200_session.sh job_$j"; done
@@ -109,7 +125,7 @@ wait_jobs() {
     tail -n "${TAIL:-12}" "$l"
   done
   tar czf "$OUT/session.tgz" --exclude='*.safetensors' -C / "${JOBS#/}" "${WORK#/}" \
-    tmp/speccheck-srv $(cd / && ls -d tmp/speccheck-flip* 2>/dev/null) 2>/dev/null
+    tmp/speccheck-srv $(cd / && ls -d tmp/speccheck-flip* tmp/speccheck-golden 2>/dev/null) 2>/dev/null
   ls -la "$OUT"
 }
 
@@ -118,7 +134,8 @@ restart() {  # end every job of an earlier `go` (and its servers and workers), k
   for p in 'h200_session.sh job_' 'h200_server.sh' 'h200_vllm.sh run' 'vllm.entrypoints' 'vllm_worker' \
            'speccheck.cli'; do pkill -f "$p"; done
   sleep 3
-  rm -rf "$WORK/store" "$WORK/gdn_prefill_used" /tmp/speccheck-srv /tmp/speccheck-flip* "$JOBS"
+  rm -rf "$WORK/store" "$WORK/gdn_prefill_used" /tmp/speccheck-srv /tmp/speccheck-flip* \
+    /tmp/speccheck-golden "$JOBS"
   mkdir -p "$JOBS"
 }
 

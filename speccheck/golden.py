@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from speccheck.engines import RUN_ONLY_ARGS
 from speccheck.evaluate import (Comparison, SuiteResult, compare_runs, kernel_noise_sample,
                                 spec_delta_sample)
 from speccheck.store import Suite, read_run
@@ -45,9 +46,11 @@ def golden_dir(root: Path, identity: dict, meta: dict) -> Path:
     planted faults) change the numerics, so a golden made with them never lands where the
     default one lives."""
     model = identity.get("model_id") or meta.get("model") or "default"
-    args = {k: v for k, v in (meta.get("engine_args") or {}).items() if k not in _NOT_NUMERICS}
+    engine = identity.get("engine") or meta["engine"]
+    skip = set(_NOT_NUMERICS) | RUN_ONLY_ARGS.get(engine, frozenset())
+    args = {k: v for k, v in (meta.get("engine_args") or {}).items() if k not in skip}
     variant = ("+" + ",".join(f"{k}={v}" for k, v in sorted(args.items()))) if args else ""
-    return Path(root) / _slug(identity.get("engine") or meta["engine"]) / _slug(Path(str(model)).name) \
+    return Path(root) / _slug(engine) / _slug(Path(str(model)).name) \
         / _slug(meta["corpus"] + variant)
 
 

@@ -259,20 +259,22 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
                            fresh_process=engine.fresh_process_per_config,
                            copies=plan.concurrent if repeat < 0 else 0)
 
-        eta = RunEta(todo)
-        if engine.fresh_process_alongside and any(is_fresh(r) for _, r in todo):
+        two_lanes = engine.fresh_process_alongside and any(is_fresh(r) for _, r in todo)
+        eta = RunEta(todo, lanes=2 if two_lanes else 1)
+        if two_lanes:
             run_two_lanes(todo, is_fresh, in_process,
                           lambda c, r: run_in_fresh_process(plan, store, suite, c, r),
                           eta, log, progress)
         else:
             for i, (config, repeat) in enumerate(todo):
                 if progress:
-                    progress(i, len(todo), _what(config, repeat) + eta.text())
+                    progress(i, len(todo), _what(config, repeat) + eta.text(config))
+                began = time.perf_counter()
                 if is_fresh(repeat):
                     record = run_in_fresh_process(plan, store, suite, config, repeat)
                 else:
                     record = in_process(config, repeat)
-                eta.finish(config, repeat)
+                eta.finish(config, repeat, time.perf_counter() - began)
                 log(_summary_line(record))
         if progress:
             progress(len(todo), len(todo), "rescoring teacher-forced")
@@ -299,29 +301,44 @@ def _what(config: SpecConfig, repeat: int) -> str:
 
 
 class RunEta:
-    """Progress of the generation phase per config (how many of its runs are stored) and the
-    time left, from the wall time per run so far (runs of one corpus cost alike to a factor
-    of ~2, and any order of configs mixes them)."""
+    """Progress of the generation phase: per config how many of its runs are left and the time
+    they will take (from that config's own runs so far, else from the mean run: a spec config
+    and the baseline differ in speed, runs of one config cost alike), and the time left for
+    the whole matrix (divided over the lanes that run at once)."""
 
-    def __init__(self, todo: Sequence[tuple[SpecConfig, int]]):
-        self.left = {}
+    def __init__(self, todo: Sequence[tuple[SpecConfig, int]], lanes: int = 1):
+        self.left: dict[str, int] = {}
         for config, _ in todo:
             self.left[config.name] = self.left.get(config.name, 0) + 1
-        self.total, self.done = len(todo), 0
-        self.began = time.perf_counter()
+        self.total, self.done, self.lanes = len(todo), 0, lanes
+        self.seconds: dict[str, list[float]] = {}
 
-    def finish(self, config: SpecConfig, repeat: int) -> None:
+    def finish(self, config: SpecConfig, repeat: int, seconds: float) -> None:
         self.done += 1
         self.left[config.name] -= 1
+        self.seconds.setdefault(config.name, []).append(seconds)
 
-    def text(self) -> str:
+    def per_run(self, name: str) -> float | None:
+        """Seconds one more run of config ``name`` should take; None before any run ended."""
+        own = self.seconds.get(name)
+        if own:
+            return sum(own) / len(own)
+        every = [t for ts in self.seconds.values() for t in ts]
+        return sum(every) / len(every) if every else None
+
+    def text(self, config: SpecConfig | None = None) -> str:
         configs = len(self.left)
         finished = sum(1 for n in self.left.values() if n == 0)
         if not self.done:
             return f" (configs done 0/{configs})"
-        left = (time.perf_counter() - self.began) / self.done * (self.total - self.done)
-        return (f" (configs done {finished}/{configs}, runs {self.done}/{self.total}, "
-                f"about {_duration(left)} left)")
+        total = sum(n * self.per_run(name) for name, n in self.left.items()) / self.lanes
+        this = ""
+        if config is not None and self.left.get(config.name):
+            n = self.left[config.name]
+            this = (f"{config.name}: {n} run{'s' if n > 1 else ''} left, about "
+                    f"{_duration(n * self.per_run(config.name))}; ")
+        return (f" ({this}configs done {finished}/{configs}, runs {self.done}/{self.total}, "
+                f"about {_duration(total)} left)")
 
 
 def _duration(seconds: float) -> str:
@@ -353,15 +370,17 @@ def run_two_lanes(todo, is_fresh, in_process, in_fresh_process, eta: RunEta, log
             queue = own[fresh] or either
             return queue.pop(0) if queue else None
 
-    def done(config, repeat, record) -> None:
+    def run(task, how) -> None:
+        began = time.perf_counter()
+        record = how(*task)
         with lock:
-            eta.finish(config, repeat)
+            eta.finish(*task, time.perf_counter() - began)
         log(_summary_line(record))
 
     def second_lane() -> None:
         try:
             while (task := take(True)) is not None:
-                done(*task, in_fresh_process(*task))
+                run(task, in_fresh_process)
         except BaseException as e:  # noqa: BLE001 - raised in this thread below
             errors.append(e)
 
@@ -370,8 +389,8 @@ def run_two_lanes(todo, is_fresh, in_process, in_fresh_process, eta: RunEta, log
     try:
         while (task := take(False)) is not None:
             if progress:
-                progress(eta.done, eta.total, _what(*task) + eta.text())
-            done(*task, in_process(*task))
+                progress(eta.done, eta.total, _what(*task) + eta.text(task[0]))
+            run(task, in_process)
     except BaseException as e:
         errors.append(e)
     lane.join()

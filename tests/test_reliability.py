@@ -478,6 +478,13 @@ def test_golden_key_includes_engine_args_and_numerics_are_checked(store, tmp_pat
     plain = golden_dir(tmp_path, {"engine": "reference", "model_id": "m"}, {**meta, "engine_args": {}})
     faulty = golden_dir(tmp_path, {"engine": "reference", "model_id": "m"}, meta)
     assert plain != faulty and "fault_stale-state" in faulty.name
+    # memory sizing is not numerics: a vLLM golden is found whatever share of the GPU it had
+    vllm = {"engine": "vllm", "corpus": "smoke", "engine_args": {"attention_backend": "TRITON_ATTN"}}
+    roomy = {**vllm, "engine_args": {**vllm["engine_args"], "gpu_memory_utilization": "0.2",
+                                     "kv_cache_memory_bytes": "4000000000", "worker": "per-config"}}
+    ident = {"engine": "vllm", "model_id": "m"}
+    assert golden_dir(tmp_path, ident, roomy) == golden_dir(tmp_path, ident, vllm)
+    assert "TRITON_ATTN" in golden_dir(tmp_path, ident, vllm).name
     gold = tmp_path / "golden"
     assert invoke("golden", "record", "--store", str(store), "--golden", str(gold), *PASSING).exit_code == 0
     gjson = next(gold.rglob("golden.json"))

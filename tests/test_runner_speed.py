@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import numpy as np
 
-from speccheck import runner
 from speccheck.runner import RunEta, RunPlan, run_suite
 from speccheck.store import Store
 from speccheck.types import SpecConfig
 
 
-def test_progress_counts_configs_and_time_left(monkeypatch):
-    now = [100.0]
-    monkeypatch.setattr(runner.time, "perf_counter", lambda: now[0])
+def test_progress_shows_each_configs_time_left():
+    """Each config's time left comes from its own runs (the baseline and a spec config run at
+    different speeds); a config not yet run is guessed from the mean run; two lanes halve
+    the matrix's time left."""
     base, mtp = SpecConfig(), SpecConfig("mtp", 1)
     eta = RunEta([(base, 0), (base, 1), (mtp, 0), (mtp, 1)])
-    assert eta.text() == " (configs done 0/2)"  # nothing finished: no guess
-    now[0] += 30
-    eta.finish(base, 1)
-    assert eta.text() == " (configs done 0/2, runs 1/4, about 1 min 30 s left)"
-    now[0] += 10
-    eta.finish(base, 0)
-    assert eta.text() == " (configs done 1/2, runs 2/4, about 40 s left)"
+    assert eta.text(base) == " (configs done 0/2)"  # nothing finished: no guess
+    eta.finish(base, 0, 30.0)
+    assert eta.text(base) == (" (baseline: 1 run left, about 30 s; configs done 0/2, runs 1/4, "
+                              "about 1 min 30 s left)")
+    assert eta.text(mtp).startswith(" (mtp-k1: 2 runs left, about 1 min 00 s;")
+    eta.finish(base, 1, 30.0)
+    eta.finish(mtp, 0, 10.0)
+    assert eta.text(mtp) == (" (mtp-k1: 1 run left, about 10 s; configs done 1/2, runs 3/4, "
+                             "about 10 s left)")
+    two = RunEta([(base, 0), (base, 1), (mtp, 0), (mtp, 1)], lanes=2)
+    two.finish(base, 0, 30.0)
+    assert two.text().endswith("about 45 s left)")
 
 
 def test_fresh_repeat_runs_alongside_and_matches(tmp_path):

@@ -6,10 +6,13 @@ import importlib
 
 from speccheck.engines.base import Engine, EngineError, EngineUsageError
 
-#: engine args that change how speccheck talks to an engine, not what it computes: left out of
-#: the suite's id (kept here, not on the classes, so that no engine module loads to compute an id)
+#: engine args that change how speccheck talks to an engine or how much memory it takes, not
+#: what it computes: left out of the suite's id and of a golden's directory (kept here, not on
+#: the classes, so that no engine module loads to compute an id)
 RUN_ONLY_ARGS: dict[str, frozenset[str]] = {
     "openai": frozenset({"score_base_url", "timeout", "retries", "backoff", "api_key_env"}),
+    "vllm": frozenset({"gpu_memory_utilization", "kv_cache_memory_bytes", "worker", "python",
+                       "timeout_s", "warmup"}),
 }
 
 ENGINES = {
