@@ -79,7 +79,10 @@ job_server() {  # once the offline baseline has shown which GDN prefill backend 
 job_flips() {  # once the offline matrix is generated (its attribution running): baselines with
   # one kernel switch flipped each, same corpus and settings otherwise
   until grep -q '^attribution: ' "$JOBS/offline.log" || [ -f "$JOBS/offline.rc" ]; do sleep 3; done
-  local flips=("env.VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=0" "enforce_eager=true")
+  # the last two: TRITON_ATTN's 2D decode kernel (batch padded past its 3D threshold), alone and
+  # with the fused GDN decode kernel: together the target's path under speculation
+  local flips=("env.VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=0" "enforce_eager=true" "pad_batch=160"
+               "env.VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE=0 --engine-arg pad_batch=160")
   local gdn=""
   if [ "$(gdn_used)" = triton ]; then gdn=triton
   else flips+=('additional_config={"gdn_prefill_backend":"triton"}'); fi

@@ -15,7 +15,8 @@
 #       and report; then
 #       (time permitting, CAPTURE=1) scripts/capture_vllm_fixtures.py for fixtures the run did
 #       not capture. REPEATS, RUN_ARGS (more `speccheck run` options), EXTRA_ARGS (more
-#       --engine-arg options: one kernel switch flipped), ATTRIBUTION_PATHS, GPU_UTIL. Everything comes back under $OUT: run.log, summary.txt, h200.tgz (store,
+#       --engine-arg options: one kernel switch flipped), ATTRIBUTION_PATHS, ATTRIBUTION_MODE
+#       (rescore|rerun), GPU_UTIL. Everything comes back under $OUT: run.log, summary.txt, h200.tgz (store,
 #       fixtures, worker logs, report). Stops launching work after DEADLINE_S (default 500).
 #
 #   TP=2 bash scripts/h200_vllm.sh tp [CKPT_DIR]
@@ -125,7 +126,7 @@ run() {
       timeout --kill-after=20 "$(left)" python3 -m speccheck.cli run --engine vllm \
         --model "$target" --draft "$draft" --corpus "$CORPUS" --repeats "${REPEATS:-2}" ${RUN_ARGS:-} \
         ${MAX_TOKENS:+--max-tokens "$MAX_TOKENS"} ${ATTRIBUTION_PATHS:+--attribution-paths "$ATTRIBUTION_PATHS"} \
-        --store "$store" "${ea[@]}" "$@"
+        ${ATTRIBUTION_MODE:+--attribution-mode "$ATTRIBUTION_MODE"} --store "$store" "${ea[@]}" "$@"
       local rc=$?
       echo "== run exit $rc (t=${SECONDS}s)"
       if [ "$rc" != 0 ]; then

@@ -165,6 +165,12 @@ run_options = [
                  help="Attribute only with the kernel paths whose labels match these comma-separated "
                       "globs, e.g. 'decode*,verify*' (default: all; each path costs an engine start; "
                       "the run log lists the labels)."),
+    click.option("--attribution-mode", "attribution_mode", default="rescore", show_default=True,
+                 type=click.Choice(["rescore", "rerun"]),
+                 help="rescore: score each divergent prefix under each kernel path (one call per "
+                      "path); rerun: regenerate the divergent prompts' baseline with each switch "
+                      "flipped and read the token where the spec run diverged (slower; it follows "
+                      "the path the run took, where a re-score prefills the prefix)."),
     click.option("--concurrent", default=2, show_default=True, type=click.IntRange(0, 64),
                  help="Also run each config on the whole corpus at once, every prompt N times: "
                       "batch-composition invariance and N identical concurrent requests (0: off)."),
@@ -200,7 +206,8 @@ def _attribute_with(items: tuple[str, ...], cls) -> dict[str, str]:
 
 def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args,
           no_attribution=False, base_url=None, served_model=None, api_key_env=None, concurrent=0,
-          attribute_with=(), max_tokens=None, ignore_eos=False, attribution_paths=None):
+          attribute_with=(), max_tokens=None, ignore_eos=False, attribution_paths=None,
+          attribution_mode="rescore"):
     from speccheck.runner import RunPlan
 
     from speccheck.engines import ENGINES
@@ -235,7 +242,8 @@ def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, eng
                    concurrent=concurrent, attribute_with=_attribute_with(attribute_with, cls),
                    max_tokens=max_tokens, ignore_eos=ignore_eos,
                    attribution_paths=tuple(g.strip() for g in (attribution_paths or "").split(",")
-                                           if g.strip()))
+                                           if g.strip()),
+                   attribution_mode=attribution_mode)
 
 
 def _suite(store_dir: str, suite_id: str | None):
@@ -307,8 +315,8 @@ def main() -> None:
 @_apply(run_options)
 @store_option
 def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, top_k, engine_args,
-        no_attribution, attribution_paths, concurrent, base_url, served_model, api_key_env, attribute_with,
-        ignore_eos, store_dir):
+        no_attribution, attribution_paths, attribution_mode, concurrent, base_url, served_model,
+        api_key_env, attribute_with, ignore_eos, store_dir):
     """Run the matrix (baseline always included) into the store; resumes finished runs."""
     from speccheck.runner import run_suite
 
@@ -318,7 +326,7 @@ def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, 
 
     plan = _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args, no_attribution,
                  base_url, served_model, api_key_env, concurrent, attribute_with, max_tokens, ignore_eos,
-                 attribution_paths)
+                 attribution_paths, attribution_mode)
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,

@@ -58,6 +58,10 @@ class RunPlan:
     #: globs over the engine's kernel-path labels to attribute with (empty: all of them);
     #: each path costs an engine start, so a user on a real engine picks the ones they need
     attribution_paths: tuple[str, ...] = ()
+    #: "rescore": re-score each divergent prefix under each kernel path (one call per path);
+    #: "rerun": regenerate the divergent prompts' baseline with one switch flipped per path and
+    #: read the token at the divergent position (slower; follows the path the run took)
+    attribution_mode: str = "rescore"
     #: run repeat 0 of every config, then repeat 1, ... (a sweep: a drift in machine load then
     #: hits every config of a round alike, instead of all repeats of one config)
     round_robin: bool = False
@@ -86,6 +90,7 @@ class RunPlan:
         args += ["--ignore-eos"] if self.ignore_eos else []
         args += ["--top-k", str(self.top_k)] if self.top_k != 5 else []
         args += ["--attribution-paths", ",".join(self.attribution_paths)] if self.attribution_paths else []
+        args += ["--attribution-mode", "rerun"] if self.attribution_mode == "rerun" else []
         return args
 
     def planned(self) -> dict[str, dict]:
@@ -284,7 +289,8 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
             if progress:
                 progress(len(todo), len(todo), "attributing divergences to kernel paths")
             spec_configs = [c for c in plan.configs if not c.is_baseline]
-            variants = engine.attribution_variants(spec_configs)
+            variants = (engine.rerun_variants(spec_configs) if plan.attribution_mode == "rerun"
+                        else engine.attribution_variants(spec_configs))
             for label, url in plan.attribute_with.items():
                 variants[label] = engine.attribution_server_args(label, url)
             variants = select_paths(variants, plan.attribution_paths, log)
@@ -568,25 +574,24 @@ def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: S
     for it in all_items:
         unique.setdefault((it["prompt_id"], tuple(it["prompt_ids"]), tuple(it["prefix"])), []).append(it)
     firsts = [group[0] for group in unique.values()]
+    tokens_at = _rerun_tokens(plan, firsts) if plan.attribution_mode == "rerun" else _rescored_tokens
     started = time.perf_counter()
     for i, (label, args) in enumerate(variants.items()):
         if not all_items:
             break
         eta = (f", about {(time.perf_counter() - started) / i * (len(variants) - i):.0f} s left" if i else "")
         log(f"attribution: kernel path {i + 1}/{len(variants)} ({label}) on {len(firsts)} divergent "
-            f"prefix(es){eta}")
+            f"prefix(es){eta}" + (" by rerun" if plan.attribution_mode == "rerun" else ""))
         try:
             engine = make_engine(plan.engine, plan.model, {**plan.engine_args, **args}, plan.draft)
             try:
-                scored = engine.score([it["prompt_ids"] for it in firsts],
-                                      [it["prefix"] for it in firsts], top_k=2)
+                tokens = tokens_at(engine, firsts)
             finally:
                 engine.close()
         except (EngineError, EngineUsageError, RuntimeError) as e:
             log(f"attribution variant {label} failed: {e}")
             continue
-        for group, s in zip(unique.values(), scored):
-            token = int(s.topk_ids[group[0]["position"], 0])
+        for group, token in zip(unique.values(), tokens):
             if token >= 0:  # -1: that path could not compute this position (engine says why)
                 for it in group:
                     it.setdefault("paths", {})[label] = token
@@ -598,9 +603,35 @@ def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: S
             it["reproduces_spec"] = sorted(k for k, t in paths.items() if t == it["spec_token"])
             it["reproduces_base"] = sorted(k for k, t in paths.items() if t == it["base_token"])
             it["attributed_to"] = it["reproduces_spec"] or "unattributed"
+            it["by"] = plan.attribution_mode
         suite.write_attribution(name, items)
         if items:
             log(f"{name:>12} attributed {len(items)} divergence(s) over {len(variants)} kernel paths")
+
+
+def _rescored_tokens(engine: Engine, firsts: list[dict]) -> list[int]:
+    """The top-1 token at each divergent position, the shared prefix re-scored."""
+    scored = engine.score([it["prompt_ids"] for it in firsts], [it["prefix"] for it in firsts],
+                          top_k=2)
+    return [int(s.topk_ids[it["position"], 0]) for it, s in zip(firsts, scored)]
+
+
+def _rerun_tokens(plan: RunPlan, firsts: list[dict]):
+    """A ``tokens_at`` that regenerates each divergent prompt's baseline, the same request
+    the baseline's run made: the token at the divergent position, or -1 where the rerun left
+    the shared prefix earlier (a switch that changes an earlier token says nothing of this one)."""
+    prompts = {p.id: p for p in plan.load_corpus().prompts}
+
+    def tokens_at(engine: Engine, items: list[dict]) -> list[int]:
+        asked = [prompts[it["prompt_id"]] for it in items]
+        comps = engine.generate(asked, [it["prompt_ids"] for it in items], SpecConfig(), 2)
+        out = []
+        for it, c in zip(items, comps):
+            pos, ids = it["position"], np.asarray(c.token_ids)
+            same = len(ids) > pos and np.array_equal(ids[:pos], np.asarray(it["prefix"][:pos]))
+            out.append(int(ids[pos]) if same else -1)
+        return out
+    return tokens_at
 
 
 if __name__ == "__main__":

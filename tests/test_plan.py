@@ -323,3 +323,47 @@ def test_where_the_openai_engine_rescores_is_not_part_of_the_suite():
                timeout="30", retries="1", backoff="2", api_key_env="K") == base
     assert sid(base_url="http://127.0.0.1:8001") != base
     assert sid(base_url="http://127.0.0.1:8000", tokenizer="/t/tokenizer.json") != base
+
+
+def test_rerun_attribution_reads_the_regenerated_baseline(tmp_path):
+    """--attribution-mode rerun: each kernel path's token at a divergent position is what a
+    baseline generated from scratch with that switch gives there (or nothing, where that
+    rerun already left the shared prefix); the vLLM switches lose their score-only paths."""
+    from speccheck.engines import make_engine
+    import numpy as np
+
+    from speccheck.engines.vllm import rerun_switches
+    from speccheck.runner import RunPlan, run_suite
+    from speccheck.store import Store
+    from speccheck.types import SpecConfig
+
+    lines = []
+    plan = RunPlan(corpus="smoke", configs=[SpecConfig(), SpecConfig.from_name("mtp-k3")],
+                   engine_args={"fault": "stale-state"}, repeats=1, concurrent=0, rescore=False,
+                   attribution_paths=("gdn=*",), attribution_mode="rerun")
+    suite = run_suite(plan, Store(tmp_path / "s"), log=lines.append)
+    items = suite.load_attribution("mtp-k3")
+    assert items, "stale-state diverges on smoke"  # the planted fault makes it certain
+    assert any("by rerun" in line for line in lines)
+    base = suite.load_run("baseline", 0).by_prompt()
+    prompts = {p.id: p for p in plan.load_corpus().prompts}
+    for label, args in (("gdn=chunked", {"gdn_prefill": "chunked", "gdn_decode": "chunked",
+                                         "gdn_verify": "chunked"}),):
+        engine = make_engine("reference", None, {"fault": "stale-state", **args})
+        try:
+            for it in items:
+                b = base[it["prompt_id"]]
+                [c] = engine.generate([prompts[it["prompt_id"]]], [b.prompt_ids], SpecConfig(), 2)
+                pos = it["position"]
+                same = np.array_equal(c.token_ids[:pos], b.token_ids[:pos])
+                assert it["paths"].get(label) == (int(c.token_ids[pos]) if same else None), it
+                assert it["by"] == "rerun"
+        finally:
+            engine.close()
+    v = {"decode": {"score_path": "decode"},
+         "decode gdn=fused_sigmoid_gating": {"score_path": "decode", "env.X": "0"},
+         "decode eager": {"score_path": "decode", "enforce_eager": "true"},
+         "verify mtp-k3": {"score_path": "verify", "score_spec": "mtp-k3"},
+         "prefill eager": {"enforce_eager": "true"}}
+    assert rerun_switches(v) == {"decode gdn=fused_sigmoid_gating": {"env.X": "0"},
+                                 "decode eager": {"enforce_eager": "true"}}

@@ -111,6 +111,12 @@ class Engine(ABC):
         path as a variant)."""
         return {}
 
+    def rerun_variants(self, configs: Sequence[SpecConfig] = ()) -> dict[str, dict[str, str]]:
+        """The kernel switches to regenerate the baseline with (``--attribution-mode rerun``):
+        engine args that change a kernel for the whole run. By default the attribution
+        variants; an engine whose variants also name score-only paths leaves those out."""
+        return self.attribution_variants(configs)
+
     @classmethod
     def attribution_server_args(cls, label: str, url: str) -> dict[str, str]:
         """Engine args that re-score on a second server started with other kernel settings

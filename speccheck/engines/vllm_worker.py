@@ -462,10 +462,12 @@ class Worker:
                                        "metrics_before": before, "metrics_after": after}
                                       for out in outs]
             else:
+                pad = int(req.get("pad_batch") or 0)  # copies beside it, outputs dropped
                 for ids, sp in zip(prompts, params):
                     before = self.spec_metrics()
                     t0 = time.perf_counter()
-                    out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+                    out = llm.generate([{"prompt_token_ids": ids}] * (1 + pad), [sp] * (1 + pad),
+                                       use_tqdm=False)[0]
                     wall = time.perf_counter() - t0
                     after = self.spec_metrics()
                     row = {"output": request_output_to_dict(out), "wall_s": wall,
