@@ -59,13 +59,17 @@ def _served(url: str) -> int:
 
 
 def test_attribute_with_second_servers_over_http(tmp_path):
-    # the baseline server computes in fp32, the MTP server in bf16: they disagree at close
-    # calls, and the attribution servers (bf16 and fp32 prefill) say which side each takes
+    # the baseline server computes in fp32, the MTP server in bf16: they may disagree at
+    # close calls, and the attribution servers (bf16 and fp32 prefill) say which side each
+    # takes. Whether bf16 and fp32 split anywhere on smoke is the CPU's matter (with native
+    # bf16 they agree everywhere), so the MTP server also takes its bonus token from the
+    # wrong position (planted fault bonus-off-by-one): divergences no path reproduces, certain
     store = str(tmp_path / "store")
     port = _free_port()
     cli = CliRunner()
     with serve_process() as bf16, serve_process("dtype=fp32") as fp32:
-        for method, k, knobs in (("baseline", None, {"dtype": "fp32"}), ("mtp", 2, {})):
+        for method, k, knobs in (("baseline", None, {"dtype": "fp32"}),
+                                 ("mtp", 2, {"fault": "bonus-off-by-one"})):
             with running_server(method, k, engine_args=knobs, port=port) as url:
                 before = {u: _served(u) for u in (bf16, fp32)}
                 args = ["run", "--engine", "openai", "--base-url", url, "--method", method,
@@ -77,7 +81,7 @@ def test_attribute_with_second_servers_over_http(tmp_path):
         suite = Store(store).latest()
         items = suite.load_attribution("mtp-k2")
         assert items is not None
-        assert items, "bf16 MTP against an fp32 baseline diverged nowhere on smoke"
+        assert items, "MTP with a wrong bonus token against an fp32 baseline diverged nowhere"
         # one prompt_logprobs request per divergence on each attribution server
         for u in (bf16, fp32):
             assert _served(u) - before[u] == len(items)

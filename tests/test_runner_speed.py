@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from speccheck.engines import make_engine
 from speccheck.runner import RunEta, RunPlan, run_suite
 from speccheck.store import Store
 from speccheck.types import SpecConfig
@@ -32,18 +33,31 @@ def test_progress_shows_each_configs_time_left():
 def test_fresh_repeat_runs_alongside_and_matches(tmp_path):
     """On the CPU reference engine (one thread, two or more cores) the last repeat runs in a
     fresh process beside the in-process runs: it is stored as fresh, every config's runs are
-    all there (the run all at once included), and they agree token for token."""
+    all there (the run all at once included), and each computes exactly what it would alone.
+
+    The run all at once is compared with the same batch generated here afterwards, not with
+    r0: a batch of 8 rows may round bf16 GEMMs differently from one row (CPUs with native
+    bf16 split the near-tie prompt smoke-tie that way), which the gate judges, not this test."""
     lines = []
     plan = RunPlan(corpus="smoke", configs=[SpecConfig(), SpecConfig("mtp", 2)], repeats=2,
                    rescore=False, attribute=False, concurrent=2)
     suite = run_suite(plan, Store(tmp_path / "store"), log=lines.append)
-    for name in ("baseline", "mtp-k2"):
-        r0, r1 = suite.load_run(name, 0), suite.load_run(name, 1)
+    engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
+    corpus = plan.load_corpus()
+    prompts = list(corpus.prompts) * plan.concurrent
+    inputs = suite.load_inputs()
+    for config in plan.configs:
+        r0, r1 = suite.load_run(config.name, 0), suite.load_run(config.name, 1)
         assert r0.status == r1.status == "ok" and not r0.fresh_process and r1.fresh_process
-        for a, b in zip(r0.completions, r1.completions):
+        for a, b in zip(r0.completions, r1.completions, strict=True):
             assert np.array_equal(a.token_ids, b.token_ids)
-        together = suite.load_together(name)  # on whichever lane was free
+        together = suite.load_together(config.name)  # on whichever lane was free
         assert together.status == "ok" and together.copies == 2
-        for a, b in zip(r0.completions, together.corpus_copy(0)):
-            assert np.array_equal(a.token_ids, b.token_ids)
+        alone = engine.generate_together(prompts, [inputs[p.id].tolist() for p in prompts],
+                                          config, plan.top_k)
+        for a, b in zip(together.completions, alone, strict=True):
+            assert a.prompt_id == b.prompt_id
+            assert np.array_equal(a.token_ids, b.token_ids), (config.name, a.prompt_id)
+            assert np.array_equal(a.logprobs, np.asarray(b.logprobs, np.float32)), a.prompt_id
+    engine.close()
     assert sum("[fresh process]" in line for line in lines) == 2
