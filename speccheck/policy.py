@@ -71,7 +71,9 @@ class Policy:
     #: signed-rank. Pairing cancels each position's own sensitivity, so it needs far fewer
     #: positions: state-precision on the selftest corpus (117 pairs) gave 1.40 at p 1.5e-4
     #: (unpaired: 2.31 at p 0.27, a miss), but 1.18 at p 0.04 on an AMD EPYC with native bf16
-    #: (a miss: the self-test runs it on code); on code (662) 1.32 at p 2.6e-9; clean MTP K=1/3/7,
+    #: (a miss), and on code 1.30 there but 1.15 with oneDNN held to AVX512_CORE (a miss); so
+    #: the self-test's fault keeps 4 mantissa bits and runs on code: 1.47 at p 1e-13 and 1.27
+    #: at p 5e-7 (caught on both, and with AVX2); clean MTP K=1/3/7,
     #: DFlash K=7 and DFlash2 K=7 gave 0.96-1.01 with p >= 0.34 on selftest, smoke, code and
     #: near_tie. On vLLM the verify kernel is not the decode kernel, so a clean verify path may
     #: sit somewhat above the decode path (unmeasured here): the ratio stays at this value

@@ -79,12 +79,13 @@ CASES: tuple[Case, ...] = (
          "same_stopping"),
     Case("nondeterministic", "nondeterminism: run-to-run reduction order in a kernel",
          "deterministic", repeats=2),
-    # its drift is of the size of a bf16 GEMM's own rounding, so it shows only on many
-    # positions that are not saturated: on the selftest corpus's short, memorised prompts
-    # (~120 shared positions, a fifth of them unmoved) MTP K=3 gave paired ratios 1.04-1.18 at
-    # p 0.04-0.4 depending on the CPU's bf16 GEMM (a miss on every one); on `code` (~700) 1.30
-    # at p 4.6e-8 (AVX-512 with native bf16). DFlash K=7 takes too few verify steps per prompt
-    # for it, so the case runs MTP whatever --method says, and `code` whatever --corpus says.
+    # a small drift shows only on many positions that are not saturated: on the selftest
+    # corpus's short, memorised prompts (~120 shared positions, a fifth unmoved) a bf16 state
+    # gave paired ratios 1.04-1.18 at p 0.04-0.4 depending on the CPU's bf16 GEMMs (a miss on
+    # each), so the case runs on `code` (~700) whatever --corpus says; there a bf16 state gave
+    # 1.30 (native bf16) but 1.15 with oneDNN held to AVX512_CORE, 4 mantissa bits 1.47 and
+    # 1.27 (clean 1.02 and 0.79). DFlash K=7 takes too few verify steps per prompt for it, so
+    # the case runs MTP whatever --method says.
     Case("state-precision", "numeric drift: precision lost in the state carried between "
          "verify steps", "logprobs_consistent", method="mtp", corpus="code"),
 )
