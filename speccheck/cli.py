@@ -117,7 +117,8 @@ REFERENCE_ARG_KEYS = (
 ENGINE_ARG_HELP = (
     f"Engine option key=value (repeatable). reference: {REFERENCE_ARG_KEYS}. vllm: worker=per-call|"
     "per-config, timeout_s=N, warmup=true|false, python=PATH (the worker's interpreter), "
-    "score_path=prefill|decode|verify, score_spec=CONFIG, env.NAME=value (worker environment), "
+    "score_path=prefill|decode|verify, score_spec=CONFIG, pad_batch=N (decode beside N copies), "
+    "env.NAME=value (worker environment), "
     "sampling.NAME=value (SamplingParams), spec.NAME=value (extra speculative_config keys; the "
     "config itself comes from --method/--k/--draft), any other key a keyword argument of "
     "vllm.LLM (e.g. attention_backend, gpu_memory_utilization, max_model_len, dtype; JSON "
