@@ -574,7 +574,7 @@ def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: S
     for it in all_items:
         unique.setdefault((it["prompt_id"], tuple(it["prompt_ids"]), tuple(it["prefix"])), []).append(it)
     firsts = [group[0] for group in unique.values()]
-    tokens_at = _rerun_tokens(plan, firsts) if plan.attribution_mode == "rerun" else _rescored_tokens
+    tokens_at = _rerun_tokens(plan) if plan.attribution_mode == "rerun" else _rescored_tokens
     started = time.perf_counter()
     for i, (label, args) in enumerate(variants.items()):
         if not all_items:
@@ -616,7 +616,7 @@ def _rescored_tokens(engine: Engine, firsts: list[dict]) -> list[int]:
     return [int(s.topk_ids[it["position"], 0]) for it, s in zip(firsts, scored)]
 
 
-def _rerun_tokens(plan: RunPlan, firsts: list[dict]):
+def _rerun_tokens(plan: RunPlan):
     """A ``tokens_at`` that regenerates each divergent prompt's baseline, the same request
     the baseline's run made: the token at the divergent position, or -1 where the rerun left
     the shared prefix earlier (a switch that changes an earlier token says nothing of this one)."""

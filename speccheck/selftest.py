@@ -172,22 +172,30 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
                                f"reference engine has {', '.join(FAULTS)}")
     names = [f for f in FAULTS if not faults or f in faults]
     cases = {c.fault: c for c in CASES}
-    corp = load_corpus(corpus)
+    corpora: dict[str, tuple] = {}  # name -> (corpus, its prompts tokenised), loaded once
+
+    def corpus_of(name: str) -> tuple:
+        if name not in corpora:
+            c = load_corpus(name)
+            corpora[name] = (c, {p.id: engine.tokenize(p) for p in c.prompts})
+        return corpora[name]
+
+    corp, _ = corpus_of(corpus)
     with tempfile.TemporaryDirectory(prefix="speccheck-selftest-") as tmp:
         store = Store(store_dir or tmp)
         bases: dict[str, tuple] = {}
 
         def suite_for(args: dict[str, str], name: str) -> Suite:
-            c = load_corpus(name)
+            c, inputs = corpus_of(name)
             suite = open_suite(RunPlan(engine="reference", engine_args=args, corpus=name), store, c)
-            suite.write_inputs({p.id: engine.tokenize(p) for p in c.prompts})
+            suite.write_inputs(inputs)
             return suite
 
         def baseline(name: str) -> tuple:
             """The baseline once per corpus; every suite on it gets a copy of it and of its
             rescoring."""
             if name not in bases:
-                c = load_corpus(name)
+                c, _ = corpus_of(name)
                 suite = suite_for({}, name)
                 stored = suite.load_inputs()
                 base = run_one(engine, suite, c, stored, SpecConfig(), 0, 5, fresh_process=False)

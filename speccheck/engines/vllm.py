@@ -529,7 +529,10 @@ def rerun_switches(variants: dict[str, dict[str, str]]) -> dict[str, dict[str, s
 def attention_2d_switches(current: dict) -> dict[str, dict[str, str]]:
     """Whole-run switches for TRITON_ATTN's 2D decode kernel (the batch padded above its 3D
     threshold), alone and with the GDN decode kernel a spec verify step runs: together they
-    are the target's path under speculation, for a baseline run token by token."""
+    are the target's path under speculation, for a baseline run token by token. None where
+    the attention backend is not TRITON_ATTN (its batch-size switch is the one padded past)."""
+    if "TRITON_ATTN" not in str(current.get("attention_backend") or ""):
+        return {}
     out = {"decode attention=2d": {"pad_batch": str(PAD_FOR_2D)}}
     if current.get("packed_decode", True):
         out["decode gdn=fused_sigmoid_gating attention=2d"] = {
@@ -977,10 +980,9 @@ class VllmEngine(Engine):
         are), where a re-score prefills the prefix. ``decode`` (the baseline itself) and the
         ``verify`` paths (the spec run itself) have no rerun; a switch offered for both
         decode and prefill (eager) is run once."""
-        out = rerun_switches(self.attribution_variants(configs))
-        if "TRITON_ATTN" in str(self.kernel_settings().get("attention_backend") or ""):
-            out.update(attention_2d_switches(self.kernel_settings()))
-        return out
+        current = self.kernel_settings()
+        return {**rerun_switches(attribution_variants(current, configs)),
+                **attention_2d_switches(current)}
 
     def attribution_variants(self, configs: Sequence[SpecConfig] = ()) -> dict[str, dict[str, str]]:
         """vLLM's kernel switches (``attribution_variants`` above), relative to the settings
