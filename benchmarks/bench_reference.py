@@ -1,13 +1,16 @@
 """Warm single-stream decode speed of the reference engine: baseline vs MTP vs DFlash.
 
     python benchmarks/bench_reference.py [--corpus code] [--repeats 3] [--mtp-k 1,2,3,5,7]
-        [--dflash-k 3,5,7,10] [--engine-arg key=value ...]
+        [--dflash-k 3,5,7,10] [--dflash2-k 7] [--engine-arg key=value ...]
+        [--variant LABEL:key=value,key=value ...]
 
 Every config first runs once to warm up; then ``--repeats`` rounds each run every config once,
 in turn, so that a machine whose speed drifts (a shared CPU) slows all configs alike. The
 table gives the median decode tok/s (generated tokens after the first / decode seconds, summed
 over the corpus), tokens per iteration and the speedup over the baseline's median. Not a test:
-numbers depend on the machine (CPU threads, contention).
+numbers depend on the machine (CPU threads, contention). Each ``--variant`` (other code-path
+engine args on the same loaded networks, e.g. the fused GDN kernel or cuda_graphs=off) runs in
+the same rounds and gets a table of its own, its speedups against its own baseline.
 
 ``--clock cpu`` times decoding by the CPU time of the decoding thread instead of the wall clock
 (CPU only, one torch thread: every op runs on that thread): on a shared machine the wall clock
@@ -27,6 +30,7 @@ import torch
 from speccheck.corpus import load_corpus
 from speccheck.engines.reference import decode as decode_module
 from speccheck.engines.reference.engine import ReferenceEngine
+from speccheck.engines.reference.graphs import Replay
 from speccheck.types import SpecConfig
 
 
@@ -50,7 +54,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mtp-k", default="1,2,3,5,7")
     ap.add_argument("--dflash-k", default="3,5,7,10")
+    ap.add_argument("--dflash2-k", default="7")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:KEY=VALUE,...",
+                    help="also bench the engine under these code-path args (repeatable), in the "
+                         "same rounds, e.g. 'fused:gdn_decode=fused,gdn_verify=fused'")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="time decoding by the wall clock or by the decoding thread's CPU time")
     a = ap.parse_args(argv)
@@ -61,47 +69,111 @@ def main(argv=None) -> int:
             ap.error("--clock cpu needs the CPU engine at one thread (threads=1, the default)")
         # the decoder's clock (its decode_s) becomes this thread's CPU time
         decode_module.time = types.SimpleNamespace(perf_counter=time.thread_time)
+    overrides = {"": {}}
+    for v in a.variant:
+        label, _, kvs = v.partition(":")
+        overrides[label] = dict(kv.split("=", 1) for kv in kvs.split(",") if kv)
+    engines = {label: engine.with_args(**o) if o else engine for label, o in overrides.items()}
     prompts = list(load_corpus(a.corpus).prompts)
     ids = [engine.tokenize(p) for p in prompts]
     ident = engine.identity()
     print(f"reference engine on {ident['device']} ({ident['threads']} threads, {ident['dtype']}), "
-          f"corpus {a.corpus}: {len(prompts)} prompts; {a.clock} clock; knobs {ident['knobs']}")
+          f"corpus {a.corpus}: {len(prompts)} prompts; {a.clock} clock; knobs {ident['knobs']}"
+          + (f"; cuda_graphs {ident['cuda_graphs']}" if "cuda_graphs" in ident else "")
+          + "".join(f"; variant {v}" for v in a.variant))
     configs = [SpecConfig()]
     configs += [SpecConfig("mtp", int(k)) for k in a.mtp_k.split(",") if k]
     configs += [SpecConfig("dflash", int(k)) for k in a.dflash_k.split(",") if k]
-    for cfg in configs:
-        run(engine, prompts, ids, cfg)  # warm-up
-    by_cfg = {cfg.name: [] for cfg in configs}
+    if engine.dflash2 is not None:
+        configs += [SpecConfig("dflash2", int(k)) for k in a.dflash2_k.split(",") if k]
+    cells = [(label, cfg) for label in engines for cfg in configs]
+    for label, cfg in cells:
+        run(engines[label], prompts, ids, cfg)  # warm-up (on CUDA: captures the step graphs)
+    by_cell = {cell: [] for cell in cells}
     for i in range(a.repeats):
-        for cfg in configs:
-            by_cfg[cfg.name].append(run(engine, prompts, ids, cfg))
+        for label, cfg in cells:
+            by_cell[(label, cfg)].append(run(engines[label], prompts, ids, cfg))
         print(f"  round {i + 1}/{a.repeats}: " + "  ".join(
-            f"{name} {r[-1][0]:.0f}" for name, r in by_cfg.items()), file=sys.stderr, flush=True)
+            f"{label + ' ' if label else ''}{cfg.name} {r[-1][0]:.0f}"
+            for (label, cfg), r in by_cell.items()), file=sys.stderr, flush=True)
+    for label, o in overrides.items():
+        if label:
+            print(f"\nvariant {label}: {o}")
+        table({cfg: by_cell[(label, cfg)] for cfg in configs}, len(prompts))
+    for label, eng in engines.items():
+        times = graph_step_times(eng)
+        if times:
+            print(f"\n{label or 'default'}: GPU time of one replay of each step graph (median of "
+                  f"{STEP_REPLAYS}, microseconds): " + "; ".join(f"{k} {v:.0f}" for k, v in times.items()))
+    for step, why in Replay.failures.items():
+        print(f"step {step} ran eagerly: its CUDA graph capture failed: {why}")
+    return 0
+
+
+STEP_REPLAYS = 50
+
+
+def graph_step_times(engine) -> dict[str, float]:
+    """On CUDA, each captured step graph replayed alone (CUDA events; the buffers put back at
+    a valid position before each replay): the GPU cost per decode step, per draft and per
+    verify, the terms of the speedup; {} where no graph was captured (CPU, eager)."""
+    graphs = getattr(engine.decoder, "graphs", None)
+    if graphs is None or engine.device.type != "cuda":
+        return {}
+    with torch.inference_mode():  # the buffers are inference tensors
+        return _step_times(graphs)
+
+
+def _step_times(graphs) -> dict[str, float]:
+    out = {}
+    for cap, B in graphs.buffers.items():
+        for key, steps in B.graphs.items():
+            named = [("decode", steps[0])] if key[0] == "decode" else \
+                [(f"{key[0]}-k{key[1]} draft", steps[0]), (f"{key[0]}-k{key[1]} verify", steps[1])]
+            for name, step in named:
+                if step.graph is None:
+                    continue
+                ms = []
+                for _ in range(STEP_REPLAYS):
+                    B.reset()
+                    if len(steps) > 2:
+                        steps[2]["pend_n"].fill_(1)
+                        B.p.fill_(1)
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    torch.cuda.synchronize()
+                    a.record()
+                    step()
+                    b.record()
+                    b.synchronize()
+                    ms.append(a.elapsed_time(b))
+                out[f"{name} (cap {cap})"] = 1000 * statistics.median(ms)
+    return out
+
+
+def table(by_cfg: dict, n_prompts: int) -> None:
+    """The bench table of one engine variant: median tok/s, the median over rounds of the
+    per-round speedup, tokens per iteration, each round, outputs identical to the baseline's."""
     rows = []
-    base_tokens = None
-    for cfg in configs:
-        results = by_cfg[cfg.name]
+    base = next(cfg for cfg in by_cfg if cfg.is_baseline)
+    base_tokens = by_cfg[base][0][3]
+    for cfg, results in by_cfg.items():
         tps = statistics.median(r[0] for r in results)
-        same = None
-        if cfg.is_baseline:
-            base_tokens = results[0][3]
-        else:
-            same = sum(x == y for x, y in zip(results[0][3], base_tokens))
+        same = None if cfg.is_baseline else sum(x == y for x, y in zip(results[0][3], base_tokens))
         # speedup: the median over rounds of (this config / baseline in the same round)
-        speedup = statistics.median(r[0] / b[0] for r, b in zip(results, by_cfg["baseline"]))
+        speedup = statistics.median(r[0] / b[0] for r, b in zip(results, by_cfg[base]))
         rows.append((cfg.name, tps, speedup, results[0][1], [round(r[0], 1) for r in results],
                      same))
     width = max(len(str(r[4])) for r in rows) + 2
     print(f"{'config':<12}{'tok/s (median)':>15}{'speedup':>9}{'tok/iter':>10}  "
           f"{'runs (tok/s)':<{width}}identical to baseline")
     for name, tps, speedup, tpi, runs, same in rows:
-        ident_txt = "" if same is None else f"{same}/{len(prompts)}"
+        ident_txt = "" if same is None else f"{same}/{n_prompts}"
         print(f"{name:<12}{tps:>15.1f}{speedup:>8.2f}x{tpi:>10.2f}  {str(runs):<{width}}{ident_txt}")
-    for method in ("mtp", "dflash"):
-        best = max((r for r in rows if r[0].startswith(method)), key=lambda r: r[2], default=None)
+    for method in ("mtp", "dflash", "dflash2"):
+        best = max((r for r in rows if r[0].startswith(method + "-")), key=lambda r: r[2],
+                   default=None)
         if best:
             print(f"best {method}: {best[0]} {best[1]:.1f} tok/s = {best[2]:.2f}x baseline")
-    return 0
 
 
 if __name__ == "__main__":

@@ -22,16 +22,17 @@ def test_bench_reference_table_in_fp32_every_spec_config_is_identical(capsys):
     """In fp32 with equal kernel forms the speculative configs reproduce the baseline, so the
     bench's last column must read 4/4 (smoke corpus) for each of them."""
     bench = _load("bench_reference")
-    args = ["--corpus", "smoke", "--repeats", "1", "--mtp-k", "2", "--dflash-k", "3"]
+    args = ["--corpus", "smoke", "--repeats", "1", "--mtp-k", "2", "--dflash-k", "3",
+            "--dflash2-k", "3"]
     for kv in ("dtype=fp32", "gdn_verify=recurrent", "attn_verify=single", "threads=1"):
         args += ["--engine-arg", kv]
     assert bench.main(args) == 0
     out = capsys.readouterr().out
     rows = {m[1]: m for m in re.finditer(
         r"^(\S+)\s+([\d.]+)\s+([\d.]+)x\s+([\d.]+)\s+\[[\d., ]+\]\s*(\d+/\d+)?$", out, re.M)}
-    assert set(rows) == {"baseline", "mtp-k2", "dflash-k3"}, out
+    assert set(rows) == {"baseline", "mtp-k2", "dflash-k3", "dflash2-k3"}, out
     assert float(rows["baseline"][3]) == 1.0
-    for name in ("mtp-k2", "dflash-k3"):
+    for name in ("mtp-k2", "dflash-k3", "dflash2-k3"):
         assert rows[name][5] == "4/4", out
         assert float(rows[name][4]) > 1.0  # some drafts were accepted
 

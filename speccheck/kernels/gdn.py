@@ -8,7 +8,8 @@ error of the outputs and the final state against fp64, how often the argmax of a
 random readout of the outputs flips (a stand-in for "the next token changes"), and for every
 pair of kernels where those flips sit on the curve of the fp64 readout's top-1/top-2 margin.
 
-It covers the reference engine's two forms on any device, and on CUDA what vLLM runs: FLA's
+It covers the reference engine's two forms on any device (and on CUDA its fused Triton
+kernel, the form its CUDA-graph decode and verify steps can run), and on CUDA what vLLM runs: FLA's
 Triton chunk and recurrent kernels (``vllm.third_party.flash_linear_attention.ops`` in 0.26,
 ``vllm.model_executor.layers.fla.ops`` before, or the ``fla`` package), FlashInfer's GDN
 prefill kernel (vLLM's default prefill on Hopper; head dim 128 only), and vLLM's fused Triton
@@ -103,9 +104,9 @@ def fp64_recurrence(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor
 def _reference(form: str) -> Kernel:
     """The reference engine's form; its fp32 output rounded to the inputs' dtype, as the
     layer rounds it before the gated norm (FLA's kernels return that dtype themselves)."""
-    from speccheck.engines.reference.model import gdn_chunked, gdn_recurrent
+    from speccheck.engines.reference.model import gdn_chunked, gdn_fused, gdn_recurrent
 
-    fn = gdn_chunked if form == "chunked" else gdn_recurrent
+    fn = {"chunked": gdn_chunked, "recurrent": gdn_recurrent, "fused": gdn_fused}[form]
 
     def call(q, k, v, g, beta, state):
         o, s, _ = fn(q, k, v, g, beta, state)
@@ -363,6 +364,13 @@ def kernels(device: str, missing: list[str] | None = None, head_dim: int = 64,
                                 "reference chunked": _reference("chunked")}
     if not device.startswith("cuda"):
         return found
+    from speccheck.engines.reference.gdn_fused import unavailable
+
+    why = unavailable(torch.device(device))
+    if why:
+        missing.append(f"reference fused: {why}")
+    else:
+        found["reference fused"] = _reference("fused")
     for label, module in FLA_MODULES:
         for form, name in (("chunked", "chunk_gated_delta_rule"),
                            ("recurrent", "fused_recurrent_gated_delta_rule")):

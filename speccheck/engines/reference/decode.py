@@ -17,6 +17,7 @@ from speccheck.types import SpecCounters
 from speccheck.verify.ties import canonical_rows
 
 from . import dflash2 as _dflash2
+from .graphs import GraphDecoding
 from .model import (ATTN_FORMS, GDN_FORMS, Cache, DFlashDrafter, MTPModule, Qwen3_5TextModel,
                     ReferenceConfig, set_nondeterministic)
 
@@ -89,6 +90,8 @@ class Knobs:
     #: every N-th verify step carries no draft and decodes one token (0 = never), as engines
     #: do near the end of the context or when the drafter has nothing to propose
     no_draft_every: int = 0
+    #: on CUDA, one prompt at a time runs its steps as CUDA graphs (graphs.py); else eagerly
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("gdn_prefill", "gdn_decode", "gdn_verify"):
@@ -198,6 +201,8 @@ class Decoder:
         self.cfg, self.target, self.mtp, self.drafter, self.knobs = cfg, target, mtp, drafter, knobs
         self.dflash2, self.selector = dflash2, selector or _dflash2.SelectorKnobs()
         self.device = target.embed_tokens.weight.device
+        self.graphs = (GraphDecoding(self) if knobs.cuda_graphs and self.device.type == "cuda"
+                       else None)
         self._arm()
 
     def _arm(self) -> None:
@@ -231,7 +236,10 @@ class Decoder:
         self._arm()
         ignore_eos = list(ignore_eos or [False] * len(prompts))
         emit = list(emit or [None] * len(prompts))
+        graphed = self.graphs is not None and self.graphs.handles(method, len(prompts))
         if method == "baseline":
+            if graphed:
+                return [self.graphs.baseline(prompts[0], max_tokens[0], top_k, ignore_eos[0], emit[0])]
             return self._baseline(prompts, max_tokens, top_k, ignore_eos, emit)
         if method not in ("mtp", "dflash", "dflash2"):
             raise ValueError(f"unknown method {method!r}: choose baseline, mtp, dflash or dflash2")
@@ -243,6 +251,9 @@ class Decoder:
             raise ValueError("method dflash needs the drafter (drafter.safetensors)")
         if method == "dflash2" and self.dflash2 is None:
             raise ValueError(f"method dflash2 needs the DFlash2 drafter ({_dflash2.DFLASH2_FILE})")
+        if graphed:
+            return [self.graphs.speculative(prompts[0], max_tokens[0], method, k, top_k,
+                                            ignore_eos[0], emit[0])]
         return self._speculative(prompts, max_tokens, method, k, top_k, ignore_eos, emit)
 
     @torch.inference_mode()

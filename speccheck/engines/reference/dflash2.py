@@ -134,9 +134,9 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.attention_conv = DFlashGroupedConv(*args)
         self.mlp_conv = DFlashGroupedConv(*args)
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None, slot=None):
+    def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None, slot=None, keys=None):
         h, delta = self.attention_conv.prepare(self.input_layernorm(x), slot)
-        h = self.self_attn(h, positions, ctx_k, ctx_v, mask, ctx_len)
+        h = self.self_attn(h, positions, ctx_k, ctx_v, mask, ctx_len, keys)
         x = x + self.attention_conv.finish(h, delta, slot)
         h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x), slot)
         return x + self.mlp_conv.finish(self.mlp(h), delta, slot)
@@ -165,8 +165,8 @@ class CandidateSelector(nn.Module):
         N, L, K = cand.shape
         h = F.linear(hidden.to(dtype), self.hidden_projection.weight.to(dtype))  # [N, L, r]
         prev = torch.cat([anchor[:, None, None].expand(N, 1, K), cand[:, :-1]], 1)
-        pred = self.predecessor_codebook.to(dtype)[prev]  # [N, L, K, r]
-        succ = self.successor_codebook.to(dtype)[cand]  # [N, L, K, r]
+        pred = self.predecessor_codebook[prev].to(dtype)  # [N, L, K, r] (gathered, then cast:
+        succ = self.successor_codebook[cand].to(dtype)  # the same values, not the whole book)
         edge = torch.einsum("nlpr,nlcr->nlpc", pred * h[:, :, None], succ)
         return unary.to(dtype)[:, :, None] + edge
 
@@ -209,13 +209,13 @@ class DFlash2Drafter(DFlashDrafter):
                                                     d2.selector_rank, d2.selector_top_k)
 
     def forward(self, block_embeds, positions, ctx_kv, mask=None, ctx_len=None,
-                block_size: int | None = None) -> torch.Tensor:
+                keys=None, block_size: int | None = None) -> torch.Tensor:
         """As DFlashDrafter.forward; the T block tokens are blocks of ``block_size`` laid end
         to end (None: one block), which bounds the convolution's reach."""
         x = block_embeds.float()
         slot = block_slots(x.shape[1], block_size or x.shape[1], x.device)
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            x = layer(x, positions, ck, cv, mask, ctx_len, slot)
+            x = layer(x, positions, ck, cv, mask, ctx_len, slot, keys)
         return self.norm(x)
 
 

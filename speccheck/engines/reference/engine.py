@@ -29,6 +29,7 @@ from speccheck.types import Completion, Prompt, Scored, SpecConfig
 
 from .decode import FAULTS, Decoder, Knobs
 from .dflash2 import DFLASH2_FILE, WALK_DTYPES, SelectorKnobs, load_dflash2
+from .gdn_fused import unavailable as gdn_fused_unavailable
 from .model import (ATTN_FORMS, GDN_FORMS, DFlashDrafter, MTPModule, Qwen3_5TextModel,
                     ReferenceConfig, init_weights)
 
@@ -58,12 +59,14 @@ ENGINE_ARGS = {
     "dflash2_top_k": (None, "", "DFlash2 candidates per slot (empty = the checkpoint's "
                                 "selector_top_k)"),
     "dflash2_walk": (tuple(WALK_DTYPES), "fp32", "dtype of the DFlash2 edge scores and walk"),
+    "cuda_graphs": (("on", "off"), "on", "CUDA: each decode, verify and draft step of one prompt "
+                                         "replays a CUDA graph (no planted fault); off = eager"),
 }
 #: engine args that pick code paths, not weights: :meth:`ReferenceEngine.with_args` changes them
 #: on the loaded networks
 PATH_ARGS = ("gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode",
              "attn_verify", "batch", "no_draft_every", "fault", "dflash2_selector", "dflash2_top_k",
-             "dflash2_walk")
+             "dflash2_walk", "cuda_graphs")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -220,8 +223,14 @@ class ReferenceEngine(Engine):
         self._set_knobs()
 
     def _set_knobs(self) -> None:
+        fused = [k for k in ("gdn_prefill", "gdn_decode", "gdn_verify") if self.args[k] == "fused"]
+        why = fused and gdn_fused_unavailable(self.device)
+        if why:
+            raise EngineUsageError(f"--engine-arg {fused[0]}=fused: {why}; choose chunked or "
+                                   f"recurrent here")
         fault = None if self.args["fault"] == "none" else self.args["fault"]
         self.knobs = Knobs(fault=fault, no_draft_every=int(self.args["no_draft_every"]),
+                           cuda_graphs=self.args["cuda_graphs"] == "on",
                            **{k: self.args[k] for k in ("gdn_prefill", "gdn_decode", "gdn_verify",
                                                         "attn_prefill", "attn_decode", "attn_verify")})
         top_k = self.args["dflash2_top_k"]
@@ -279,6 +288,7 @@ class ReferenceEngine(Engine):
             "knobs": {k: self.args[k] for k in ("gdn_prefill", "gdn_decode", "gdn_verify",
                                                 "attn_prefill", "attn_decode", "attn_verify")},
             "fault": self.args["fault"],
+            **({"cuda_graphs": self.args["cuda_graphs"]} if self.device.type == "cuda" else {}),
             "batch": int(self.args["batch"]),
             "no_draft_every": int(self.args["no_draft_every"]),
             "block_size": self.cfg.drafter.block_size,
@@ -349,7 +359,7 @@ class ReferenceEngine(Engine):
             out.append(Scored(ids, lps, tok))
         return out
 
-    def attribution_variants(self, configs=()) -> dict[str, dict[str, str]]:
+    def attribution_variants(self, configs=(), ran=None) -> dict[str, dict[str, str]]:
         """Other kernel paths for the same network: GDN all-recurrent / all-chunked,
         attention all-single / all-multi, and fp32 (each only if it differs from now)."""
         a = self.args

@@ -27,7 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-GDN_FORMS = ("chunked", "recurrent")
+from .gdn_fused import gdn_fused
+
+#: "fused" is one Triton kernel (CUDA; see gdn_fused.py) computing the recurrent form
+GDN_FORMS = ("chunked", "recurrent", "fused")
 ATTN_FORMS = ("single", "multi")
 
 
@@ -415,12 +418,18 @@ class Cache:
     when it arrives, then decoded together) keeps a length per sequence, ``lengths`` [B]: a
     forward writes sequence b's tokens at lengths[b].., attention masks every key past a
     sequence's own position, and :meth:`commit` keeps a count per sequence. Attention depends
-    only on relative positions, so each sequence computes what it would alone."""
+    only on relative positions, so each sequence computes what it would alone.
+
+    A ``static`` cache (:meth:`static_for`, for CUDA graphs: every tensor at a fixed address)
+    keeps ``lengths`` on the device, attends over all ``max_len`` positions with the keys past
+    each sequence's end masked, updates its states in place and commits a device tensor of
+    counts (:meth:`commit_kept`): no step reads a value back to the host."""
 
     def __init__(self, n_layers: int, max_len: int):
         self.length = 0
         self.lengths: torch.Tensor | None = None
         self.max_len = max_len
+        self.static = False
         self.gdn: list = [None] * n_layers
         self.conv: list = [None] * n_layers
         self.k: list = [None] * n_layers
@@ -437,6 +446,52 @@ class Cache:
         device = next(t for t in out.gdn + out.k if t is not None).device
         out.lengths = torch.tensor([c.length for c in caches], dtype=torch.long, device=device)
         return out
+
+    @classmethod
+    def static_for(cls, layers, max_len: int, batch: int = 1) -> "Cache":
+        """A static cache for these decoder layers (target or MTP), all zeros, at length 0."""
+        p = next(layers.parameters())
+        out = cls(len(layers), max_len)
+        out.static = True
+        out.lengths = torch.zeros(batch, dtype=torch.long, device=p.device)
+        for i, layer in enumerate(layers):
+            if layer.layer_type == "linear_attention":
+                a = layer.linear_attn
+                out.gdn[i] = torch.zeros(batch, a.nv, a.dk, a.dv, device=p.device)
+                out.conv[i] = p.new_zeros(batch, a.kernel - 1, a.conv_dim)
+            else:
+                a = layer.self_attn
+                out.k[i] = p.new_zeros(batch, a.nkv, max_len, a.d)
+                out.v[i] = p.new_zeros(batch, a.nkv, max_len, a.d)
+        return out
+
+    def reset(self) -> None:
+        """A static cache back to empty, in place."""
+        for t in self.gdn + self.conv + self.k + self.v + [self.lengths]:
+            if t is not None:
+                t.zero_()
+        self.pending = {}
+
+    def advance(self, n: int) -> None:
+        """``n`` more positions seen by every sequence (in place where static)."""
+        if self.lengths is None:
+            self.length += n
+        elif self.static:
+            self.lengths += n
+        else:
+            self.lengths = self.lengths + n
+
+    def commit_kept(self, kept: torch.Tensor) -> None:
+        """:meth:`commit` of a static cache: keep ``kept`` [B] (a device tensor) of the last
+        forward's new positions per sequence, states copied in place."""
+        rows = torch.arange(kept.shape[0], device=kept.device)
+        for i, p in self.pending.items():
+            per_state, window = p[1], p[2]
+            k1 = window.shape[1] - len(per_state)
+            self.conv[i].copy_(window[rows[:, None], kept[:, None] + torch.arange(k1, device=kept.device)])
+            self.gdn[i].copy_(per_state.at_rows(kept - 1))
+        self.pending = {}
+        self.lengths += kept
 
     def commit(self, n_new: int | list[int], roll_back_gdn: bool = True, *,
                roll_back_conv: bool = True, state_keep: list[int] | None = None,
@@ -565,11 +620,18 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             out, s, per = gdn_recurrent(q, k, v, g, beta, state, per_position)
         elif form == "chunked":
             out, s, per = gdn_chunked(q, k, v, g, beta, state, self.chunk_size, per_position)
+        elif form == "fused":
+            if state is None:
+                state = q.new_zeros(B, self.nv, self.dk, self.dv, dtype=torch.float32)
+            out, s, per = gdn_fused(q, k, v, g, beta, state, per_position)
         else:
             raise ValueError(f"unknown GDN form {form!r}; choose one of {GDN_FORMS}")
         if cache is not None:
             if per_position:
                 cache.pending[idx] = ("gdn", per, full)
+            elif cache.static:
+                cache.gdn[idx].copy_(s)
+                cache.conv[idx].copy_(full[:, -(self.kernel - 1):])
             else:
                 cache.gdn[idx] = s
                 cache.conv[idx] = full[:, -(self.kernel - 1):]
@@ -651,7 +713,10 @@ class Qwen3_5Attention(nn.Module):
             if cache.k[idx] is None:
                 cache.k[idx] = k.new_zeros(B, self.nkv, cache.max_len, self.d)
                 cache.v[idx] = v.new_zeros(B, self.nkv, cache.max_len, self.d)
-            end = (int(start.max()) if isinstance(start, torch.Tensor) else start) + T
+            if cache.static:  # every position, the ones past a sequence's end masked
+                end = cache.max_len
+            else:
+                end = (int(start.max()) if isinstance(start, torch.Tensor) else start) + T
             if end > cache.max_len:
                 raise RuntimeError(f"cache overflow: {end} > {cache.max_len} positions")
             if isinstance(start, torch.Tensor):  # sequence b's tokens at start[b]..
@@ -752,10 +817,7 @@ class Qwen3_5TextModel(nn.Module):
             if i in aux_layers:
                 aux[i] = x
         if cache is not None and not per_position:
-            if cache.lengths is None:
-                cache.length += ids.shape[1]
-            else:
-                cache.lengths = cache.lengths + ids.shape[1]
+            cache.advance(ids.shape[1])
         return self.norm(x), aux
 
 
@@ -783,10 +845,7 @@ class MTPModule(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cache, i, start, attn_form=attn_form)
         if cache is not None:
-            if cache.lengths is None:
-                cache.length += embeds.shape[1]
-            else:
-                cache.lengths = cache.lengths + embeds.shape[1]
+            cache.advance(embeds.shape[1])
         return self.norm(x)
 
 
@@ -828,13 +887,15 @@ class DFlashAttention(nn.Module):
         kv = F.linear(x, fused_weight(self, "kv", [self.k_proj, self.v_proj]))
         return self._kv_heads(*kv.split(self.nkv * self.d, dim=-1), *self._rope(positions, kv.dtype))
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None):
+    def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None, keys=None):
         """x: [B,T,H] block slots at ``positions``; mask (optional, bool [T, L+T], True = may
         attend) for batched training blocks. ctx_k/v: [B,Hkv,L,D] context, or with
         ``ctx_len`` buffers holding it in [:ctx_len] with room after it: the block's own
         K/V are written there (scratch) instead of copying the context. A tensor ``ctx_len``
         [B] (with ``positions`` [B,T]) is a batch of sequences each with its own context
-        length: row b's block goes to [ctx_len[b]:], keys past it are masked."""
+        length: row b's block goes to [ctx_len[b]:], keys past it are masked; they attend
+        over the first ``keys`` buffer positions (None: as many as the longest row needs,
+        read back from the device; a CUDA graph gives the buffer's size)."""
         B, T, _ = x.shape
         qkv = F.linear(x, fused_weight(self, "qkv", [self.q_proj, self.k_proj, self.v_proj]))
         nq, nk = self.nh * self.d, self.nkv * self.d
@@ -849,9 +910,9 @@ class DFlashAttention(nn.Module):
             ctx_k[rows, :, positions] = k.transpose(1, 2)
             ctx_v[rows, :, positions] = v.transpose(1, 2)
             end = positions[:, -1] + 1  # [B]
-            L = int(end.max())
+            L = int(end.max()) if keys is None else keys
             K, V = ctx_k[:, :, :L], ctx_v[:, :, :L]
-            if bool((end < L).any()):
+            if keys is not None or bool((end < L).any()):
                 mask = (torch.arange(L, device=x.device) < end[:, None])[:, None, None, :]
         else:
             ctx_k[:, :, ctx_len:ctx_len + T] = k
@@ -869,8 +930,9 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask, ctx_len)
+    def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None, keys=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask, ctx_len,
+                               keys)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -894,11 +956,12 @@ class DFlashDrafter(nn.Module):
         ctx = self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
         return [layer.self_attn.kv(ctx, positions) for layer in self.layers]
 
-    def forward(self, block_embeds, positions, ctx_kv, mask=None, ctx_len=None) -> torch.Tensor:
+    def forward(self, block_embeds, positions, ctx_kv, mask=None, ctx_len=None,
+                keys=None) -> torch.Tensor:
         """ctx_kv: per layer (K, V) of the context (see DFlashAttention.forward)."""
         x = block_embeds.float()
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            x = layer(x, positions, ck, cv, mask, ctx_len)
+            x = layer(x, positions, ck, cv, mask, ctx_len, keys)
         return self.norm(x)
 
 
