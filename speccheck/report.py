@@ -39,19 +39,28 @@ def determinism_str(r: ConfigResult) -> str:
 
 
 def attribution_str(a: dict) -> str:
-    """Which re-scored kernel path gives which token at the divergent position."""
-    if not a.get("paths"):
+    """Which kernel path gives which token at the divergent position: the baseline under
+    each path, and (rerun) the spec run under each path where no baseline run gave its token."""
+    if not a.get("paths") and not a.get("spec_paths"):
         return "kernel path: unattributed (no alternative paths)"
     spec, base = a.get("reproduces_spec") or [], a.get("reproduces_base") or []
+    from_spec = a.get("spec_reproduces_base") or []
     if spec and not base and len(spec) == len(a["paths"]):
         head = "every re-scored path gives the spec token: the baseline's decode path is the odd one"
     elif spec and not base:
         head = f"attributed to {', '.join(spec)}"
     elif spec and base:
         head = f"paths split: spec token from {', '.join(spec)}; baseline token from {', '.join(base)}"
+    elif from_spec:
+        head = (f"attributed to {', '.join(from_spec)}: the spec run with it gives the baseline "
+                f"token (no baseline run gave the spec token)")
     else:
-        head = "unattributed: no alternative path reproduces the spec token"
-    return head + "; " + " ".join(f"{label}→{tok}" for label, tok in sorted(a["paths"].items()))
+        head = "unattributed: no alternative path reproduces the other side's token"
+    text = head + "; " + " ".join(f"{label}→{tok}" for label, tok in sorted(a["paths"].items()))
+    if a.get("spec_paths"):
+        text += "; spec run: " + " ".join(f"{label}→{tok}"
+                                          for label, tok in sorted(a["spec_paths"].items()))
+    return text
 
 
 def divergence_line(d: Divergence, detok=None, attribution: dict | None = None) -> str:

@@ -289,12 +289,14 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
             if progress:
                 progress(len(todo), len(todo), "attributing divergences to kernel paths")
             spec_configs = [c for c in plan.configs if not c.is_baseline]
-            variants = (engine.rerun_variants(spec_configs) if plan.attribution_mode == "rerun"
-                        else engine.attribution_variants(spec_configs))
+            ran = suite.run_identity("baseline", 0) if suite.is_complete("baseline", 0) else None
+            variants = (engine.rerun_variants(spec_configs, ran) if plan.attribution_mode == "rerun"
+                        else engine.attribution_variants(spec_configs, ran))
             for label, url in plan.attribute_with.items():
                 variants[label] = engine.attribution_server_args(label, url)
             variants = select_paths(variants, plan.attribution_paths, log)
-            attribute_suite(plan, variants, suite, [c.name for c in spec_configs], log)
+            attribute_suite(plan, variants, suite, [c.name for c in spec_configs], log,
+                            jobs=engine.attribution_jobs)
     finally:
         engine.close()
     return suite
@@ -543,12 +545,72 @@ def select_paths(variants: dict[str, dict[str, str]], globs: Sequence[str],
 
 
 def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: Suite,
-                    config_names: Sequence[str], log: Log = _print) -> None:
-    """For each first divergence of a spec config from the baseline, re-score the common prefix
-    under every alternative kernel-path setting the engine offers and record which setting
-    produces which token at the divergent position."""
+                    config_names: Sequence[str], log: Log = _print, jobs: int = 1) -> None:
+    """For each first divergence of a spec config from the baseline, compute the divergent
+    position under every alternative kernel-path setting the engine offers and record which
+    setting gives which token there: the shared prefix re-scored (rescore), or the baseline
+    regenerated with the switch flipped (rerun). In rerun mode, where no switch gives the
+    baseline the spec token, the spec config is regenerated with each switch too: a switch
+    under which the spec run gives the baseline's token is as much the cause. Up to ``jobs``
+    kernel paths run at once (an engine each), where the engine says its variants can."""
     if not suite.is_complete("baseline", 0):
         return
+    todo = _first_divergences(suite, config_names)
+    if not todo:
+        return
+    rerun = plan.attribution_mode == "rerun"
+    # configs that diverge at the same place share one computation per kernel path
+    unique: dict[tuple, list[dict]] = {}
+    for items in todo.values():
+        for it in items:
+            unique.setdefault((it["prompt_id"], tuple(it["prompt_ids"]), tuple(it["prefix"])), []).append(it)
+    firsts = [group[0] for group in unique.values()]
+    if firsts:
+        tokens_at = _rerun_tokens(plan, SpecConfig()) if rerun else _rescored_tokens
+        found = _over_variants(plan, variants, lambda engine: tokens_at(engine, firsts), jobs, log,
+                               f"on {len(firsts)} divergent prefix(es)" + (" by rerun" if rerun else ""))
+        for label, tokens in found.items():
+            for group, token in zip(unique.values(), tokens):
+                if token >= 0:  # -1: that path could not compute this position (engine says why)
+                    for it in group:
+                        it.setdefault("paths", {})[label] = token
+    left = {name: [it for it in items if it["spec_token"] not in it.get("paths", {}).values()]
+            for name, items in todo.items()} if rerun else {}
+    left = {name: items for name, items in left.items() if items}
+    if left:
+        def spec_side(engine) -> dict[str, list[int]]:
+            return {name: _rerun_tokens(plan, SpecConfig.from_name(name))(engine, items)
+                    for name, items in left.items()}
+        n = sum(map(len, left.values()))
+        found = _over_variants(plan, variants, spec_side, jobs, log,
+                               f"regenerating {len(left)} spec config(s) on the {n} divergence(s) "
+                               f"no baseline rerun reproduced")
+        for label, per_config in found.items():
+            for name, tokens in per_config.items():
+                for it, token in zip(left[name], tokens):
+                    if token >= 0:
+                        it.setdefault("spec_paths", {})[label] = token
+    for name, items in todo.items():
+        for it in items:
+            it.pop("prompt_ids"), it.pop("prefix")
+            paths, spec_paths = it.setdefault("paths", {}), it.pop("spec_paths", {})
+            it["reproduces_spec"] = sorted(k for k, t in paths.items() if t == it["spec_token"])
+            it["reproduces_base"] = sorted(k for k, t in paths.items() if t == it["base_token"])
+            if rerun:
+                it["spec_paths"] = spec_paths
+                it["spec_reproduces_base"] = sorted(k for k, t in spec_paths.items()
+                                                    if t == it["base_token"])
+            it["attributed_to"] = (it["reproduces_spec"] or it.get("spec_reproduces_base")
+                                   or "unattributed")
+            it["by"] = plan.attribution_mode
+        suite.write_attribution(name, items)
+        if items:
+            log(f"{name:>12} attributed {len(items)} divergence(s) over {len(variants)} kernel paths")
+
+
+def _first_divergences(suite: Suite, config_names: Sequence[str]) -> dict[str, list[dict]]:
+    """Per config not yet attributed, its first divergence from the baseline on each prompt
+    (with the prompt's ids and the shared prefix, for the kernel paths to compute)."""
     base = suite.load_run("baseline", 0).by_prompt()
     todo: dict[str, list[dict]] = {}
     for name in config_names:
@@ -566,47 +628,41 @@ def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: S
                           "base_token": int(b.token_ids[pos]), "spec_token": int(c.token_ids[pos]),
                           "prompt_ids": b.prompt_ids.tolist(), "prefix": b.token_ids[:pos + 1].tolist()})
         todo[name] = items
-    if not todo:
-        return
-    all_items = [it for items in todo.values() for it in items]
-    # configs that diverge at the same place share one re-score per kernel path
-    unique: dict[tuple, list[dict]] = {}
-    for it in all_items:
-        unique.setdefault((it["prompt_id"], tuple(it["prompt_ids"]), tuple(it["prefix"])), []).append(it)
-    firsts = [group[0] for group in unique.values()]
-    tokens_at = _rerun_tokens(plan) if plan.attribution_mode == "rerun" else _rescored_tokens
+    return todo
+
+
+def _over_variants(plan: RunPlan, variants: dict[str, dict[str, str]], compute, jobs: int,
+                   log: Log, what: str) -> dict:
+    """``compute(engine)`` under every kernel path (an engine each, ``jobs`` at once): label ->
+    its result, for the paths that ran (a path that fails is logged and left out)."""
     started = time.perf_counter()
-    for i, (label, args) in enumerate(variants.items()):
-        if not all_items:
-            break
-        eta = (f", about {(time.perf_counter() - started) / i * (len(variants) - i):.0f} s left" if i else "")
-        log(f"attribution: kernel path {i + 1}/{len(variants)} ({label}) on {len(firsts)} divergent "
-            f"prefix(es){eta}" + (" by rerun" if plan.attribution_mode == "rerun" else ""))
+    labels = list(variants)
+
+    def one(i: int):
+        label = labels[i]
+        done = i - min(i, max(jobs, 1) - 1)  # paths finished before this one started, about
+        eta = (f", about {(time.perf_counter() - started) / done * (len(labels) - i):.0f} s left"
+               if done > 0 else "")
+        log(f"attribution: kernel path {i + 1}/{len(labels)} ({label}) {what}{eta}")
         try:
-            engine = make_engine(plan.engine, plan.model, {**plan.engine_args, **args}, plan.draft)
+            engine = make_engine(plan.engine, plan.model, {**plan.engine_args, **variants[label]},
+                                 plan.draft)
             try:
-                tokens = tokens_at(engine, firsts)
+                return compute(engine)
             finally:
                 engine.close()
         except (EngineError, EngineUsageError, RuntimeError) as e:
             log(f"attribution variant {label} failed: {e}")
-            continue
-        for group, token in zip(unique.values(), tokens):
-            if token >= 0:  # -1: that path could not compute this position (engine says why)
-                for it in group:
-                    it.setdefault("paths", {})[label] = token
-    for name, items in todo.items():
-        for it in items:
-            paths = it.pop("paths", {})
-            it.pop("prompt_ids"), it.pop("prefix")
-            it["paths"] = paths
-            it["reproduces_spec"] = sorted(k for k, t in paths.items() if t == it["spec_token"])
-            it["reproduces_base"] = sorted(k for k, t in paths.items() if t == it["base_token"])
-            it["attributed_to"] = it["reproduces_spec"] or "unattributed"
-            it["by"] = plan.attribution_mode
-        suite.write_attribution(name, items)
-        if items:
-            log(f"{name:>12} attributed {len(items)} divergence(s) over {len(variants)} kernel paths")
+            return None
+
+    if jobs > 1 and len(labels) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="speccheck-attribution") as pool:
+            results = list(pool.map(one, range(len(labels))))
+    else:
+        results = [one(i) for i in range(len(labels))]
+    return {label: r for label, r in zip(labels, results) if r is not None}
 
 
 def _rescored_tokens(engine: Engine, firsts: list[dict]) -> list[int]:
@@ -616,15 +672,16 @@ def _rescored_tokens(engine: Engine, firsts: list[dict]) -> list[int]:
     return [int(s.topk_ids[it["position"], 0]) for it, s in zip(firsts, scored)]
 
 
-def _rerun_tokens(plan: RunPlan):
-    """A ``tokens_at`` that regenerates each divergent prompt's baseline, the same request
-    the baseline's run made: the token at the divergent position, or -1 where the rerun left
-    the shared prefix earlier (a switch that changes an earlier token says nothing of this one)."""
+def _rerun_tokens(plan: RunPlan, config: SpecConfig):
+    """A ``tokens_at`` that regenerates each divergent prompt under ``config`` (the baseline,
+    or a spec config), the same request the stored run made: the token at the divergent
+    position, or -1 where the rerun left the shared prefix earlier (a switch that changes an
+    earlier token says nothing of this one)."""
     prompts = {p.id: p for p in plan.load_corpus().prompts}
 
     def tokens_at(engine: Engine, items: list[dict]) -> list[int]:
         asked = [prompts[it["prompt_id"]] for it in items]
-        comps = engine.generate(asked, [it["prompt_ids"] for it in items], SpecConfig(), 2)
+        comps = engine.generate(asked, [it["prompt_ids"] for it in items], config, 2)
         out = []
         for it, c in zip(items, comps):
             pos, ids = it["position"], np.asarray(c.token_ids)

@@ -367,3 +367,63 @@ def test_rerun_attribution_reads_the_regenerated_baseline(tmp_path):
          "prefill eager": {"enforce_eager": "true"}}
     assert rerun_switches(v) == {"decode gdn=fused_sigmoid_gating": {"env.X": "0"},
                                  "decode eager": {"enforce_eager": "true"}}
+
+
+def test_attribution_jobs_run_kernel_paths_at_once_with_the_same_result(tmp_path):
+    """attribution_jobs > 1 (vLLM: a worker per kernel path) runs the paths on a thread pool;
+    what it stores is what one path after another stores."""
+    import shutil
+    import threading
+
+    from speccheck.engines import make_engine
+    from speccheck.runner import RunPlan, attribute_suite, run_suite
+    from speccheck.store import Store
+    from speccheck.types import SpecConfig
+
+    plan = RunPlan(corpus="smoke", configs=[SpecConfig(), SpecConfig.from_name("mtp-k3")],
+                   engine_args={"fault": "stale-state"}, repeats=1, concurrent=0, rescore=False,
+                   attribute=False)
+    suite = run_suite(plan, Store(tmp_path / "a"), log=lambda _: None)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    engine = make_engine("reference", None, plan.engine_args)
+    variants = engine.attribution_variants([SpecConfig.from_name("mtp-k3")])
+    engine.close()
+    threads = {1: set(), 2: set()}
+    stored = {}
+    for jobs, name in ((1, "a"), (2, "b")):
+        s = Store(tmp_path / name).suite(suite.id)
+        attribute_suite(plan, variants, s, ["mtp-k3"],
+                        log=lambda _, j=jobs: threads[j].add(threading.current_thread().name),
+                        jobs=jobs)
+        stored[jobs] = s.load_attribution("mtp-k3")
+    assert stored[1] and stored[1] == stored[2]
+    assert threads[1] == {threading.current_thread().name}
+    assert any(t.startswith("speccheck-attribution") for t in threads[2])
+
+
+def test_rerun_attribution_also_regenerates_the_spec_side(tmp_path):
+    """In rerun mode, where no switch gives the baseline the spec token, the spec config is
+    regenerated under each switch: a switch under which the spec run gives the baseline's
+    token is the cause. Planted here: the spec runs carry the stale-state fault, which no
+    baseline run has, so only the spec run with the fault switched off removes the divergence."""
+    from speccheck.report import attribution_str
+    from speccheck.runner import RunPlan, attribute_suite, run_suite
+    from speccheck.store import Store
+    from speccheck.types import SpecConfig
+
+    plan = RunPlan(corpus="smoke", configs=[SpecConfig(), SpecConfig.from_name("mtp-k3")],
+                   engine_args={"fault": "stale-state"}, repeats=1, concurrent=0, rescore=False,
+                   attribute=False, attribution_mode="rerun")
+    suite = run_suite(plan, Store(tmp_path / "s"), log=lambda _: None)
+    lines = []
+    attribute_suite(plan, {"fault off": {"fault": "none"}}, suite, ["mtp-k3"], log=lines.append)
+    items = suite.load_attribution("mtp-k3")
+    assert items and any("regenerating 1 spec config(s)" in line for line in lines), lines
+    for it in items:
+        assert it["reproduces_spec"] == []  # the baseline never had the fault
+        assert it["paths"]["fault off"] == it["base_token"]
+    caught = [it for it in items if it["spec_reproduces_base"] == ["fault off"]]
+    assert caught, items  # the clean spec run gives the baseline token there
+    for it in caught:
+        assert it["attributed_to"] == ["fault off"] and it["spec_paths"]["fault off"] == it["base_token"]
+        assert "the spec run with it gives the baseline token" in attribution_str(it)

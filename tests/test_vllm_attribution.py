@@ -115,18 +115,22 @@ def test_token_budget_groups_cover_in_order_and_fit(lengths, budget):
         assert len(groups) == 1
 
 
-def test_rerun_switches_add_the_2d_attention_path():
-    """For a rerun, TRITON_ATTN's batch-size switch comes as a whole-run arg (the batch padded
-    past the 3D threshold), alone and with the GDN decode kernel a verify step uses; with
-    the packed decode kernel already off only the padding is left to flip; other attention
-    backends get none."""
-    from speccheck.engines.vllm import PAD_FOR_2D, attention_2d_switches, split_engine_args
+def test_rerun_switches_add_the_padded_decode_paths():
+    """For a rerun, the batch-size switches come as whole-run args: a batch of 2 (GEMMs with
+    a K=1 verify's row count) on any backend, and on TRITON_ATTN a batch padded past the 3D
+    threshold (its 2D kernel), each alone and with the GDN decode kernel a verify step uses;
+    with the packed decode kernel already off only the padding is left to flip."""
+    from speccheck.engines.vllm import PAD_FOR_2D, padded_decode_switches, split_engine_args
 
-    v = attention_2d_switches(current(attention_backend="TRITON_ATTN"))
+    v = padded_decode_switches(current(attention_backend="TRITON_ATTN"))
     assert v["decode attention=2d"] == {"pad_batch": str(PAD_FOR_2D)}
+    assert v["decode batch=2"] == {"pad_batch": "1"}
     both = v["decode gdn=fused_sigmoid_gating attention=2d"]
     assert both[f"env.{PACKED_DECODE_ENV}"] == "0" and PAD_FOR_2D > 128
-    assert list(attention_2d_switches(current(attention_backend="TRITON_ATTN", packed_decode=False))) \
-        == ["decode attention=2d"]
-    assert attention_2d_switches(current()) == {}  # FLASH_ATTN: no such switch
+    assert v["decode gdn=fused_sigmoid_gating batch=2"] == {"pad_batch": "1",
+                                                           f"env.{PACKED_DECODE_ENV}": "0"}
+    assert list(padded_decode_switches(current(attention_backend="TRITON_ATTN", packed_decode=False))) \
+        == ["decode batch=2", "decode attention=2d"]
+    assert list(padded_decode_switches(current())) == ["decode batch=2",  # FLASH_ATTN: no 2D switch
+                                                       "decode gdn=fused_sigmoid_gating batch=2"]
     assert split_engine_args(both)["own"]["pad_batch"] == PAD_FOR_2D

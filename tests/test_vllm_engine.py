@@ -626,8 +626,16 @@ def test_attribution_variants_follow_what_ran(fake_vllm):
     try:
         eng.generate([Prompt("a", "x", 4, text="a")], [[1, 2]], SpecConfig(), 5)
         v = eng.attribution_variants([SpecConfig("mtp", 3), SpecConfig("dflash", 7)])
+        ran = eng.identity()
     finally:
         eng.close()
+    # a resumed run (no worker in this process) takes what ran from the stored identity
+    fresh = VllmEngine(model=str(target), draft=str(draft), engine_args={"warmup": "false"})
+    try:
+        assert fresh.attribution_variants([SpecConfig("mtp", 3), SpecConfig("dflash", 7)], ran) == v
+        assert "prefill gdn=triton" not in fresh.attribution_variants()  # 'auto': unknown
+    finally:
+        fresh.close()
     assert v["decode"] == {"score_path": "decode"}
     assert v["decode gdn=fused_sigmoid_gating"]["env.VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE"] == "0"
     assert v["decode eager"]["enforce_eager"] == "true"

@@ -12,7 +12,7 @@ from speccheck.engines.base import Engine, EngineError, EngineUsageError
 RUN_ONLY_ARGS: dict[str, frozenset[str]] = {
     "openai": frozenset({"score_base_url", "timeout", "retries", "backoff", "api_key_env"}),
     "vllm": frozenset({"gpu_memory_utilization", "kv_cache_memory_bytes", "worker", "python",
-                       "timeout_s", "warmup"}),
+                       "timeout_s", "warmup", "attribution_jobs"}),
 }
 
 ENGINES = {

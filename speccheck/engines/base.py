@@ -48,6 +48,9 @@ class Engine(ABC):
     last_call_fresh_process: bool | None = None
     #: speculative methods this engine runs besides "baseline"; None = passes any through.
     methods: ClassVar[tuple[str, ...] | None] = ("mtp", "dflash")
+    #: attribution variants that may run at once, each an engine of its own (vLLM: a worker
+    #: process each, engine arg attribution_jobs); 1 for engines that share one device or core
+    attribution_jobs: int = 1
 
     @classmethod
     def preflight(cls, model: str | None, engine_args: dict[str, str],
@@ -104,18 +107,21 @@ class Engine(ABC):
               top_k: int) -> list[Scored]:
         """Teacher-forced scores of each continuation after its prompt (non-speculative)."""
 
-    def attribution_variants(self, configs: Sequence[SpecConfig] = ()) -> dict[str, dict[str, str]]:
+    def attribution_variants(self, configs: Sequence[SpecConfig] = (),
+                             ran: dict | None = None) -> dict[str, dict[str, str]]:
         """Alternative kernel-path knob settings (label -> engine args overriding this
         engine's) to re-score a divergent prefix with; empty when the engine has none.
         ``configs``: the speculative configs of the run (an engine may offer their verify
-        path as a variant)."""
+        path as a variant); ``ran``: the identity the attributed baseline run stored (the
+        kernels it read back), for an engine that has not run in this process (a resume)."""
         return {}
 
-    def rerun_variants(self, configs: Sequence[SpecConfig] = ()) -> dict[str, dict[str, str]]:
+    def rerun_variants(self, configs: Sequence[SpecConfig] = (),
+                       ran: dict | None = None) -> dict[str, dict[str, str]]:
         """The kernel switches to regenerate the baseline with (``--attribution-mode rerun``):
         engine args that change a kernel for the whole run. By default the attribution
         variants; an engine whose variants also name score-only paths leaves those out."""
-        return self.attribution_variants(configs)
+        return self.attribution_variants(configs, ran)
 
     @classmethod
     def attribution_server_args(cls, label: str, url: str) -> dict[str, str]:

@@ -18,6 +18,8 @@ Engine args (``--engine-arg key=value``):
   ``worker=per-call|per-config``, ``timeout_s=N``, ``warmup=true|false``, ``python=PATH``
   ``score_path=prefill|decode|verify``, ``score_spec=CONFIG`` (e.g. mtp-k3): which kernels
                           score() runs (attribution variants set them; see score())
+  ``attribution_jobs=N``  attribution variants run N at once, a worker each (mind
+                          gpu_memory_utilization: each worker takes that share of the GPU)
   ``pad_batch=N``         each single-stream request decodes beside N copies of itself
                           (outputs dropped): kernels chosen by batch size then run their
                           large-batch form (TRITON_ATTN's 2D decode kernel; see PAD_FOR_2D)
@@ -58,7 +60,11 @@ SPEC_NAMES = {
     "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
     "accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
 }
-OWN_OPTIONS = {"worker", "timeout_s", "warmup", "python", "score_path", "score_spec", "pad_batch"}
+OWN_OPTIONS = {"worker", "timeout_s", "warmup", "python", "score_path", "score_spec", "pad_batch",
+               "attribution_jobs"}
+#: identity keys that say what vLLM resolved (read back from the worker), not what was asked
+RESOLVED_KEYS = ("gdn_prefill_backend", "attention_backend", "enforce_eager", "capability",
+                 "flashinfer_available", "gdn_decode_kernel_setting")
 #: pad_batch for a single stream to decode with TRITON_ATTN's 2D kernel, as every spec verify
 #: step does: vLLM 0.26 takes its 3D split-softmax kernel for one-token steps of at most
 #: 128 / KV-heads sequences (v1/attention/ops/triton_unified_attention.py, use_3d; the
@@ -141,6 +147,10 @@ def split_engine_args(args: dict[str, str]) -> dict[str, dict]:
     if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
         raise EngineUsageError(f"--engine-arg pad_batch={pad}: give a whole number of copies >= 0 "
                                f"(e.g. pad_batch={PAD_FOR_2D})")
+    jobs = out["own"].get("attribution_jobs", 1)
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise EngineUsageError(f"--engine-arg attribution_jobs={jobs}: give how many attribution "
+                               f"variants may run at once, a whole number >= 1")
     path = out["own"].get("score_path", "prefill")
     if path not in SCORE_PATHS:
         raise EngineUsageError(f"--engine-arg score_path={path}: use one of {', '.join(SCORE_PATHS)}")
@@ -526,17 +536,26 @@ def rerun_switches(variants: dict[str, dict[str, str]]) -> dict[str, dict[str, s
     return out
 
 
-def attention_2d_switches(current: dict) -> dict[str, dict[str, str]]:
-    """Whole-run switches for TRITON_ATTN's 2D decode kernel (the batch padded above its 3D
-    threshold), alone and with the GDN decode kernel a spec verify step runs: together they
-    are the target's path under speculation, for a baseline run token by token. None where
-    the attention backend is not TRITON_ATTN (its batch-size switch is the one padded past)."""
-    if "TRITON_ATTN" not in str(current.get("attention_backend") or ""):
-        return {}
-    out = {"decode attention=2d": {"pad_batch": str(PAD_FOR_2D)}}
-    if current.get("packed_decode", True):
-        out["decode gdn=fused_sigmoid_gating attention=2d"] = {
-            "pad_batch": str(PAD_FOR_2D), f"env.{PACKED_DECODE_ENV}": "0"}
+def padded_decode_switches(current: dict) -> dict[str, dict[str, str]]:
+    """Whole-run switches that make a baseline's one-token steps compute as a spec verify step
+    does, part by part, each alone and with the GDN kernel a verify runs (fused sigmoid
+    gating, where packed decode is on):
+
+    - ``decode batch=2``: one copy beside each request (pad_batch=1), so every GEMM and the
+      LM head run with 2 rows, as an MTP K=1 verify's; cuBLAS picks its kernel (split-K or
+      not) by the row count, and a bf16 logit one ulp off flips an exact tie;
+    - ``decode attention=2d`` (TRITON_ATTN only): the batch padded past the 3D split-softmax
+      threshold, so decode attention runs the 2D kernel every verify step runs (its GEMMs
+      then have 1 + PAD_FOR_2D rows)."""
+    pads = {"decode batch=2": 1}
+    if "TRITON_ATTN" in str(current.get("attention_backend") or ""):
+        pads["decode attention=2d"] = PAD_FOR_2D
+    out: dict[str, dict[str, str]] = {}
+    for label, pad in pads.items():
+        out[label] = {"pad_batch": str(pad)}
+        if current.get("packed_decode", True):
+            gdn = label.replace("decode", "decode gdn=fused_sigmoid_gating", 1)
+            out[gdn] = {"pad_batch": str(pad), f"env.{PACKED_DECODE_ENV}": "0"}
     return out
 
 
@@ -739,6 +758,7 @@ class VllmEngine(Engine):
         self.model = str(Path(model).resolve())
         self.draft = str(Path(draft).resolve()) if draft else None
         self.args = split_engine_args(self.engine_args)
+        self.attribution_jobs = self.args["own"].get("attribution_jobs", 1)
         self.llm_kwargs = {**DEFAULT_LLM_KWARGS, **self.args["llm"]}
         problem = parallel_problem(self.llm_kwargs, _read_config(self.model), self.model,
                                    _read_config(self.draft) if self.draft else None, self.draft,
@@ -953,10 +973,14 @@ class VllmEngine(Engine):
             rows = dict(zip(todo, self._call(req, spec)["requests"]))
         return [scored_from_steps(rows.get(i), c, top_k) for i, c in enumerate(continuations)]
 
-    def kernel_settings(self) -> dict:
+    def kernel_settings(self, ran: dict | None = None) -> dict:
         """What the kernel switches are set to: read back from the engine when a worker has
-        answered in this process, else as requested (None where that says 'auto')."""
+        answered in this process, else from ``ran`` (a stored run's identity: what was read
+        back then), else as requested (None where that says 'auto')."""
         ident = self.identity()
+        for key in RESOLVED_KEYS:
+            if ident.get(key) is None and (ran or {}).get(key) is not None:
+                ident[key] = ran[key]
         env = {**os.environ, **self.worker_env_overrides()}
         eager = ident.get("enforce_eager")
         if eager is None:
@@ -974,19 +998,21 @@ class VllmEngine(Engine):
                 "gdn_decode_kernel_setting": ident.get("gdn_decode_kernel_setting"),
                 "llm_kwargs": self.llm_kwargs}
 
-    def rerun_variants(self, configs: Sequence[SpecConfig] = ()) -> dict[str, dict[str, str]]:
+    def rerun_variants(self, configs: Sequence[SpecConfig] = (),
+                       ran: dict | None = None) -> dict[str, dict[str, str]]:
         """The switches as whole-run engine args: a regenerated baseline follows the path
         the run took (each prompt decoded token by token, alone, as the baseline's repeats
         are), where a re-score prefills the prefix. ``decode`` (the baseline itself) and the
         ``verify`` paths (the spec run itself) have no rerun; a switch offered for both
         decode and prefill (eager) is run once."""
-        current = self.kernel_settings()
+        current = self.kernel_settings(ran)
         return {**rerun_switches(attribution_variants(current, configs)),
-                **attention_2d_switches(current)}
+                **padded_decode_switches(current)}
 
-    def attribution_variants(self, configs: Sequence[SpecConfig] = ()) -> dict[str, dict[str, str]]:
+    def attribution_variants(self, configs: Sequence[SpecConfig] = (),
+                             ran: dict | None = None) -> dict[str, dict[str, str]]:
         """vLLM's kernel switches (``attribution_variants`` above), relative to the settings
-        that ran. Call after generate(): the resolved backends are read back then.
+        that ran: read back by generate() in this process, or stored in ``ran``.
 
         What each switch does in vLLM 0.26.0 (paths in vLLM's tree), and what changed later:
 
@@ -1030,7 +1056,7 @@ class VllmEngine(Engine):
         of each layer) and a ``verify CONFIG gdn=triton`` variant is offered where it is
         cuda. Later main (stored source index): on SM10x FlashInfer's GDN prefill also
         needs an intact ``nvidia-cutlass-dsl-libs-cu13`` install, else Triton/FLA."""
-        return attribution_variants(self.kernel_settings(), configs)
+        return attribution_variants(self.kernel_settings(ran), configs)
 
     # -- the worker process
 
