@@ -313,6 +313,19 @@ def main() -> None:
 
 
 @main.command()
+@click.argument("sources", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+@store_option
+def merge(sources, store_dir):
+    """Copy into --store the suites, runs, rescoring and attribution that the SOURCES stores
+    hold and it lacks (configs run side by side, e.g. one GPU each); nothing is overwritten."""
+    store = Store(store_dir)
+    with store.lock(notify=click.echo):
+        for src in sources:
+            for line in store.merge(Store(src)):
+                click.echo(f"{src}: {line}")
+
+
+@main.command()
 @_apply(run_options)
 @store_option
 def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, top_k, engine_args,

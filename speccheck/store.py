@@ -649,6 +649,38 @@ class Suite:
             return False
 
 
+def _copy_dir(src: Path, final: Path) -> None:
+    """A stored run directory copied whole: into a temporary sibling, then renamed in place."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+    try:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        _replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _copy_files(src_dir: Path, dst_dir: Path, names: list[str]) -> None:
+    """Files copied each through a temporary name (their sidecars with them)."""
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if (src_dir / name).exists():
+            tmp = dst_dir / f".{name}.tmp-{os.getpid()}"
+            shutil.copyfile(src_dir / name, tmp)
+            os.replace(tmp, dst_dir / name)
+
+
+def _outputs_differ(a: RunRecord, b: RunRecord) -> str | None:
+    """Which outputs two runs of one config differ in ("3 prompts' tokens"), or None."""
+    pa, pb = a.by_prompt(), b.by_prompt()
+    if set(pa) != set(pb):
+        return "their prompts"
+    n = sum(not (np.array_equal(pa[i].token_ids, pb[i].token_ids)
+                 and np.array_equal(pa[i].logprobs, pb[i].logprobs)) for i in pa)
+    return f"{n} prompt(s)' tokens or logprobs" if n else None
+
+
 def _replace_dir(tmp: Path, final: Path) -> None:
     """Rename a finished temp directory over ``final``; another writer's directory there
     (a race the store lock normally prevents) is moved aside and removed, never merged."""
@@ -753,6 +785,50 @@ class Store:
             yield
         finally:
             os.close(fd)  # closing releases the flock
+
+    def merge(self, source: "Store") -> list[str]:
+        """Copy into this store what ``source`` holds and it lacks: whole suites, and of a suite
+        both hold every complete run, rescoring and attribution (configs run side by side into
+        stores of their own, e.g. one GPU each, then judged together). Nothing here is
+        overwritten: of a run both hold, this store's is kept (a difference in outputs is
+        said: a determinism finding), and a rescoring or attribution is copied only with the
+        first repeat it was made from. The plans are joined. One line per thing done."""
+        if source.root.resolve() == self.root.resolve():
+            raise StoreError(f"merge: {source.root} is the store itself (option --store)")
+        said: list[str] = []
+        for sid in source.suite_ids():
+            src = source.suite(sid)
+            dst = self.suite(sid, src.meta)
+            if not (dst.root / "inputs.npz").exists() and (src.root / "inputs.npz").exists():
+                _copy_files(src.root, dst.root, ["inputs.npz", "inputs.npz.sha256"])
+            for name in src.configs():
+                for r in src.repeats(name) + ([-1] if (src.run_dir(name, -1) / "manifest.json").exists() else []):
+                    what = f"{sid}: {name} " + ("all at once" if r < 0 else f"r{r}")
+                    if not src.is_complete(name, r):
+                        continue
+                    if not dst.is_complete(name, r):
+                        _copy_dir(src.run_dir(name, r), dst.run_dir(name, r))
+                        said.append(f"{what} copied")
+                    elif (differ := _outputs_differ(dst.load_run(name, r), src.load_run(name, r))):
+                        said.append(f"{what}: both stores hold it and {differ} differ; this "
+                                    f"store's is kept (a run-to-run difference: see `speccheck diff`)")
+                same_r0 = (dst.is_complete(name, 0) and src.is_complete(name, 0)
+                           and dst._manifest(name, 0) == src._manifest(name, 0))
+                pieces = [(src.rescore_path(name, 0), dst.rescore_path(name, 0), "rescoring"),
+                          (src.root / "attribution" / f"{name}.json",
+                           dst.root / "attribution" / f"{name}.json", "attribution")]
+                for a, b, kind in pieces:
+                    if same_r0 and a.exists() and not b.exists():
+                        _copy_files(a.parent, b.parent, [a.name, _sidecar(a).name])
+                        said.append(f"{sid}: {name} {kind} copied")
+            plan = src.load_plan()
+            if plan:
+                dst.extend_plan(plan["configs"], (dst.load_plan() or plan).get("run_args", []))
+            if not (self.root / "LATEST").exists():
+                self.set_latest(sid)
+        if not said:
+            said.append(f"nothing to copy: {self.root} already holds everything {source.root} holds")
+        return said
 
     def latest(self) -> Suite:
         """The suite of the last `speccheck run` into this store."""

@@ -162,3 +162,55 @@ def test_counters_add_keeps_iterations_only_when_every_side_has_them():
     assert rec.spec_total() == a + b and rec.spec_total() is not a
     rec.completions[1].spec = SpecCounters(1, 3, 0, [0, 0, 0])
     assert rec.spec_total().iterations is None
+
+
+def test_merge_joins_configs_run_side_by_side_and_overwrites_nothing(tmp_path):
+    """Two stores of one suite, each with the baseline and one spec config (as parallel jobs
+    on two GPUs leave them): merged, one store holds both configs with their rescoring, a
+    `run` of both finds nothing to generate, and the gate judges them together. A run both
+    hold is kept as it is here, a difference in its outputs said; the source is untouched."""
+    from dataclasses import replace
+
+    from click.testing import CliRunner
+
+    from speccheck.cli import main
+    from speccheck.runner import RunPlan, run_suite
+
+    def plan(name):
+        return RunPlan(corpus="smoke", configs=[SpecConfig(), SpecConfig.from_name(name)],
+                       repeats=1, concurrent=0, attribute=False)
+
+    a = run_suite(plan("mtp-k3"), Store(tmp_path / "a"), log=lambda _: None)
+    b = run_suite(plan("dflash-k7"), Store(tmp_path / "b"), log=lambda _: None)
+    assert a.id == b.id
+    before = sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*"))
+    r = CliRunner().invoke(main, ["merge", str(tmp_path / "b"), "--store", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    assert "dflash-k7 r0 copied" in r.output and "dflash-k7 rescoring copied" in r.output
+    assert "baseline r0 copied" not in r.output  # both hold it: this store's is kept
+    assert sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*")) == before
+    merged = Store(tmp_path / "a").suite(a.id)
+    assert sorted(merged.configs()) == ["baseline", "dflash-k7", "mtp-k3"]
+    assert merged.load_rescore("dflash-k7", 0) is not None
+    assert set(merged.planned_configs()) == {"baseline", "mtp-k3", "dflash-k7"}
+    lines = []
+    both = replace(plan("mtp-k3"), configs=[SpecConfig(), SpecConfig.from_name("mtp-k3"),
+                                            SpecConfig.from_name("dflash-k7")])
+    run_suite(both, Store(tmp_path / "a"), log=lines.append)
+    assert any("3 already stored, 0 to run" in line for line in lines), lines
+    g = CliRunner().invoke(main, ["gate", "--store", str(tmp_path / "a")])
+    assert "dflash-k7" in g.output and "mtp-k3" in g.output
+    # a baseline whose outputs differ is said, and this store's copy stays
+    run = b.load_run("baseline", 0)
+    c0 = run.completions[0]
+    changed = replace(c0, token_ids=np.where(np.arange(len(c0.token_ids)) == 0, c0.token_ids + 1,
+                                             c0.token_ids))
+    b.write_run(replace(run, completions=[changed] + run.completions[1:]))
+    kept = merged.load_run("baseline", 0)
+    again = Store(tmp_path / "a").merge(Store(tmp_path / "b"))
+    assert any("baseline r0: both stores hold it and 1 prompt(s)' tokens or logprobs differ" in s
+               for s in again), again
+    assert np.array_equal(merged.load_run("baseline", 0).completions[0].token_ids,
+                          kept.completions[0].token_ids)
+    with pytest.raises(StoreError, match="is the store itself"):
+        Store(tmp_path / "a").merge(Store(tmp_path / "a"))
