@@ -6,14 +6,17 @@
 #       padded to GDN head dim 128 (the shape FlashInfer's SM90 kernel takes); with BENCH=1
 #       runs the embedded engine's benchmark on CUDA instead (alone: its timings need the GPU
 #       to themselves). Start it in the first staging call.
-#   bash scripts/h200_session.sh go      after the last `h200_vllm.sh unpack`: doctor; kernels
-#       gdn (FLA, FlashInfer, vLLM's fused kernels vs fp64); the offline vLLM matrix with vLLM's
-#       own defaults (CUDA graphs, its GDN prefill backend) and attribution (h200_vllm.sh run);
-#       beside it the same settings through vLLM's OpenAI server, baseline then MTP K=3 on
-#       one URL (h200_server.sh sameurl); then baselines with one kernel switch flipped each
-#       (job_flips), to check that attribution named the right switch.
-#       GO_JOBS picks jobs (default doctor kernels offline server flips); golden: smoke+code
-#       alone for golden/vllm; bench: the embedded engine on CUDA once server/flips/golden end.
+#   bash scripts/h200_session.sh go      after the last `h200_vllm.sh unpack`: the jobs in
+#       GO_JOBS (default: kernels matrix). kernels: gdn kernels (FLA, FlashInfer, vLLM's fused
+#       kernels, the reference engine's fused Triton kernel) vs fp64. matrix: the offline vLLM
+#       matrix with vLLM's own defaults (CUDA graphs, its GDN prefill backend) as one store per
+#       spec config, side by side on the GPU (baseline + that config each), merged into one
+#       suite (`speccheck merge`), then attribution by rerun over every config at once
+#       (ATTRIBUTION_JOBS switches at a time). Older jobs: doctor; offline (the matrix in one
+#       store, attribution as ATTRIBUTION_MODE says); server (the same settings through
+#       vLLM's OpenAI server, baseline then MTP K=3 on one URL); flips (baselines with one
+#       kernel switch flipped each); golden (smoke+code alone for golden/vllm); bench (the
+#       embedded engine on CUDA once server/flips/golden end).
 #   bash scripts/h200_session.sh wait S  waits up to S seconds (until every job ended), prints
 #       each job's state and log tail, and packs what exists into $OUT/session.tgz.
 set -uo pipefail
@@ -37,11 +40,14 @@ bg() {  # bg NAME COMMAND: run COMMAND in its own session, log to $JOBS/NAME.log
 
 prep() {
   bg export "python3 -m speccheck.cli export-reference $CKPT --linear-head-dim 128"
-  if [ "${BENCH:-0}" = 1 ]; then  # alone on the GPU, so that its timings mean something
-    bg bench "python3 benchmarks/bench_reference.py --engine-arg device=cuda ${BENCH_ARGS:-}"
+  if [ "${BENCH:-0}" = 1 ]; then  # before the vLLM jobs, so that its timings mean something
+    bg bench "PYTHONPATH=$R python3 benchmarks/bench_reference.py --engine-arg device=cuda ${BENCH_ARGS:-$GPU_BENCH}"
   fi
 }
 
+# the embedded engine on CUDA: its CUDA-graph steps (default), with the fused Triton GDN kernel
+# for decode and verify, and eager, in the same rounds
+GPU_BENCH="--mtp-k 1,2,3 --dflash-k 5,7 --dflash2-k 5,7 --variant fused:gdn_decode=fused,gdn_verify=fused --variant eager:cuda_graphs=off"
 # FlashInfer finds CuTe-DSL through a .pth file, which Python does not read on PYTHONPATH
 PYENV="$R:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$WORK/pydeps"
 ATTRIBUTION_PATHS=${ATTRIBUTION_PATHS:-decode,decode gdn=*,decode eager,verify mtp-k3,verify dflash-k7,prefill gdn=*}
@@ -66,6 +72,28 @@ job_offline() {  # the matrix with vLLM's defaults; GPU_UTIL leaves room for the
   CORPUS=$CORPUS GPU_UTIL=0.25 CONFIGS='mtp-k1 mtp-k3 mtp-k7 dflash-k7' ATTENTION=TRITON_ATTN \
     DEADLINE_S=${DEADLINE_S:-1000} CAPTURE=0 ATTRIBUTION_PATHS=$ATTRIBUTION_PATHS OUT=$JOBS/offline \
     WORK=$WORK bash scripts/h200_vllm.sh run "$CKPT"
+}
+
+job_matrix() {  # one store per spec config (baseline + it), side by side on the GPU; merged;
+  # then attribution by rerun over all of them at once (every switch a worker of its own)
+  until [ -f "$JOBS/export.rc" ]; do sleep 2; done
+  local configs=${MATRIX_CONFIGS:-mtp-k1 mtp-k3 mtp-k7 dflash-k7} c first=1
+  for c in $configs; do
+    CORPUS=$CORPUS GPU_UTIL=0.12 CONFIGS=$c ATTENTION=TRITON_ATTN DEADLINE_S=${DEADLINE_S:-900} \
+      CAPTURE=0 RUN_ARGS="--no-attribution --concurrent ${CONCURRENT:-2}" OUT=$JOBS/m-$c \
+      WORK=$WORK/m-$c bash scripts/h200_vllm.sh run "$CKPT" > "$JOBS/m-$c.out" 2>&1 &
+    if [ "$first" = 1 ]; then  # its first engine start JIT-compiles the Triton kernels for all
+      first=0
+      for _ in $(seq 90); do grep -q '^== run exit' "$JOBS/m-$c.out" 2>/dev/null && break; sleep 2; done
+    fi
+  done
+  wait
+  mkdir -p "$WORK/merged"
+  PYTHONPATH=$PYENV python3 -m speccheck.cli merge "$WORK"/m-*/store --store "$WORK/merged/store"
+  CORPUS=$CORPUS GPU_UTIL=0.12 CONFIGS="$configs" ATTENTION=TRITON_ATTN DEADLINE_S=${ATTR_DEADLINE_S:-700} \
+    CAPTURE=0 ATTRIBUTION_MODE=rerun ATTRIBUTION_PATHS=${RERUN_PATHS:-decode*,prefill gdn=*,prefill attention=FLASH_ATTN} \
+    RUN_ARGS="--concurrent ${CONCURRENT:-2} --engine-arg attribution_jobs=${ATTRIBUTION_JOBS:-4}" \
+    OUT=$JOBS/merged WORK=$WORK/merged bash scripts/h200_vllm.sh run "$CKPT"
 }
 
 job_server() {  # once the offline baseline has shown which GDN prefill backend runs here
@@ -111,7 +139,7 @@ job_bench() {  # the embedded engine's speed on CUDA, once the vLLM jobs beside 
 
 go() {
   local j
-  for j in ${GO_JOBS:-doctor kernels offline server flips}; do bg "$j" "bash scripts/h200_session.sh job_$j"; done
+  for j in ${GO_JOBS:-kernels matrix}; do bg "$j" "bash scripts/h200_session.sh job_$j"; done
 }
 
 wait_jobs() {
@@ -127,7 +155,7 @@ wait_jobs() {
     echo "===== $n: $( [ -f "$JOBS/$n.rc" ] && echo "exit $(cat "$JOBS/$n.rc")" || echo running)"
     tail -n "${TAIL:-12}" "$l"
   done
-  tar czf "$OUT/session.tgz" --exclude='*.safetensors' -C / "${JOBS#/}" "${WORK#/}" \
+  tar czf "$OUT/session.tgz" --exclude='*.safetensors' --exclude='*.jsonl' -C / "${JOBS#/}" "${WORK#/}" \
     tmp/speccheck-srv $(cd / && ls -d tmp/speccheck-flip* tmp/speccheck-golden 2>/dev/null) 2>/dev/null
   ls -la "$OUT"
 }
