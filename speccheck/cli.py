@@ -110,14 +110,15 @@ def _settings(items: tuple[str, ...]) -> dict[str, str]:
 
 
 REFERENCE_ARG_KEYS = (
-    "dtype=bf16|fp32, gdn_prefill/gdn_decode/gdn_verify=chunked|recurrent, attn_prefill/"
-    "attn_decode/attn_verify=single|multi, device=auto|cpu|cuda, threads=N, batch=N, "
-    "no_draft_every=N, fault=NAME (planted bug), dflash2_selector=on|off, dflash2_top_k=N, "
-    "dflash2_walk=fp32|bf16")
+    "dtype=bf16|fp32, gdn_prefill/gdn_decode/gdn_verify=chunked|recurrent|fused (fused: a "
+    "Triton kernel, CUDA), attn_prefill/attn_decode/attn_verify=single|multi, device=auto|cpu|cuda, "
+    "cuda_graphs=on|off, threads=N, batch=N, no_draft_every=N, fault=NAME (planted bug), "
+    "dflash2_selector=on|off, dflash2_top_k=N, dflash2_walk=fp32|bf16")
 ENGINE_ARG_HELP = (
     f"Engine option key=value (repeatable). reference: {REFERENCE_ARG_KEYS}. vllm: worker=per-call|"
     "per-config, timeout_s=N, warmup=true|false, python=PATH (the worker's interpreter), "
     "score_path=prefill|decode|verify, score_spec=CONFIG, pad_batch=N (decode beside N copies), "
+    "attribution_jobs=N (attribution switches at once, a worker each), "
     "env.NAME=value (worker environment), "
     "sampling.NAME=value (SamplingParams), spec.NAME=value (extra speculative_config keys; the "
     "config itself comes from --method/--k/--draft), any other key a keyword argument of "
