@@ -61,6 +61,8 @@ def main(argv=None) -> int:
                          "same rounds, e.g. 'fused:gdn_decode=fused,gdn_verify=fused'")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="time decoding by the wall clock or by the decoding thread's CPU time")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="CUDA: also list each step graph's N costliest kernels")
     a = ap.parse_args(argv)
     engine_args = dict(kv.split("=", 1) for kv in a.engine_arg)
     engine = ReferenceEngine(engine_args=engine_args)
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
             print(f"\nvariant {label}: {o}")
         table({cfg: by_cell[(label, cfg)] for cfg in configs}, len(prompts))
     for label, eng in engines.items():
-        times = graph_step_times(eng)
+        times = graph_step_times(eng, a.kernels)
         if times:
             print(f"\n{label or 'default'}: GPU time of one replay of each step graph (median of "
                   f"{STEP_REPLAYS}, microseconds): " + "; ".join(f"{k} {v:.0f}" for k, v in times.items()))
@@ -113,18 +115,22 @@ def main(argv=None) -> int:
 STEP_REPLAYS = 50
 
 
-def graph_step_times(engine) -> dict[str, float]:
+def graph_step_times(engine, kernels: int = 0) -> dict[str, float]:
     """On CUDA, each captured step graph replayed alone (CUDA events; the buffers put back at
     a valid position before each replay): the GPU cost per decode step, per draft and per
-    verify, the terms of the speedup; {} where no graph was captured (CPU, eager)."""
+    verify, the terms of the speedup; {} where no graph was captured (CPU, eager). With
+    ``kernels``, also print each step's costliest kernels (torch.profiler over its replays):
+    where a step's microseconds go."""
     graphs = getattr(engine.decoder, "graphs", None)
     if graphs is None or engine.device.type != "cuda":
         return {}
     with torch.inference_mode():  # the buffers are inference tensors
-        return _step_times(graphs)
+        return _step_times(graphs, kernels)
 
 
-def _step_times(graphs) -> dict[str, float]:
+def _step_times(graphs, kernels: int = 0) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
     out = {}
     for cap, B in graphs.buffers.items():
         for key, steps in B.graphs.items():
@@ -147,6 +153,17 @@ def _step_times(graphs) -> dict[str, float]:
                     b.synchronize()
                     ms.append(a.elapsed_time(b))
                 out[f"{name} (cap {cap})"] = 1000 * statistics.median(ms)
+                if kernels:
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(10):
+                            step()
+                        torch.cuda.synchronize()
+                    rows = sorted((e for e in prof.key_averages() if e.device_time_total > 0),
+                                  key=lambda e: -e.device_time_total)
+                    launches = sum(e.count for e in rows) / 10
+                    print(f"  {name} (cap {cap}): {launches:.0f} kernels per replay; costliest:")
+                    for e in rows[:kernels]:
+                        print(f"    {e.device_time_total / 10:7.1f} us  x{e.count / 10:<4.0f} {e.key[:90]}")
     return out
 
 

@@ -47,7 +47,7 @@ prep() {
 
 # the embedded engine on CUDA: its CUDA-graph steps (default), with the fused Triton GDN kernel
 # for decode and verify, and eager, in the same rounds
-GPU_BENCH="--mtp-k 1,2,3 --dflash-k 5,7 --dflash2-k 5,7 --variant fused:gdn_decode=fused,gdn_verify=fused --variant eager:cuda_graphs=off"
+GPU_BENCH="--mtp-k 1,2,3 --dflash-k 5,7 --dflash2-k 5,7 --variant fused:gdn_decode=fused,gdn_verify=fused --variant eager:cuda_graphs=off --kernels 12"
 # FlashInfer finds CuTe-DSL through a .pth file, which Python does not read on PYTHONPATH
 PYENV="$R:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$WORK/pydeps"
 ATTRIBUTION_PATHS=${ATTRIBUTION_PATHS:-decode,decode gdn=*,decode eager,verify mtp-k3,verify dflash-k7,prefill gdn=*}
