@@ -102,7 +102,7 @@ class Buffers:
     """Everything the graphs of one capacity read and write: the target's static cache, the
     drafters' (MTP cache, DFlash context K/V), the step inputs and the packed outputs."""
 
-    def __init__(self, dec, cap: int, k_max: int = 0):
+    def __init__(self, dec, cap: int):
         t = dec.target
         dev = dec.device
         self.cap = cap
@@ -110,7 +110,7 @@ class Buffers:
         self.mtp_cache = None if dec.mtp is None else Cache.static_for(dec.mtp.layers, cap)
         dc = dec.cfg.drafter
         w = t.embed_tokens.weight
-        self.ctx = {}  # drafter net id -> ([K per layer], [V per layer])
+        self.ctx = {}  # id of a drafter network -> its context ([K per layer], [V per layer])
         for net in (dec.drafter, dec.dflash2):
             if net is not None:
                 shape = (1, dc.num_key_value_heads, cap, dc.head_dim)
