@@ -70,7 +70,8 @@ def main(argv=None) -> int:
         if engine.device.type != "cpu" or torch.get_num_threads() != 1:
             ap.error("--clock cpu needs the CPU engine at one thread (threads=1, the default)")
         # the decoder's clock (its decode_s) becomes this thread's CPU time
-        decode_module.time = types.SimpleNamespace(perf_counter=time.thread_time)
+        decode_module.time = types.SimpleNamespace(perf_counter=time.thread_time,
+                                                   process_time=time.process_time)
     overrides = {"": {}}
     for v in a.variant:
         label, _, kvs = v.partition(":")

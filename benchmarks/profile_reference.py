@@ -98,7 +98,8 @@ def main(argv=None) -> int:
         if eng.device.type != "cpu" or torch.get_num_threads() != 1:
             ap.error("--clock cpu needs the CPU engine at one thread (threads=1, the default)")
         global time  # this script's clock and the decoder's become this thread's CPU time
-        time = decode_module.time = types.SimpleNamespace(perf_counter=time.thread_time)
+        time = decode_module.time = types.SimpleNamespace(perf_counter=time.thread_time,
+                                                          process_time=time.process_time)
     d, target, knobs = eng.decoder, eng.decoder.target, eng.decoder.knobs
     cuda = d.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)

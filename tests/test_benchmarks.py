@@ -23,7 +23,7 @@ def test_bench_reference_table_in_fp32_every_spec_config_is_identical(capsys):
     bench's last column must read 4/4 (smoke corpus) for each of them."""
     bench = _load("bench_reference")
     args = ["--corpus", "smoke", "--repeats", "1", "--mtp-k", "2", "--dflash-k", "3",
-            "--dflash2-k", "3"]
+            "--dflash2-k", "3", "--clock", "cpu"]
     for kv in ("dtype=fp32", "gdn_verify=recurrent", "attn_verify=single", "threads=1"):
         args += ["--engine-arg", kv]
     assert bench.main(args) == 0
