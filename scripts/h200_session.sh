@@ -90,9 +90,11 @@ job_matrix() {  # one store per spec config (baseline + it), side by side on the
   wait
   mkdir -p "$WORK/merged"
   PYTHONPATH=$PYENV python3 -m speccheck.cli merge "$WORK"/m-*/store --store "$WORK/merged/store"
-  CORPUS=$CORPUS GPU_UTIL=0.12 CONFIGS="$configs" ATTENTION=TRITON_ATTN DEADLINE_S=${ATTR_DEADLINE_S:-700} \
+  # every (switch, config) rerun is an engine start of its own (70-130 s on the H200, 2026-12-02):
+  # 8 baseline reruns, then up to 8 x 4 spec-side ones; each one's tokens are stored as it ends
+  CORPUS=$CORPUS GPU_UTIL=0.1 CONFIGS="$configs" ATTENTION=TRITON_ATTN DEADLINE_S=${ATTR_DEADLINE_S:-900} \
     CAPTURE=0 ATTRIBUTION_MODE=rerun ATTRIBUTION_PATHS=${RERUN_PATHS:-decode*,prefill gdn=*,prefill attention=FLASH_ATTN} \
-    RUN_ARGS="--concurrent ${CONCURRENT:-2} --engine-arg attribution_jobs=${ATTRIBUTION_JOBS:-4}" \
+    RUN_ARGS="--concurrent ${CONCURRENT:-2} --engine-arg attribution_jobs=${ATTRIBUTION_JOBS:-8}" \
     OUT=$JOBS/merged WORK=$WORK/merged bash scripts/h200_vllm.sh run "$CKPT"
 }
 

@@ -552,13 +552,15 @@ def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: S
     regenerated with the switch flipped (rerun). In rerun mode, where no switch gives the
     baseline the spec token, the spec config is regenerated with each switch too: a switch
     under which the spec run gives the baseline's token is as much the cause. Up to ``jobs``
-    kernel paths run at once (an engine each), where the engine says its variants can."""
+    engine starts run at once (where the engine says its variants can); each one's tokens are
+    stored as it ends, so a run stopped half-way resumes with the starts still to do."""
     if not suite.is_complete("baseline", 0):
         return
     todo = _first_divergences(suite, config_names)
     if not todo:
         return
     rerun = plan.attribution_mode == "rerun"
+    weights = weights_fingerprint(suite.run_identity("baseline", 0))
     # configs that diverge at the same place share one computation per kernel path
     unique: dict[tuple, list[dict]] = {}
     for items in todo.values():
@@ -567,29 +569,29 @@ def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: S
     firsts = [group[0] for group in unique.values()]
     if firsts:
         tokens_at = _rerun_tokens(plan, SpecConfig()) if rerun else _rescored_tokens
-        found = _over_variants(plan, variants, lambda engine: tokens_at(engine, firsts), jobs, log,
-                               f"on {len(firsts)} divergent prefix(es)" + (" by rerun" if rerun else ""))
-        for label, tokens in found.items():
-            for group, token in zip(unique.values(), tokens):
+        units = [_Unit(label, "baseline", firsts, tokens_at) for label in variants]
+        found = _over_units(plan, variants, units, jobs, log, suite, weights,
+                            f"on {len(firsts)} divergent prefix(es)" + (" by rerun" if rerun else ""))
+        for unit, tokens in zip(units, found):
+            for group, token in zip(unique.values(), tokens or []):
                 if token >= 0:  # -1: that path could not compute this position (engine says why)
                     for it in group:
-                        it.setdefault("paths", {})[label] = token
+                        it.setdefault("paths", {})[unit.label] = token
     left = {name: [it for it in items if it["spec_token"] not in it.get("paths", {}).values()]
             for name, items in todo.items()} if rerun else {}
     left = {name: items for name, items in left.items() if items}
     if left:
-        def spec_side(engine) -> dict[str, list[int]]:
-            return {name: _rerun_tokens(plan, SpecConfig.from_name(name))(engine, items)
-                    for name, items in left.items()}
+        # one engine start per (switch, spec config): on vLLM each config is a worker of its own
+        units = [_Unit(label, name, items, _rerun_tokens(plan, SpecConfig.from_name(name)))
+                 for label in variants for name, items in left.items()]
         n = sum(map(len, left.values()))
-        found = _over_variants(plan, variants, spec_side, jobs, log,
-                               f"regenerating {len(left)} spec config(s) on the {n} divergence(s) "
-                               f"no baseline rerun reproduced")
-        for label, per_config in found.items():
-            for name, tokens in per_config.items():
-                for it, token in zip(left[name], tokens):
-                    if token >= 0:
-                        it.setdefault("spec_paths", {})[label] = token
+        found = _over_units(plan, variants, units, jobs, log, suite, weights,
+                            f"regenerating {len(left)} spec config(s) on the {n} divergence(s) "
+                            f"no baseline rerun reproduced")
+        for unit, tokens in zip(units, found):
+            for it, token in zip(unit.items, tokens or []):
+                if token >= 0:
+                    it.setdefault("spec_paths", {})[unit.label] = token
     for name, items in todo.items():
         for it in items:
             it.pop("prompt_ids"), it.pop("prefix")
@@ -606,6 +608,7 @@ def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: S
         suite.write_attribution(name, items)
         if items:
             log(f"{name:>12} attributed {len(items)} divergence(s) over {len(variants)} kernel paths")
+    suite.clear_attribution_parts()
 
 
 def _first_divergences(suite: Suite, config_names: Sequence[str]) -> dict[str, list[dict]]:
@@ -631,38 +634,65 @@ def _first_divergences(suite: Suite, config_names: Sequence[str]) -> dict[str, l
     return todo
 
 
-def _over_variants(plan: RunPlan, variants: dict[str, dict[str, str]], compute, jobs: int,
-                   log: Log, what: str) -> dict:
-    """``compute(engine)`` under every kernel path (an engine each, ``jobs`` at once): label ->
-    its result, for the paths that ran (a path that fails is logged and left out)."""
-    started = time.perf_counter()
-    labels = list(variants)
+@dataclass
+class _Unit:
+    """One engine start of attribution: the kernel path (its label among the variants), the
+    config it generates or scores (``baseline`` for the baseline side), the divergences, and
+    ``tokens_at(engine, items)``: the token at each divergent position, -1 where none."""
+    label: str
+    config: str
+    items: list[dict]
+    tokens_at: Callable
 
-    def one(i: int):
-        label = labels[i]
-        done = i - min(i, max(jobs, 1) - 1)  # paths finished before this one started, about
-        eta = (f", about {(time.perf_counter() - started) / done * (len(labels) - i):.0f} s left"
+    def key(self, plan: RunPlan, weights: tuple) -> str:
+        """What its stored tokens stay valid for: the same computation on the same positions
+        of the same stored runs' weights."""
+        where = [(it["prompt_id"], it["position"], it["prefix"]) for it in self.items]
+        return json.dumps([plan.attribution_mode, self.label, self.config, list(weights), where])
+
+
+def _over_units(plan: RunPlan, variants: dict[str, dict[str, str]], units: list[_Unit], jobs: int,
+                log: Log, suite: Suite, weights: tuple, what: str) -> list[list[int] | None]:
+    """Each unit's tokens, computed with an engine under its kernel path (``jobs`` at once) or
+    read back where a stopped run stored them; None for a path that failed (logged)."""
+    results = [suite.load_attribution_part(u.key(plan, weights)) for u in units]
+    todo = [i for i, r in enumerate(results) if r is None]
+    if len(todo) < len(units):
+        log(f"attribution: {len(units) - len(todo)} of {len(units)} kernel-path run(s) {what} "
+            f"already stored by an earlier run, kept")
+    started = time.perf_counter()
+    several = len({u.config for u in units}) > 1
+
+    def one(n: int) -> list[int] | None:
+        u = units[todo[n]]
+        done = n - min(n, max(jobs, 1) - 1)  # runs finished before this one started, about
+        eta = (f", about {(time.perf_counter() - started) / done * (len(todo) - n):.0f} s left"
                if done > 0 else "")
-        log(f"attribution: kernel path {i + 1}/{len(labels)} ({label}) {what}{eta}")
+        name = f"{u.label}, {u.config}" if several else u.label
+        log(f"attribution: kernel path {n + 1}/{len(todo)} ({name}) {what}{eta}")
         try:
-            engine = make_engine(plan.engine, plan.model, {**plan.engine_args, **variants[label]},
+            engine = make_engine(plan.engine, plan.model, {**plan.engine_args, **variants[u.label]},
                                  plan.draft)
             try:
-                return compute(engine)
+                tokens = [int(t) for t in u.tokens_at(engine, u.items)]
             finally:
                 engine.close()
         except (EngineError, EngineUsageError, RuntimeError) as e:
-            log(f"attribution variant {label} failed: {e}")
+            log(f"attribution variant {u.label} failed: {e}")
             return None
+        suite.write_attribution_part(u.key(plan, weights), tokens)
+        return tokens
 
-    if jobs > 1 and len(labels) > 1:
+    if jobs > 1 and len(todo) > 1:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="speccheck-attribution") as pool:
-            results = list(pool.map(one, range(len(labels))))
+            computed = list(pool.map(one, range(len(todo))))
     else:
-        results = [one(i) for i in range(len(labels))]
-    return {label: r for label, r in zip(labels, results) if r is not None}
+        computed = [one(n) for n in range(len(todo))]
+    for i, tokens in zip(todo, computed):
+        results[i] = tokens
+    return results
 
 
 def _rescored_tokens(engine: Engine, firsts: list[dict]) -> list[int]:

@@ -9,6 +9,7 @@ Layout::
     <store>/suites/<suite>/runs/<config>/r<i>/manifest.json + arrays.npz
     <store>/suites/<suite>/rescore/<config>-r<i>.npz   baseline's teacher-forced scores of that run
     <store>/suites/<suite>/attribution/<config>.json   kernel-path attribution of its divergences
+    <store>/suites/<suite>/attribution/parts/*.json    each kernel path's tokens while attributing
 
 A run directory is complete iff its manifest says ``"complete": true`` and the files it lists
 (size and sha256) are there unchanged; it is written in a temporary sibling and renamed into
@@ -647,6 +648,30 @@ class Suite:
             return self.load_attribution(config_name) is not None
         except StoreError:
             return False
+
+    # one kernel path's result, kept while an attribution is under way: on a real engine each
+    # path is an engine start (minutes), so a run stopped half-way resumes where it stopped
+    def _part_path(self, key: str) -> Path:
+        return self.root / "attribution" / "parts" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+    def write_attribution_part(self, key: str, tokens: list[int]) -> None:
+        _atomic_write_text(self._part_path(key), json.dumps({"key": key, "tokens": tokens}))
+
+    def load_attribution_part(self, key: str) -> list[int] | None:
+        """The tokens stored under ``key``, or None (not stored, or damaged: computed again)."""
+        path = self._part_path(key)
+        if not path.exists():
+            return None
+        try:
+            data = _load_checked_json(path, _REDO_DEFAULT)
+        except StoreError:
+            return None
+        ok = (isinstance(data, dict) and data.get("key") == key and isinstance(data.get("tokens"), list)
+              and all(isinstance(t, int) for t in data["tokens"]))
+        return data["tokens"] if ok else None
+
+    def clear_attribution_parts(self) -> None:
+        shutil.rmtree(self.root / "attribution" / "parts", ignore_errors=True)
 
 
 def _copy_dir(src: Path, final: Path) -> None:

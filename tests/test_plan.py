@@ -427,3 +427,54 @@ def test_rerun_attribution_also_regenerates_the_spec_side(tmp_path):
     for it in caught:
         assert it["attributed_to"] == ["fault off"] and it["spec_paths"]["fault off"] == it["base_token"]
         assert "the spec run with it gives the baseline token" in attribution_str(it)
+
+
+def test_attribution_stopped_half_way_resumes_with_the_paths_still_to_do(tmp_path, monkeypatch):
+    """Each kernel path's tokens are stored as its engine run ends: a run killed after the
+    first path (here: the second engine start raises KeyboardInterrupt, as Ctrl-C or a
+    deadline would) keeps that path, and the next run starts engines only for the rest and
+    stores the same attribution as one uninterrupted run."""
+    import speccheck.runner as runner
+    from speccheck.runner import RunPlan, attribute_suite, run_suite
+    from speccheck.store import Store
+    from speccheck.types import SpecConfig
+
+    plan = RunPlan(corpus="smoke", configs=[SpecConfig(), SpecConfig.from_name("mtp-k3")],
+                   engine_args={"fault": "stale-state"}, repeats=1, concurrent=0, rescore=False,
+                   attribute=False, attribution_mode="rerun")
+    suite = run_suite(plan, Store(tmp_path / "a"), log=lambda _: None)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    variants = {"gdn chunked": {"gdn_decode": "chunked"}, "fault off": {"fault": "none"}}
+    real, started = runner.make_engine, []
+
+    def counted(engine, model, args, draft=None):
+        started.append(args)
+        return real(engine, model, args, draft)
+
+    monkeypatch.setattr(runner, "make_engine", counted)
+    attribute_suite(plan, variants, suite, ["mtp-k3"], log=lambda _: None)
+    whole, whole_starts = suite.load_attribution("mtp-k3"), list(started)
+    assert whole and not (suite.root / "attribution" / "parts").exists()
+    assert len(whole_starts) > 2  # the baseline side's two paths, then the spec side's
+
+    def stopped_at_the_second(engine, model, args, draft=None):
+        started.append(args)
+        if len(started) == 2:
+            raise KeyboardInterrupt
+        return real(engine, model, args, draft)
+
+    b = Store(tmp_path / "b").suite(suite.id)
+    started.clear()
+    monkeypatch.setattr(runner, "make_engine", stopped_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        attribute_suite(plan, variants, b, ["mtp-k3"], log=lambda _: None)
+    assert b.load_attribution("mtp-k3") is None
+    assert len(list((b.root / "attribution" / "parts").glob("*.json"))) == 1
+
+    started.clear()
+    monkeypatch.setattr(runner, "make_engine", counted)
+    lines = []
+    attribute_suite(plan, variants, b, ["mtp-k3"], log=lines.append)
+    assert any("1 of 2 kernel-path run(s)" in line and "kept" in line for line in lines), lines
+    assert started == whole_starts[1:]  # the first path was not run again
+    assert b.load_attribution("mtp-k3") == whole
