@@ -290,7 +290,8 @@ def recommend(rows: Sequence[KRow], model_reps: Mapping[int, np.ndarray], eligib
     the gap is no larger than their spreads together."""
     def near_baseline(r: KRow) -> bool:
         per_round = model_reps[r.k]
-        return rounds < 2 or bool(np.any(per_round <= 1.0) and np.any(per_round > 1.0)) \
+        ties = np.isclose(per_round, 1.0, rtol=0, atol=1e-9)  # a tie, up to float rounding
+        return rounds < 2 or bool(np.any((per_round <= 1.0) | ties) and np.any(per_round > 1.0)) \
             or abs(r.model - 1.0) <= r.model_spread
 
     allowed = set(r.k for r in rows) if eligible is None else set(eligible)
