@@ -159,6 +159,10 @@ wait_jobs() {
   done
   tar czf "$OUT/session.tgz" --exclude='*.safetensors' --exclude='*.jsonl' -C / "${JOBS#/}" "${WORK#/}" \
     tmp/speccheck-srv $(cd / && ls -d tmp/speccheck-flip* tmp/speccheck-golden 2>/dev/null) 2>/dev/null
+  # a file over 16 MiB does not come back from the device: pieces (cat session.tgz.* | tar xz)
+  if [ "$(stat -c %s "$OUT/session.tgz")" -gt 15000000 ]; then
+    split -b 15000000 "$OUT/session.tgz" "$OUT/session.tgz." && rm "$OUT/session.tgz"
+  fi
   ls -la "$OUT"
 }
 
