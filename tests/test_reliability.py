@@ -120,9 +120,9 @@ def test_ctrl_c_in_a_real_process_exits_130(store):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "evaluating"
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    assert "interrupted" in err + _ and "Traceback" not in err
+    assert "interrupted" in out + err and "Traceback" not in err
 
 
 # --- 2. store integrity ----------------------------------------------------------------------
