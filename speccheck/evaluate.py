@@ -16,6 +16,7 @@ from speccheck.store import Suite, config_sort_key
 from speccheck.types import Completion, RunRecord, SpecConfig, SpecCounters
 from speccheck.verify import (
     END,
+    below_floor_p,
     RepeatTiming,
     SpeedupModel,
     speedup_model,
@@ -164,6 +165,7 @@ class ConfigResult:
     acceptance_identical: bool | None = None
     acceptance_nondeterminism: list[str] = field(default_factory=list)
     prompt_ids: list[str] = field(default_factory=list)  # the prompts compared with the baseline
+    token_agreement_n: int = 0  # teacher-forced positions compared
     missing: list[str] = field(default_factory=list)  # planned or demanded, not stored
 
     @property
@@ -651,6 +653,7 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
                 result.tf_divergences.extend(
                     replace(d, context=decoded_context(detok, c, d.position)) for d in tfd)
         result.token_agreement = tf_agree / tf_total if tf_total else None
+        result.token_agreement_n = tf_total
         result.text_similarity = float(np.mean(sims)) if sims else None
         counts: dict[str, int] = {"near_tie": 0, "low_confidence": 0, "high_confidence": 0}
         for d in _token_divergences(result.divergences + result.tf_divergences):
@@ -762,8 +765,17 @@ def _checks(r: ConfigResult, p: Policy, is_baseline: bool) -> list[Check]:
         return checks
 
     agree_fail = [f"evidence missing: {m}" for m in r.missing_evidence]
+    within_chance = ""
     if r.token_agreement is not None and r.token_agreement < p.min_token_agreement:
-        agree_fail.append(f"teacher-forced token agreement {r.token_agreement:.2%} < {p.min_token_agreement:.2%}")
+        n = r.token_agreement_n
+        pval = below_floor_p(round(r.token_agreement * n), n, p.min_token_agreement) if n else 0.0
+        if pval < p.agreement_alpha:
+            agree_fail.append(f"teacher-forced token agreement {r.token_agreement:.2%} < "
+                              f"{p.min_token_agreement:.2%} over {n} tokens (binomial p {pval:.2g})")
+        else:
+            within_chance = (f"; {r.token_agreement:.2%} is below {p.min_token_agreement:.2%} but "
+                             f"within chance of it over {n} tokens (binomial p {pval:.2g} >= "
+                             f"{p.agreement_alpha:g})")
     if r.prefix_agreement is not None and r.prefix_agreement < p.min_prefix_agreement:
         agree_fail.append(f"prefix agreement {r.prefix_agreement:.2%} < {p.min_prefix_agreement:.2%}")
     if r.text_similarity is not None and r.text_similarity < p.min_text_similarity:
@@ -772,7 +784,7 @@ def _checks(r: ConfigResult, p: Policy, is_baseline: bool) -> list[Check]:
                f"{_pct(r.prefix_agreement)}, teacher-forced {_pct(r.token_agreement)}, "
                f"text {_pct(r.text_similarity)}")
     checks.append(Check("agrees_with_baseline", not agree_fail,
-                        figures if not agree_fail else "; ".join(agree_fail) + f" ({figures})"))
+                        figures + within_chance if not agree_fail else "; ".join(agree_fail) + f" ({figures})"))
 
     token_divs = _token_divergences(r.divergences + r.tf_divergences)
     high = [d for d in token_divs if d.classification.cls == "high_confidence"]

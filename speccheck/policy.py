@@ -36,6 +36,11 @@ class Policy:
     max_high_confidence: int = 0
     #: share of spec tokens equal to the baseline's teacher-forced argmax (the "99.6 %" figure)
     min_token_agreement: float = 0.98
+    #: ... judged as a sample: a share below the floor fails when a rate at the floor would give
+    #: so few agreements with one-sided binomial p < this (1 = a plain floor). Two near-tie flips
+    #: in the 61 tokens of `smoke` (96.7 %) are within chance of a 98 % rate (p 0.35); 96.7 % over
+    #: 1000 tokens is not (p 4e-3).
+    agreement_alpha: float = 0.05
     #: share of tokens matched before the first divergence, summed over prompts (0 = report only)
     min_prefix_agreement: float = 0.0
     #: mean text similarity of spec vs baseline outputs (0 = report only)

@@ -114,6 +114,9 @@ def diff_text(result: SuiteResult, detok=None) -> str:
             out.append(f"  agreement     {r.prompts_exact}/{r.prompts} prompts exact · prefix "
                        f"{_pct(r.prefix_agreement)} · teacher-forced {_pct(r.token_agreement)} · "
                        f"text {_pct(r.text_similarity)}")
+            agree = r.check("agrees_with_baseline")
+            if agree.passed and "within chance" in agree.message:
+                out.append(f"                {agree.message.split('; ', 1)[1]}")
             cc = r.class_counts
             out.append(f"  divergences   {len(r.divergences)} first, {len(r.tf_divergences)} teacher-forced "
                        f"(near_tie {cc.get('near_tie', 0)}, low_confidence {cc.get('low_confidence', 0)}, "

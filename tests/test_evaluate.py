@@ -379,3 +379,16 @@ def test_every_check_reaches_junit_and_diff(suite, tmp_path):
     text = diff_text(res)
     assert "stopping      3/3 prompts stop where the baseline does" in text
     assert "counters      tokens/iteration: counters say 2.50" in text
+
+
+def test_agreement_floor_is_judged_as_a_sample(suite):
+    """dflash-k7 agrees on 17 of its 18 teacher-forced tokens (94 % < 98 %): one near-tie flip
+    in 18 tokens is within chance of a 98 % rate, so the check passes and says so; held to a
+    plain floor (agreement_alpha=1) the same figures fail."""
+    d = evaluate_suite(suite, Policy()).get("dflash-k7")
+    assert d.token_agreement == pytest.approx(17 / 18) and d.token_agreement_n == 18
+    agree = d.check("agrees_with_baseline")
+    assert agree.passed and "within chance of it over 18 tokens" in agree.message
+    assert "within chance" in diff_text(evaluate_suite(suite, Policy()))
+    plain = evaluate_suite(suite, Policy(agreement_alpha=1.0)).get("dflash-k7").check("agrees_with_baseline")
+    assert not plain.passed and "94.44% < 98.00% over 18 tokens" in plain.message

@@ -238,3 +238,22 @@ def test_text_similarity_symmetric_bounded_and_one_for_equal(a, b):
     assert text_similarity(a, a) == 1.0
     if a != b:
         assert s < 1.0
+
+
+@given(total=st.integers(1, 400), floor=st.floats(0.5, 0.999), data=st.data())
+def test_below_floor_p_is_the_binomial_tail_and_falls_with_fewer_agreements(total, floor, data):
+    """The agreement floor's p-value: 1 at or above the floor, else P(X <= agree) for
+    X ~ Binomial(total, floor) (checked against the sum of exact terms), and never larger for
+    fewer agreements."""
+    from math import comb
+
+    from speccheck.verify import below_floor_p
+    agree = data.draw(st.integers(0, total))
+    p = below_floor_p(agree, total, floor)
+    if agree >= total * floor:
+        assert p == 1.0
+    else:
+        exact = sum(comb(total, i) * floor**i * (1 - floor) ** (total - i) for i in range(agree + 1))
+        assert abs(p - exact) <= 1e-9 + 1e-6 * exact
+    if agree > 0:
+        assert below_floor_p(agree - 1, total, floor) <= p

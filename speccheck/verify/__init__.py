@@ -6,7 +6,7 @@ from speccheck.verify.acceptance import (Acceptance, acceptance_mismatches, acce
                                          acceptance_summary, counter_problems,
                                          tokens_per_iteration_views)
 from speccheck.verify.boundaries import Boundary, boundary_divergence, stop_tokens
-from speccheck.verify.divergence import (END, Divergence, find_divergences,
+from speccheck.verify.divergence import (END, Divergence, below_floor_p, find_divergences,
                                          teacher_forced_agreement, teacher_forced_divergences)
 from speccheck.verify.logprobs import (DeltaSummary, DriftTest, FlipBudget, PairedDriftTest,
                                        abs_deltas, drift_test, flip_budget, hodges_lehmann,
@@ -24,7 +24,7 @@ __all__ = [
     "Acceptance", "acceptance_mismatches", "acceptance_of", "acceptance_summary",
     "counter_problems", "tokens_per_iteration_views",
     "Boundary", "boundary_divergence", "stop_tokens",
-    "END", "Divergence", "find_divergences", "teacher_forced_agreement", "teacher_forced_divergences",
+    "END", "Divergence", "below_floor_p", "find_divergences", "teacher_forced_agreement", "teacher_forced_divergences",
     "DeltaSummary", "DriftTest", "FlipBudget", "abs_deltas", "drift_test", "flip_budget",
     "ks_greater", "rank_test_greater", "summarize", "PairedDriftTest", "paired_deltas",
     "paired_drift_test", "signed_rank_test_greater", "hodges_lehmann", "typical_ratio",

@@ -116,6 +116,22 @@ def teacher_forced_agreement(spec_tokens: np.ndarray, scored_topk_ids: np.ndarra
     return ids[:, 0] == spec_tokens
 
 
+def below_floor_p(agree: int, total: int, floor: float) -> float:
+    """One-sided binomial p-value that a share of ``agree`` of ``total`` comes from an agreement
+    rate of at least ``floor``: P(X <= agree) for X ~ Binomial(total, floor). A share below the
+    floor over a few dozen tokens (two near-tie flips in 61) is not evidence of a rate below it;
+    over thousands of tokens it is."""
+    if total <= 0 or agree >= total * floor:
+        return 1.0
+    if floor >= 1.0:
+        return 0.0
+    lq, lp = math.log(floor), math.log1p(-floor)
+    terms = [math.lgamma(total + 1) - math.lgamma(i + 1) - math.lgamma(total - i + 1)
+             + i * lq + (total - i) * lp for i in range(agree + 1)]
+    top = max(terms)
+    return min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms))
+
+
 def teacher_forced_divergences(prompt_id: str, spec_tokens, spec_topk_ids, spec_topk_lp,
                                scored_topk_ids, scored_topk_lp,
                                tau_tie: float, tau_low: float, noise: float,
