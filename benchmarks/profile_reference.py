@@ -125,13 +125,13 @@ def main(argv=None) -> int:
             cache.restore(snap)
             hh, _ = target(d._t([5])[None], cache, gdn_form=knobs.gdn_decode,
                            attn_form=knobs.attn_decode)
-            int(torch.log_softmax(target.logits(hh[0], 5), -1)[0].argmax())
+            int(torch.log_softmax(target.logits(hh[0]), -1)[0].argmax())
 
         def verify(k):
             cache.restore(snap)
             hh, _ = target(d._t([5] * (k + 1))[None], cache, gdn_form=knobs.gdn_verify,
                            attn_form=knobs.attn_verify, per_position=True, aux_layers=aux_ids)
-            torch.log_softmax(target.logits(hh[0], 5), -1).topk(2, dim=-1).indices.tolist()
+            torch.log_softmax(target.logits(hh[0]), -1).topk(2, dim=-1).indices.tolist()
             cache.commit(1)
 
         mcache = Cache(len(d.mtp.layers), a.context + 64) if d.mtp is not None else None

@@ -270,7 +270,7 @@ class Decoder:
         h, _ = self.target(self._t(ids)[None], cache, gdn_form=self.knobs.gdn_prefill,
                            attn_form=self.knobs.attn_prefill)
         hs = h[0, len(prompt_ids) - 1: len(ids) - 1]
-        rows = torch.log_softmax(self.target.logits(hs, top_k), -1)
+        rows = torch.log_softmax(self.target.logits(hs), -1)
         vals, idx = rows.topk(top_k, dim=-1)
         tok = rows.gather(1, self._t(continuation)[:, None])[:, 0]
         idx, vals = canonical_rows(idx.cpu().numpy(), vals.cpu().numpy())
@@ -295,7 +295,7 @@ class Decoder:
             hidden.append(h[0])
             aux.append({i: t[0] for i, t in a.items()})
             last.append(h[:, -1])
-        rows = torch.log_softmax(self.target.logits(torch.cat(last), top_k), -1)
+        rows = torch.log_softmax(self.target.logits(torch.cat(last)), -1)
         return (caches[0] if len(caches) == 1 else Cache.join(caches)), hidden, aux, rows
 
     def _generations(self, prompts, outs, counters, iterations, t0, t1, t2, cpu_s=None) -> list[Generation]:
@@ -336,7 +336,7 @@ class Decoder:
                 live = [live[j] for j in still]
             h, _ = self.target(tok[:, None], cache, gdn_form=self.knobs.gdn_decode,
                                attn_form=self.knobs.attn_decode)
-            rows = torch.log_softmax(self.target.logits(h[:, 0], top_k), -1)
+            rows = torch.log_softmax(self.target.logits(h[:, 0]), -1)
         t2, c2 = time.perf_counter(), time.process_time()
         iterations = [len(o.tokens) - 1 for o in outs]
         return self._generations(prompts, outs, [None] * len(outs), iterations, t0, t1, t2, c2 - c1)
@@ -426,7 +426,7 @@ class Decoder:
         gdn_form = self.knobs.gdn_decode if fault == "decode-kernel-verify" else self.knobs.gdn_verify
         h, aux = self.target(feed, cache, gdn_form=gdn_form, attn_form=self.knobs.attn_verify,
                              per_position=True, aux_layers=aux_ids)
-        rows = torch.log_softmax(self.target.logits(h.flatten(0, 1), top_k), -1)
+        rows = torch.log_softmax(self.target.logits(h.flatten(0, 1)), -1)
         rows = rows.view(len(live), k + 1, -1)
         top2 = rows.topk(2, dim=-1).indices.cpu().tolist()
         kept, emits, picked = [], [], []
@@ -476,7 +476,7 @@ class Decoder:
         h, aux = self.target(self._t([[x[b]] for b in live]), cache,
                              gdn_form=self.knobs.gdn_decode, attn_form=self.knobs.attn_decode,
                              aux_layers=aux_ids)
-        rows = torch.log_softmax(self.target.logits(h[:, 0], top_k), -1)
+        rows = torch.log_softmax(self.target.logits(h[:, 0]), -1)
         tok = rows.argmax(-1).tolist()
         for j, b in enumerate(live):
             outs[b].add([tok[j]], rows[j:j + 1])

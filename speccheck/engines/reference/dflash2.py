@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_linear import linear
 from .model import DFlashDecoderLayer, DFlashDrafter, ReferenceConfig
 
 #: the DFlash2 drafter's weights file in a weights directory (config in its metadata)
@@ -163,7 +164,7 @@ class CandidateSelector(nn.Module):
         -> scores [N, L, K_prev, K]: slot l's candidate c after slot l-1's candidate p (the
         anchor for l = 0), ``unary[c] + Σ_r A[p, r] (P h_l)_r B[c, r]``, in ``dtype``."""
         N, L, K = cand.shape
-        h = F.linear(hidden.to(dtype), self.hidden_projection.weight.to(dtype))  # [N, L, r]
+        h = linear(hidden.to(dtype), self.hidden_projection.weight.to(dtype))  # [N, L, r]
         prev = torch.cat([anchor[:, None, None].expand(N, 1, K), cand[:, :-1]], 1)
         pred = self.predecessor_codebook[prev].to(dtype)  # [N, L, K, r] (gathered, then cast:
         succ = self.successor_codebook[cand].to(dtype)  # the same values, not the whole book)

@@ -166,7 +166,7 @@ class GraphDecoding:
         B.reset()
         h, _ = d.target(d._t(prompt)[None], B.cache, gdn_form=d.knobs.gdn_prefill,
                         attn_form=d.knobs.attn_prefill)
-        rows = torch.log_softmax(d.target.logits(h[:, -1], top_k), -1)
+        rows = torch.log_softmax(d.target.logits(h[:, -1]), -1)
         B.tok.copy_(rows.argmax(-1, keepdim=True))
         self._emit(out, _pack(rows, B.tok[0], top_k).cpu(), 1, top_k)
         _sync(d.device)
@@ -187,7 +187,7 @@ class GraphDecoding:
         def decode():
             h, _ = d.target(B.tok, B.cache, gdn_form=d.knobs.gdn_decode,
                             attn_form=d.knobs.attn_decode)
-            rows = torch.log_softmax(d.target.logits(h[:, 0], top_k), -1)
+            rows = torch.log_softmax(d.target.logits(h[:, 0]), -1)
             B.tok.copy_(rows.argmax(-1, keepdim=True))
             out.copy_(_pack(rows, B.tok[0], top_k))
 
@@ -214,7 +214,7 @@ class GraphDecoding:
         B.reset()
         h, aux = d.target(d._t(prompt)[None], B.cache, gdn_form=d.knobs.gdn_prefill,
                           attn_form=d.knobs.attn_prefill, aux_layers=aux_ids)
-        rows = torch.log_softmax(d.target.logits(h[:, -1], top_k), -1)
+        rows = torch.log_softmax(d.target.logits(h[:, -1]), -1)
         x = rows.argmax(-1, keepdim=True)  # [1, 1]
         self._emit(out, _pack(rows, x[0], top_k).cpu(), 1, top_k)
         # the drafter sees the prompt's positions but the last; the last is left pending, as
@@ -317,7 +317,7 @@ class GraphDecoding:
             feed = torch.cat([B.tok, st["drafts"]], 1)  # the anchor at p, the drafts after it
             h, aux = d.target(feed, B.cache, gdn_form=d.knobs.gdn_verify,
                               attn_form=d.knobs.attn_verify, per_position=True, aux_layers=aux_ids)
-            rows = torch.log_softmax(d.target.logits(h[0], top_k), -1)  # [k+1, V]
+            rows = torch.log_softmax(d.target.logits(h[0]), -1)  # [k+1, V]
             top1 = rows.argmax(-1)
             m = (st["drafts"][0] == top1[:k]).long().cumprod(0).sum(0, keepdim=True)  # [1]
             B.cache.commit_kept(m + 1)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_linear import linear, rowinv_linear
 from .gdn_fused import gdn_fused
 
 #: "fused" is one Triton kernel (CUDA; see gdn_fused.py) computing the recurrent form
@@ -170,7 +171,14 @@ class Fault:
     name: str | None = None
 
 
-class NondetLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear (no bias) whose bf16 inference on the CPU runs the row-invariant kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
+class NondetLinear(Linear):
     """nn.Linear whose reduction order can be randomised run to run (fault
     ``nondeterministic``): the input dim is split at random points and the partial
     products are summed in random order in the working dtype."""
@@ -202,12 +210,12 @@ class Qwen3_5MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         self.inter = inter
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
         self.down_proj = NondetLinear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, fused_weight(self, "gate_up", [self.gate_proj, self.up_proj])
+        gate, up = linear(x, fused_weight(self, "gate_up", [self.gate_proj, self.up_proj])
                             ).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -567,16 +575,16 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.nv))
         self.A_log = nn.Parameter(torch.log(torch.empty(self.nv).uniform_(1, 16)))
         self.norm = Qwen3_5RMSNormGated(self.dv, eps=cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
-        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(h, self.nv, bias=False)
-        self.in_proj_a = nn.Linear(h, self.nv, bias=False)
+        self.out_proj = Linear(self.value_dim, h, bias=False)
+        self.in_proj_qkv = Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = Linear(h, self.nv, bias=False)
+        self.in_proj_a = Linear(h, self.nv, bias=False)
 
     def forward(self, x: torch.Tensor, cache: Cache | None = None, idx: int = 0,
                 form: str = "chunked", per_position: bool = False) -> torch.Tensor:
         B, T, _ = x.shape
-        proj = F.linear(x, fused_weight(self, "in_proj", [self.in_proj_qkv, self.in_proj_z,
+        proj = linear(x, fused_weight(self, "in_proj", [self.in_proj_qkv, self.in_proj_z,
                                                           self.in_proj_b, self.in_proj_a]))
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
         z = z.reshape(B, T, self.nv, self.dv)
@@ -677,10 +685,10 @@ class Qwen3_5Attention(nn.Module):
         h = cfg.hidden_size
         self.rot = int(self.d * cfg.partial_rotary_factor)
         self.theta = cfg.rope_theta
-        self.q_proj = nn.Linear(h, self.nh * self.d * 2, bias=False)
-        self.k_proj = nn.Linear(h, self.nkv * self.d, bias=False)
-        self.v_proj = nn.Linear(h, self.nkv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.d, h, bias=False)
+        self.q_proj = Linear(h, self.nh * self.d * 2, bias=False)
+        self.k_proj = Linear(h, self.nkv * self.d, bias=False)
+        self.v_proj = Linear(h, self.nkv * self.d, bias=False)
+        self.o_proj = Linear(self.nh * self.d, h, bias=False)
         self.q_norm = Qwen3_5RMSNorm(self.d, eps=cfg.rms_norm_eps)
         self.k_norm = Qwen3_5RMSNorm(self.d, eps=cfg.rms_norm_eps)
 
@@ -690,7 +698,7 @@ class Qwen3_5Attention(nn.Module):
         """With a cache: new tokens at positions start.. . Without: a training forward,
         causal from 0, or with explicit ``positions`` and boolean ``mask`` (True = attend)."""
         B, T, _ = x.shape
-        qkv = F.linear(x, fused_weight(self, "qkv", [self.q_proj, self.k_proj, self.v_proj]))
+        qkv = linear(x, fused_weight(self, "qkv", [self.q_proj, self.k_proj, self.v_proj]))
         nq, nk = self.nh * self.d * 2, self.nkv * self.d
         qg = qkv[..., :nq].view(B, T, self.nh, 2 * self.d)
         q, gate = qg[..., : self.d], qg[..., self.d:].reshape(B, T, self.nh * self.d)
@@ -769,38 +777,26 @@ class Qwen3_5TextModel(nn.Module):
         self.layers = nn.ModuleList(Qwen3_5DecoderLayer(cfg, t) for t in cfg.layer_types)
         self.norm = Qwen3_5RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def logits(self, h: torch.Tensor, exact_top: int = 20) -> torch.Tensor:
-        """fp32 logits from final-normed hidden states (tied embedding as lm head), exact for
-        (at least) the ``exact_top`` leading tokens.
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from final-normed hidden states (tied embedding as lm head).
 
         bf16 logits (resolution ~0.06 at |logit| ~10) would turn near-ties into exact ties
-        that argmax breaks by token id, and an fp32 GEMM over the vocabulary costs a CPU
-        decode step ~10 % (on CUDA it is one launch, and it is what runs there). So a bf16
-        GEMM ranks the vocabulary and the best C = max(32, 2 * exact_top) are recomputed in
-        fp32 from the same bf16 operands: rounding is monotone, so the true leaders are among
-        them whenever the ``exact_top``-th rounded value beats the C-th (else that row gets
-        the full fp32 product). The tail keeps its rounded value: it enters only the softmax
-        normaliser (≲1e-3 nats); margins between leading tokens are exact."""
+        that argmax breaks by token id, so the product of the bf16 operands is kept in fp32:
+        on the CPU by the row-invariant kernel (a row's logits are the same bits in a decode
+        step, a verify and a batch), on CUDA by one fp32 GEMM."""
         w = self.embed_tokens.weight
         if w.dtype == torch.float32:
             return F.linear(h.float(), w)
-        if w.is_cuda:  # a GPU does the full fp32 product in one launch: cheaper than two stages
+        if w.is_cuda:  # a GPU does the full fp32 product in one launch
             w32 = inference_cached(self, "lm_head_fp32", [w], lambda: w.float())
             return F.linear(h.float(), w32)
-        h = h.to(w.dtype)
-        out = F.linear(h, w).float()
-        top, cand = out.topk(max(32, 2 * exact_top), dim=-1)
-        out.scatter_(-1, cand, (w[cand].float() * h.float()[..., None, :]).sum(-1))
-        unsure = top[..., exact_top - 1] <= top[..., -1]
-        if bool(unsure.any()):
-            out[unsure] = F.linear(h[unsure].float(), w.float())
-        return out
+        return rowinv_linear(h.to(w.dtype), w, torch.float32)
 
     def rough_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits in the weights' dtype (a bf16 GEMM, rounded): enough to pick a draft
-        token, which the target's verify then checks against :meth:`logits`."""
+        """Logits in the weights' dtype (rounded): enough to pick a draft token, which the
+        target's verify then checks against :meth:`logits`."""
         w = self.embed_tokens.weight
-        return F.linear(h.to(w.dtype), w).float()  # (argmax over bf16 is slow on CPU)
+        return linear(h.to(w.dtype), w).float()
 
     def forward(self, ids: torch.Tensor, cache: Cache | None = None, *, gdn_form="chunked",
                 attn_form="multi", per_position=False, aux_layers=()):
@@ -828,7 +824,7 @@ class MTPModule(nn.Module):
     def __init__(self, cfg: ReferenceConfig):
         super().__init__()
         h = cfg.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = Qwen3_5RMSNorm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = Qwen3_5RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(Qwen3_5DecoderLayer(cfg, "full_attention")
@@ -862,10 +858,10 @@ class DFlashAttention(nn.Module):
         h = cfg.hidden_size
         self.nh, self.nkv, self.d, self.theta = (dc.num_attention_heads, dc.num_key_value_heads,
                                                  dc.head_dim, dc.rope_theta)
-        self.q_proj = nn.Linear(h, self.nh * self.d, bias=False)
-        self.k_proj = nn.Linear(h, self.nkv * self.d, bias=False)
-        self.v_proj = nn.Linear(h, self.nkv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.d, h, bias=False)
+        self.q_proj = Linear(h, self.nh * self.d, bias=False)
+        self.k_proj = Linear(h, self.nkv * self.d, bias=False)
+        self.v_proj = Linear(h, self.nkv * self.d, bias=False)
+        self.o_proj = Linear(self.nh * self.d, h, bias=False)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
@@ -884,7 +880,7 @@ class DFlashAttention(nn.Module):
         return apply_rope(k, cos, sin), v.view(B, T, self.nkv, self.d).transpose(1, 2)
 
     def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
-        kv = F.linear(x, fused_weight(self, "kv", [self.k_proj, self.v_proj]))
+        kv = linear(x, fused_weight(self, "kv", [self.k_proj, self.v_proj]))
         return self._kv_heads(*kv.split(self.nkv * self.d, dim=-1), *self._rope(positions, kv.dtype))
 
     def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None, keys=None):
@@ -897,7 +893,7 @@ class DFlashAttention(nn.Module):
         over the first ``keys`` buffer positions (None: as many as the longest row needs,
         read back from the device; a CUDA graph gives the buffer's size)."""
         B, T, _ = x.shape
-        qkv = F.linear(x, fused_weight(self, "qkv", [self.q_proj, self.k_proj, self.v_proj]))
+        qkv = linear(x, fused_weight(self, "qkv", [self.q_proj, self.k_proj, self.v_proj]))
         nq, nk = self.nh * self.d, self.nkv * self.d
         cos, sin = self._rope(positions, qkv.dtype)
         q = self.q_norm(qkv[..., :nq].view(B, T, self.nh, self.d)).transpose(1, 2)
@@ -946,7 +942,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         dc = cfg.drafter
         h = cfg.hidden_size
-        self.fc = nn.Linear(h * len(dc.target_layer_ids), h, bias=False)
+        self.fc = Linear(h * len(dc.target_layer_ids), h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(dc.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)

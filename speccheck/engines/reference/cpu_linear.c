@@ -1,0 +1,118 @@
+/* Row-invariant bf16 linear for the reference engine on the CPU: out[m, n] = x[m, :] . w[n, :].
+ *
+ * Why: PyTorch's bf16 GEMM on a CPU without bf16 instructions is a scalar loop whose cost grows
+ * with the rows (a verify of 8 tokens paid ~6x a decode step's GEMMs), and an fp32 BLAS sums a
+ * 1-row and an 8-row product in different orders (decode and verify would then differ in bits).
+ * Here every output element is computed the same way whatever the number of rows: products of
+ * the bf16 operands in fp32 (exact), accumulated in 16 lanes (lane l takes k = 16c + l, in order
+ * of c, K zero-padded to a multiple of 16), the lanes summed by a fixed tree
+ * ((l, l+8), then (l, l+4), (l, l+2), (0, 1)). Plain IEEE fp32 multiplies and adds, no FMA
+ * (compiled with -ffp-contract=off): the same bits on any CPU, and cpu_linear.py's PyTorch
+ * formulation of the same sums gives them too. Rows are taken four at a time so each weight
+ * row is converted once per four rows; that changes speed, not any element's arithmetic.
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+static inline v8f load_bf16(const uint16_t *p) {
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    v8u u = __builtin_convertvector(h, v8u) << 16;
+    v8f f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float reduce16(v8f a, v8f b) {
+    v8f s = a + b; /* lanes l and l + 8 */
+    float t[8];
+    memcpy(t, &s, sizeof t);
+    float u0 = t[0] + t[4], u1 = t[1] + t[5], u2 = t[2] + t[6], u3 = t[3] + t[7];
+    float w0 = u0 + u2, w1 = u1 + u3;
+    return w0 + w1;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline void store(void *out, int out_fp32, int64_t i, float v) {
+    if (out_fp32) ((float *)out)[i] = v;
+    else ((uint16_t *)out)[i] = to_bf16(v);
+}
+
+/* xf: R rows of fp32 activations, each Kp long (zero-padded); R is 1..4. NB weight rows at a
+ * time (more independent sums in flight for few rows); no element's arithmetic depends on R or NB */
+#define TILE(R, NB)                                                                            \
+    static void tile##R##x##NB(const float *xf, int64_t Kp, const uint16_t *w, int64_t K,      \
+                               uint16_t *wbuf, int64_t N, void *out, int64_t m0, int out_fp32) { \
+        for (int64_t n = 0; n < N; n += NB) {                                                  \
+            int nb = N - n < NB ? (int)(N - n) : NB;                                           \
+            const uint16_t *wr[NB];                                                            \
+            for (int j = 0; j < NB; j++) {                                                     \
+                int jj = j < nb ? j : 0;                                                       \
+                wr[j] = w + (n + jj) * K;                                                      \
+                if (Kp != K) { memcpy(wbuf + j * Kp, wr[j], K * 2); wr[j] = wbuf + j * Kp; }   \
+            }                                                                                  \
+            v8f a[R][NB], b[R][NB];                                                            \
+            for (int r = 0; r < R; r++)                                                        \
+                for (int j = 0; j < NB; j++) { a[r][j] = (v8f){0}; b[r][j] = (v8f){0}; }       \
+            for (int64_t k = 0; k < Kp; k += 16) {                                             \
+                v8f w0[NB], w1[NB];                                                            \
+                for (int j = 0; j < NB; j++) {                                                 \
+                    w0[j] = load_bf16(wr[j] + k); w1[j] = load_bf16(wr[j] + k + 8);            \
+                }                                                                              \
+                for (int r = 0; r < R; r++) {                                                  \
+                    v8f x0, x1;                                                                \
+                    memcpy(&x0, xf + r * Kp + k, sizeof x0);                                   \
+                    memcpy(&x1, xf + r * Kp + k + 8, sizeof x1);                               \
+                    for (int j = 0; j < NB; j++) {                                             \
+                        a[r][j] = a[r][j] + x0 * w0[j];                                        \
+                        b[r][j] = b[r][j] + x1 * w1[j];                                        \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+            for (int r = 0; r < R; r++)                                                        \
+                for (int j = 0; j < nb; j++)                                                   \
+                    store(out, out_fp32, (m0 + r) * N + n + j, reduce16(a[r][j], b[r][j]));    \
+        }                                                                                      \
+    }
+TILE(1, 4)
+TILE(2, 2)
+TILE(3, 1)
+TILE(4, 1)
+
+/* x [M, K] bf16, w [N, K] bf16, out [M, N] bf16 or fp32; xbuf >= 4 * Kp floats, wbuf >= Kp
+ * 4 uint16, Kp = K rounded up to a multiple of 16 */
+void rowinv_linear(const uint16_t *x, const uint16_t *w, void *out, int64_t M, int64_t N,
+                   int64_t K, int out_fp32, float *xbuf, uint16_t *wbuf) {
+    int64_t Kp = (K + 15) / 16 * 16;
+    if (Kp != K)
+        for (int j = 0; j < 4; j++) memset(wbuf + j * Kp + K, 0, (size_t)(Kp - K) * 2);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        int R = M - m0 < 4 ? (int)(M - m0) : 4;
+        for (int r = 0; r < R; r++) {
+            const uint16_t *xr = x + (m0 + r) * K;
+            float *xfr = xbuf + r * Kp;
+            for (int64_t k = 0; k < K; k++) {
+                uint32_t u = (uint32_t)xr[k] << 16;
+                memcpy(xfr + k, &u, 4);
+            }
+            for (int64_t k = K; k < Kp; k++) xfr[k] = 0.0f;
+        }
+        switch (R) {
+        case 1: tile1x4(xbuf, Kp, w, K, wbuf, N, out, m0, out_fp32); break;
+        case 2: tile2x2(xbuf, Kp, w, K, wbuf, N, out, m0, out_fp32); break;
+        case 3: tile3x1(xbuf, Kp, w, K, wbuf, N, out, m0, out_fp32); break;
+        default: tile4x1(xbuf, Kp, w, K, wbuf, N, out, m0, out_fp32); break;
+        }
+    }
+}

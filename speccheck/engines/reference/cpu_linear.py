@@ -1,0 +1,133 @@
+"""The reference engine's bf16 linear on the CPU: row-invariant and fast (see cpu_linear.c).
+
+A decode step (1 row), a verify (K+1 rows) and a batch all get the same bits for a row, on any
+CPU; the C kernel is compiled with the machine's C compiler at first use and cached. Without a
+compiler, :func:`rowinv_linear_torch` computes the same sums with PyTorch ops (slower, same bits).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+_SOURCE = Path(__file__).with_name("cpu_linear.c")
+_LANES = 16
+_lib = None
+_lib_tried = False
+_lock = threading.Lock()
+_local = threading.local()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("SPECCHECK_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "speccheck")
+    return Path(base)
+
+
+def _build() -> ctypes.CDLL | None:
+    """Compile (once per source, flags and machine; an atomic rename makes racing processes
+    safe) and load the kernel; None where no C compiler works."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+    if platform.machine() in ("x86_64", "AMD64") and {"avx2"} <= _cpu_flags():
+        flags.append("-mavx2")  # the lanes in ymm registers; the arithmetic is the same without
+    src = _SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"cpu_linear-{key}.so"
+    if not lib.exists():
+        try:
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+            os.close(fd)
+            subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE)], check=True,
+                           capture_output=True, timeout=120)
+            os.replace(tmp, lib)
+        except (OSError, subprocess.SubprocessError) as e:
+            print(f"speccheck: could not compile {_SOURCE.name} ({e}); the reference engine's "
+                  "CPU linear runs as PyTorch ops (same bits, slower)", file=sys.stderr)
+            return None
+    dll = ctypes.CDLL(str(lib))
+    fn = dll.rowinv_linear
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int,
+                                                                 ctypes.c_void_p, ctypes.c_void_p]
+    return dll
+
+
+def _kernel():
+    global _lib, _lib_tried
+    if not _lib_tried:
+        with _lock:
+            if not _lib_tried:
+                _lib = None if os.environ.get("SPECCHECK_CPU_LINEAR") == "torch" else _build()
+                _lib_tried = True
+    return _lib
+
+
+def _scratch(kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None or bufs[0].numel() < 4 * kp:
+        bufs = (torch.empty(4 * kp, dtype=torch.float32), torch.empty(4 * kp, dtype=torch.int16))
+        _local.bufs = bufs
+    return bufs
+
+
+def rowinv_linear_torch(x: torch.Tensor, w: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """The kernel's sums as PyTorch ops (its specification; the fallback without a compiler)."""
+    K = x.shape[-1]
+    pad = -K % _LANES
+    xs = F.pad(x.reshape(-1, K).float(), (0, pad)).view(-1, 1, (K + pad) // _LANES, _LANES)
+    ws = F.pad(w.float(), (0, pad)).view(1, w.shape[0], (K + pad) // _LANES, _LANES)
+    acc = torch.zeros(xs.shape[0], w.shape[0], _LANES)
+    for c in range(xs.shape[2]):
+        acc = acc + xs[:, :, c] * ws[:, :, c]
+    s = acc[..., :8] + acc[..., 8:]
+    s = s[..., :4] + s[..., 4:]
+    s = s[..., :2] + s[..., 2:]
+    s = s[..., 0] + s[..., 1]
+    return s.to(out_dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+def rowinv_linear(x: torch.Tensor, w: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """x [..., K] and w [N, K] in bf16 on the CPU -> [..., N] in ``out_dtype`` (bf16 or fp32)."""
+    lib = _kernel()
+    if lib is None:
+        return rowinv_linear_torch(x, w, out_dtype)
+    K, N = x.shape[-1], w.shape[0]
+    x2 = x.reshape(-1, K).contiguous()
+    w = w.contiguous()
+    out = torch.empty(x2.shape[0], N, dtype=out_dtype)
+    xbuf, wbuf = _scratch(-(-K // _LANES) * _LANES)
+    lib.rowinv_linear(x2.data_ptr(), w.data_ptr(), out.data_ptr(), x2.shape[0], N, K,
+                      int(out_dtype == torch.float32), xbuf.data_ptr(), wbuf.data_ptr())
+    return out.reshape(*x.shape[:-1], N)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear without bias; bf16 inference on the CPU goes through the row-invariant kernel."""
+    if (w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and w.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+        return rowinv_linear(x, w)
+    return F.linear(x, w)
