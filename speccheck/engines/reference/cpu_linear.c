@@ -29,6 +29,16 @@ static inline v8f load_bf16(const uint16_t *p) {
     return f;
 }
 
+/* acc + x * w. The product of two bf16 values is exact in fp32 (16 significant bits), so a
+ * fused multiply-add rounds once exactly where a multiply and an add round once: the same bits
+ * (a product below fp32's normal range, ~1e-38, is the only exception) */
+#ifdef USE_FMA
+#include <immintrin.h>
+#define MADD(x, w, acc) ((v8f)_mm256_fmadd_ps((__m256)(x), (__m256)(w), (__m256)(acc)))
+#else
+#define MADD(x, w, acc) ((acc) + (x) * (w))
+#endif
+
 static inline float reduce16(v8f a, v8f b) {
     v8f s = a + b; /* lanes l and l + 8 */
     float t[8];
@@ -51,13 +61,15 @@ static inline void store(void *out, int out_fp32, int64_t i, float v) {
     else ((uint16_t *)out)[i] = to_bf16(v);
 }
 
-/* xf: R rows of fp32 activations, each Kp long (zero-padded); R is 1..4. NB weight rows at a
- * time (more independent sums in flight for few rows); no element's arithmetic depends on R or NB */
+/* xf: R rows of fp32 activations, each Kp long (zero-padded); R is 1..4; output columns n0..n1.
+ * NB weight rows at a time (more independent sums in flight for few rows); no element's
+ * arithmetic depends on R, NB or the column range */
 #define TILE(R, NB)                                                                            \
     static void tile##R##x##NB(const float *xf, int64_t Kp, const uint16_t *w, int64_t K,      \
-                               uint16_t *wbuf, int64_t N, void *out, int64_t m0, int out_fp32) { \
-        for (int64_t n = 0; n < N; n += NB) {                                                  \
-            int nb = N - n < NB ? (int)(N - n) : NB;                                           \
+                               uint16_t *wbuf, int64_t N, void *out, int64_t m0, int out_fp32, \
+                               int64_t n0, int64_t n1) {                                       \
+        for (int64_t n = n0; n < n1; n += NB) {                                                \
+            int nb = n1 - n < NB ? (int)(n1 - n) : NB;                                         \
             const uint16_t *wr[NB];                                                            \
             for (int j = 0; j < NB; j++) {                                                     \
                 int jj = j < nb ? j : 0;                                                       \
@@ -80,8 +92,8 @@ static inline void store(void *out, int out_fp32, int64_t i, float v) {
                     memcpy(&x0, xf + r * Kp + k, sizeof x0);                                   \
                     memcpy(&x1, xf + r * Kp + k + 8, sizeof x1);                               \
                     for (int j = 0; j < NB; j++) {                                             \
-                        a[r][j] = a[r][j] + x0 * w0[j];                                        \
-                        b[r][j] = b[r][j] + x1 * w1[j];                                        \
+                        a[r][j] = MADD(x0, w0[j], a[r][j]);                                    \
+                        b[r][j] = MADD(x1, w1[j], b[r][j]);                                    \
                     }                                                                          \
                 }                                                                              \
             }                                                                                  \
@@ -95,29 +107,34 @@ TILE(2, 2)
 TILE(3, 1)
 TILE(4, 1)
 
-/* x [M, K] bf16, w [N, K] bf16, out [M, N] bf16 or fp32; xbuf >= 4 * Kp floats, wbuf >= Kp
- * 4 uint16, Kp = K rounded up to a multiple of 16 */
+/* x [M, K] bf16, w [N, K] bf16, out [M, N] bf16 or fp32; xbuf >= M * Kp floats, wbuf >= 4 * Kp
+ * uint16, Kp = K rounded up to a multiple of 16. Columns in blocks of 16 weight rows (8 KB at
+ * K = 256, in L1), every row block of x over each: a weight row comes from memory once. */
 void rowinv_linear(const uint16_t *x, const uint16_t *w, void *out, int64_t M, int64_t N,
                    int64_t K, int out_fp32, float *xbuf, uint16_t *wbuf) {
     int64_t Kp = (K + 15) / 16 * 16;
     if (Kp != K)
         for (int j = 0; j < 4; j++) memset(wbuf + j * Kp + K, 0, (size_t)(Kp - K) * 2);
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        int R = M - m0 < 4 ? (int)(M - m0) : 4;
-        for (int r = 0; r < R; r++) {
-            const uint16_t *xr = x + (m0 + r) * K;
-            float *xfr = xbuf + r * Kp;
-            for (int64_t k = 0; k < K; k++) {
-                uint32_t u = (uint32_t)xr[k] << 16;
-                memcpy(xfr + k, &u, 4);
-            }
-            for (int64_t k = K; k < Kp; k++) xfr[k] = 0.0f;
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *xr = x + m * K;
+        float *xfr = xbuf + m * Kp;
+        for (int64_t k = 0; k < K; k++) {
+            uint32_t u = (uint32_t)xr[k] << 16;
+            memcpy(xfr + k, &u, 4);
         }
-        switch (R) {
-        case 1: tile1x4(xbuf, Kp, w, K, wbuf, N, out, m0, out_fp32); break;
-        case 2: tile2x2(xbuf, Kp, w, K, wbuf, N, out, m0, out_fp32); break;
-        case 3: tile3x1(xbuf, Kp, w, K, wbuf, N, out, m0, out_fp32); break;
-        default: tile4x1(xbuf, Kp, w, K, wbuf, N, out, m0, out_fp32); break;
+        for (int64_t k = K; k < Kp; k++) xfr[k] = 0.0f;
+    }
+    for (int64_t n0 = 0; n0 < N; n0 += 16) {
+        int64_t n1 = N - n0 < 16 ? N : n0 + 16;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int R = M - m0 < 4 ? (int)(M - m0) : 4;
+            const float *xf = xbuf + m0 * Kp;
+            switch (R) {
+            case 1: tile1x4(xf, Kp, w, K, wbuf, N, out, m0, out_fp32, n0, n1); break;
+            case 2: tile2x2(xf, Kp, w, K, wbuf, N, out, m0, out_fp32, n0, n1); break;
+            case 3: tile3x1(xf, Kp, w, K, wbuf, N, out, m0, out_fp32, n0, n1); break;
+            default: tile4x1(xf, Kp, w, K, wbuf, N, out, m0, out_fp32, n0, n1); break;
+            }
         }
     }
 }

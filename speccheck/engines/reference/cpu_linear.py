@@ -51,8 +51,8 @@ def _build() -> ctypes.CDLL | None:
     if cc is None:
         return None
     flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
-    if platform.machine() in ("x86_64", "AMD64") and {"avx2"} <= _cpu_flags():
-        flags.append("-mavx2")  # the lanes in ymm registers; the arithmetic is the same without
+    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags():
+        flags += ["-mavx2", "-mfma", "-DUSE_FMA"]  # the lanes in ymm registers; fused adds
     src = _SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"cpu_linear-{key}.so"
@@ -86,10 +86,13 @@ def _kernel():
     return _lib
 
 
-def _scratch(kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _scratch(rows: int, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-thread buffers: the rows of x in fp32, 4 weight rows zero-padded to kp."""
     bufs = getattr(_local, "bufs", None)
-    if bufs is None or bufs[0].numel() < 4 * kp:
-        bufs = (torch.empty(4 * kp, dtype=torch.float32), torch.empty(4 * kp, dtype=torch.int16))
+    if bufs is None or bufs[0].numel() < rows * kp or bufs[1].numel() < 4 * kp:
+        n = max(rows * kp, bufs[0].numel() if bufs else 0)
+        bufs = (torch.empty(n, dtype=torch.float32),
+                torch.empty(max(4 * kp, bufs[1].numel() if bufs else 0), dtype=torch.int16))
         _local.bufs = bufs
     return bufs
 
@@ -119,7 +122,7 @@ def rowinv_linear(x: torch.Tensor, w: torch.Tensor, out_dtype=torch.bfloat16) ->
     x2 = x.reshape(-1, K).contiguous()
     w = w.contiguous()
     out = torch.empty(x2.shape[0], N, dtype=out_dtype)
-    xbuf, wbuf = _scratch(-(-K // _LANES) * _LANES)
+    xbuf, wbuf = _scratch(x2.shape[0], -(-K // _LANES) * _LANES)
     lib.rowinv_linear(x2.data_ptr(), w.data_ptr(), out.data_ptr(), x2.shape[0], N, K,
                       int(out_dtype == torch.float32), xbuf.data_ptr(), wbuf.data_ptr())
     return out.reshape(*x.shape[:-1], N)
