@@ -787,7 +787,7 @@ class Qwen3_5TextModel(nn.Module):
         w = self.embed_tokens.weight
         if w.dtype == torch.float32:
             return F.linear(h.float(), w)
-        if w.is_cuda:  # a GPU does the full fp32 product in one launch
+        if w.device.type != "cpu":  # a GPU does the full fp32 product in one launch
             w32 = inference_cached(self, "lm_head_fp32", [w], lambda: w.float())
             return F.linear(h.float(), w32)
         return rowinv_linear(h.to(w.dtype), w, torch.float32)
