@@ -68,6 +68,21 @@ def test_lossless_with_equal_numerics(equal_engine, prompts, baseline, method, k
             s.drafts, s.draft_tokens, s.accepted_tokens, s.accepted_per_pos, k, c.n_tokens - 1, s.iterations)
 
 
+@pytest.mark.parametrize("method,k", [("mtp", 3), ("dflash", 7)])
+def test_bf16_is_lossless_bit_for_bit_with_equal_forms_on_the_cpu(prompts, method, k):
+    """On the CPU every bf16 linear is row-invariant (engines/reference/cpu_linear.c), so with
+    the same GDN and attention forms in decode and verify a bf16 spec run is the baseline token
+    for token and logprob for logprob: what remains of decode-vs-verify flips is the forms."""
+    eng = ReferenceEngine(engine_args={**EQUAL, "dtype": "bf16"})
+    base = eng.generate(*prompts, SpecConfig(), 5)
+    out = eng.generate(*prompts, SpecConfig(method, k), 5)
+    for spec, b in zip(out, base):
+        assert spec.token_ids.tolist() == b.token_ids.tolist(), spec.prompt_id
+        assert np.array_equal(spec.logprobs, b.logprobs), spec.prompt_id
+    tot = _total(out)
+    assert 0 < tot.accepted_tokens < tot.draft_tokens
+
+
 def test_completion_fields(baseline, prompts):
     for c, ids in zip(baseline, prompts[1]):
         assert c.prompt_ids.tolist() == ids
