@@ -116,8 +116,10 @@ def test_ctrl_c_in_a_real_process_exits_130(store):
             "def waiting(*a, **k):\n    print('evaluating', flush=True); time.sleep(60)\n"
             "ev.evaluate_suite = waiting\n"
             f"sys.argv = ['speccheck', 'gate', '--store', {str(store)!r}]; speccheck.cli.main()")
-    proc = subprocess.Popen([sys.executable, "-c", code],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT at its default, as in a terminal: a background job of a non-interactive shell (a CI
+    # step run with `&`) passes it on ignored, and Python then never raises KeyboardInterrupt
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout.readline().strip() == "evaluating"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
