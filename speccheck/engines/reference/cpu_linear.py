@@ -57,6 +57,7 @@ def _build() -> ctypes.CDLL | None:
     key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"cpu_linear-{key}.so"
     if not lib.exists():
+        tmp = None
         try:
             lib.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
@@ -65,6 +66,8 @@ def _build() -> ctypes.CDLL | None:
                            capture_output=True, timeout=120)
             os.replace(tmp, lib)
         except (OSError, subprocess.SubprocessError) as e:
+            if tmp is not None and os.path.exists(tmp):  # no half-written library left behind
+                os.unlink(tmp)
             print(f"speccheck: could not compile {_SOURCE.name} ({e}); the reference engine's "
                   "CPU linear runs as PyTorch ops (same bits, slower)", file=sys.stderr)
             return None
