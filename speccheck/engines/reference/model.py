@@ -734,7 +734,15 @@ class Qwen3_5Attention(nn.Module):
             else:
                 cache.k[idx][:, :, start:start + T] = k
                 cache.v[idx][:, :, start:start + T] = v
-            o = _attend(q, cache.k[idx][:, :, :end], cache.v[idx][:, :, :end], start, form)
+            if isinstance(start, torch.Tensor) and not cache.static:
+                # each sequence of a ragged batch alone, the call it gets when it runs by itself:
+                # its bits do not depend on the batch (a padded, masked call sums otherwise and
+                # costs the longest sequence's length for every row)
+                o = torch.cat([_attend(q[b:b + 1], cache.k[idx][b:b + 1, :, :s + T],
+                                       cache.v[idx][b:b + 1, :, :s + T], s, form)
+                               for b, s in enumerate(start.tolist())])
+            else:
+                o = _attend(q, cache.k[idx][:, :, :end], cache.v[idx][:, :, :end], start, form)
         o = o.transpose(1, 2).reshape(B, T, self.nh * self.d)
         return self.o_proj(o * torch.sigmoid(gate))
 
