@@ -70,7 +70,7 @@ def test_lossless_with_equal_numerics(equal_engine, prompts, baseline, method, k
 
 @pytest.mark.parametrize("method,k", [("mtp", 3), ("dflash", 7)])
 def test_bf16_is_lossless_bit_for_bit_with_equal_forms_on_the_cpu(prompts, method, k):
-    """On the CPU every bf16 linear is row-invariant (engines/reference/cpu_linear.c), so with
+    """On the CPU every bf16 linear is row-invariant (engines/reference/cpu_kernels.c), so with
     the same GDN and attention forms in decode and verify a bf16 spec run is the baseline token
     for token and logprob for logprob: what remains of decode-vs-verify flips is the forms."""
     eng = ReferenceEngine(engine_args={**EQUAL, "dtype": "bf16"})

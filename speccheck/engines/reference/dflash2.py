@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_linear import linear
+from .cpu_kernels import linear
 from .model import DFlashDecoderLayer, DFlashDrafter, ReferenceConfig
 
 #: the DFlash2 drafter's weights file in a weights directory (config in its metadata)

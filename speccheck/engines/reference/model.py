@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_linear import linear, rowinv_linear
+from .cpu_kernels import linear, rms_norm, rowinv_linear
 from .gdn_fused import gdn_fused
 
 #: "fused" is one Triton kernel (CUDA; see gdn_fused.py) computing the recurrent form
@@ -136,7 +136,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = inference_cached(self, "scale", [self.weight], self.scale)
-        return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(self.weight.dtype)
+        return rms_norm(x, scale, self.eps, self.weight.dtype)
 
 
 class Qwen3_5RMSNorm(RMSNorm):
@@ -159,8 +159,7 @@ class Qwen3_5RMSNormGated(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        h = self.weight * h.to(dtype)
+        h = self.weight * rms_norm(x, None, self.eps, dtype)
         h = h * F.silu(gate.float())
         return h.to(dtype)
 

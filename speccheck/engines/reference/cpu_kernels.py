@@ -1,8 +1,10 @@
-"""The reference engine's bf16 linear on the CPU: row-invariant and fast (see cpu_linear.c).
+"""The reference engine's CPU kernels (see cpu_kernels.c): the bf16 linear and RMSNorm,
+row-invariant and fast.
 
 A decode step (1 row), a verify (K+1 rows) and a batch all get the same bits for a row, on any
-CPU; the C kernel is compiled with the machine's C compiler at first use and cached. Without a
-compiler, :func:`rowinv_linear_torch` computes the same sums with PyTorch ops (slower, same bits).
+CPU; the C kernels are compiled with the machine's C compiler at first use and cached. Without a
+compiler, :func:`rowinv_linear_torch` and :func:`rms_norm_torch` compute the same sums with
+PyTorch ops (slower, same bits).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_SOURCE = Path(__file__).with_name("cpu_linear.c")
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _LANES = 16
 _lib = None
 _lib_tried = False
@@ -55,7 +57,7 @@ def _build() -> ctypes.CDLL | None:
         flags += ["-mavx2", "-mfma", "-DUSE_FMA"]  # the lanes in ymm registers; fused adds
     src = _SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"cpu_linear-{key}.so"
+    lib = _cache_dir() / f"cpu_kernels-{key}.so"
     if not lib.exists():
         tmp = None
         try:
@@ -76,6 +78,10 @@ def _build() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int,
                                                                  ctypes.c_void_p, ctypes.c_void_p]
+    fn = dll.rms_norm
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
     return dll
 
 
@@ -89,7 +95,7 @@ def _kernel():
     return _lib
 
 
-_WIDE = 6  # cpu_linear.c's WIDE: rows of x the wide path reads past the last one
+_WIDE = 6  # cpu_kernels.c's WIDE: rows of x the wide path reads past the last one
 
 
 def _scratch(rows: int, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,14 +116,21 @@ def rowinv_linear_torch(x: torch.Tensor, w: torch.Tensor, out_dtype=torch.bfloat
     pad = -K % _LANES
     xs = F.pad(x.reshape(-1, K).float(), (0, pad)).view(-1, 1, (K + pad) // _LANES, _LANES)
     ws = F.pad(w.float(), (0, pad)).view(1, w.shape[0], (K + pad) // _LANES, _LANES)
-    acc = torch.zeros(xs.shape[0], w.shape[0], _LANES)
-    for c in range(xs.shape[2]):
-        acc = acc + xs[:, :, c] * ws[:, :, c]
+    return _lanes_sum(lambda c: xs[:, :, c] * ws[:, :, c], xs.shape[2]).to(out_dtype).reshape(
+        *x.shape[:-1], w.shape[0])
+
+
+def _lanes_sum(term, chunks: int) -> torch.Tensor:
+    """Lane l sums ``term(c)[..., l]`` over c in order (term(c): [..., 16], each rounded to
+    fp32), then the lanes are summed by the kernels' fixed tree. From +0, as the kernels
+    (a sum of -0 terms is +0)."""
+    acc = 0.0
+    for c in range(chunks):
+        acc = acc + term(c)
     s = acc[..., :8] + acc[..., 8:]
     s = s[..., :4] + s[..., 4:]
     s = s[..., :2] + s[..., 2:]
-    s = s[..., 0] + s[..., 1]
-    return s.to(out_dtype).reshape(*x.shape[:-1], w.shape[0])
+    return s[..., 0] + s[..., 1]
 
 
 def rowinv_linear(x: torch.Tensor, w: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
@@ -137,7 +150,40 @@ def rowinv_linear(x: torch.Tensor, w: torch.Tensor, out_dtype=torch.bfloat16) ->
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear without bias; bf16 inference on the CPU goes through the row-invariant kernel."""
-    if (w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and w.device.type == "cpu"
+    if (w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and w.is_cpu
             and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
         return rowinv_linear(x, w)
     return F.linear(x, w)
+
+
+def rms_norm_torch(x: torch.Tensor, scale: torch.Tensor | None, eps: float,
+                   out_dtype) -> torch.Tensor:
+    """The RMSNorm kernel's sums as PyTorch ops (its specification; the fallback)."""
+    D = x.shape[-1]
+    pad = -D % _LANES
+    xf = x.reshape(-1, D).float()
+    xs = F.pad(xf, (0, pad)).view(-1, (D + pad) // _LANES, _LANES)
+    # rsqrt is 1 / sqrt with IEEE ops; torch.sqrt is not correctly rounded everywhere
+    r = torch.rsqrt(_lanes_sum(lambda c: xs[:, c] * xs[:, c], xs.shape[1]) / D + eps)
+    y = xf * r[:, None]
+    if scale is not None:
+        y = y * scale
+    return y.to(out_dtype).reshape(x.shape)
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor | None, eps: float, out_dtype) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32 (``scale``: fp32 [D] or None), returned in
+    ``out_dtype``. Inference on the CPU runs the row-invariant kernel; elsewhere PyTorch's."""
+    if (not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16)
+            or (torch.is_grad_enabled() and (x.requires_grad
+                                              or (scale is not None and scale.requires_grad)))):
+        return F.rms_norm(x.float(), (x.shape[-1],), scale, eps).to(out_dtype)
+    lib = _kernel()
+    if lib is None:
+        return rms_norm_torch(x, scale, eps, out_dtype)
+    x = x.contiguous()
+    out = torch.empty_like(x, dtype=out_dtype)  # (a few us cheaper than torch.empty)
+    lib.rms_norm(x.data_ptr(), int(x.dtype == torch.bfloat16),
+                 None if scale is None else scale.data_ptr(), out.data_ptr(),
+                 int(out_dtype == torch.float32), x.numel() // x.shape[-1], x.shape[-1], eps)
+    return out

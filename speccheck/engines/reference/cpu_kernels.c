@@ -1,4 +1,5 @@
-/* Row-invariant bf16 linear for the reference engine on the CPU: out[m, n] = x[m, :] . w[n, :].
+/* The reference engine's CPU kernels: a row-invariant bf16 linear, out[m, n] = x[m, :] . w[n, :],
+ * and RMSNorm (at the end).
  *
  * Why: PyTorch's bf16 GEMM on a CPU without bf16 instructions is a scalar loop whose cost grows
  * with the rows (a verify of 8 tokens paid ~6x a decode step's GEMMs), and an fp32 BLAS sums a
@@ -16,6 +17,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
@@ -195,6 +197,45 @@ void rowinv_linear(const uint16_t *x, const uint16_t *w, void *out, int64_t M, i
             case 3: tile3x1(xf, Kp, w, K, wb16, N, out, m0, out_fp32, n0, n1); break;
             default: tile4x1(xf, Kp, w, K, wb16, N, out, m0, out_fp32, n0, n1); break;
             }
+        }
+    }
+}
+
+/* RMSNorm of M rows of D: out[m, d] = (x[m, d] * r) * scale[d], r = 1 / sqrt(sum_d x^2 / D + eps).
+ * The squares (fp32, rounded: multiply then add, never fused) are summed in the linear's 16
+ * lanes and tree, so a row gets the same bits alone or in a batch, on any CPU. x is fp32 or
+ * bf16, out fp32 or bf16; scale NULL means 1. */
+void rms_norm(const void *x, int x_bf16, const float *scale, void *out, int out_fp32, int64_t M,
+              int64_t D, float eps) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xf = (const float *)x + m * D;
+        const uint16_t *xh = (const uint16_t *)x + m * D;
+        v8f a = {0}, b = {0};
+        for (int64_t k = 0; k < D; k += 16) {
+            float t[16];
+            for (int l = 0; l < 16; l++) {
+                float v = 0.0f;
+                if (k + l < D) {
+                    if (x_bf16) { uint32_t u = (uint32_t)xh[k + l] << 16; memcpy(&v, &u, 4); }
+                    else v = xf[k + l];
+                }
+                t[l] = v;
+            }
+            v8f x0, x1;
+            memcpy(&x0, t, sizeof x0);
+            memcpy(&x1, t + 8, sizeof x1);
+            v8f s0 = x0 * x0, s1 = x1 * x1;
+            a = a + s0;
+            b = b + s1;
+        }
+        float r = 1.0f / sqrtf(reduce16(a, b) / (float)D + eps);
+        for (int64_t k = 0; k < D; k++) {
+            float v;
+            if (x_bf16) { uint32_t u = (uint32_t)xh[k] << 16; memcpy(&v, &u, 4); }
+            else v = xf[k];
+            float y = v * r;
+            if (scale) y = y * scale[k];
+            store(out, out_fp32, m * D + k, y);
         }
     }
 }
