@@ -295,13 +295,14 @@ def bytes_shown(detokenize, token_bytes):
 
 
 def _evaluate(store_dir, suite_id, policy_file, settings, configs=None, golden_dir="golden"):
+    """The suite judged by the policy, against the golden in ``golden_dir`` (None: without one)."""
     from speccheck.evaluate import evaluate_suite
     from speccheck.golden import golden_acceptance, golden_noise
 
     suite = _suite(store_dir, suite_id)
     policy = load_policy(policy_file, _settings(settings))
     detok = _detok_for(suite)
-    have_base = suite.is_complete("baseline", 0)
+    have_base = suite.is_complete("baseline", 0) and golden_dir is not None
     gold = golden_acceptance(suite, Path(golden_dir)) if have_base else None
     gold_noise = golden_noise(suite, Path(golden_dir)) if have_base else None
     return suite, evaluate_suite(suite, policy, configs, gold, detok, gold_noise), detok
@@ -541,10 +542,14 @@ def golden() -> None:
 @_apply(policy_options)
 @click.option("--force", is_flag=True, help="Overwrite an existing golden (the refusal shows what would change).")
 def golden_record(suite, store_dir, golden_dir, policy_file, settings, force):
-    """Record the store's baseline and per-config acceptance as the golden (the suite must pass the gate)."""
+    """Record the store's baseline and per-config acceptance as the golden (the suite must pass the gate).
+
+    With --force the gate is judged without the golden it replaces (as a snapshot update: an
+    intended change of numerics moves logprobs and acceptance away from the old golden)."""
     from speccheck import golden as g
 
-    s, result, _ = _evaluate(store_dir, suite, policy_file, settings, golden_dir=golden_dir)
+    s, result, _ = _evaluate(store_dir, suite, policy_file, settings,
+                             golden_dir=None if force else golden_dir)
     path = g.record(s, result, Path(golden_dir), force=force)
     click.echo(f"recorded golden {path} ({len(result.configs)} configs' acceptance)")
 

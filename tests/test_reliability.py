@@ -470,6 +470,20 @@ def test_golden_record_refuses_to_overwrite_without_force(store, tmp_path):
     assert r.exit_code == 0, r.output
 
 
+def test_golden_record_force_judges_the_suite_without_the_golden_it_replaces(store, tmp_path):
+    """After an intended change of numerics the suite drifts from the old golden's logprob
+    noise: the gate against that golden fails, and --force still records the new one."""
+    gold = tmp_path / "golden"
+    assert invoke("golden", "record", "--store", str(store), "--golden", str(gold), *PASSING).exit_code == 0
+    noise = next(gold.rglob("noise.npz"))
+    np.savez(noise, **{k: v * 0.01 for k, v in np.load(noise).items()})  # a far quieter golden
+    r = invoke("gate", "--store", str(store), "--golden", str(gold), *PASSING)
+    assert r.exit_code == 1 and "drifted from the golden" in r.output, r.output
+    r = invoke("golden", "record", "--store", str(store), "--golden", str(gold), *PASSING, "--force")
+    assert r.exit_code == 0, r.output
+    assert invoke("gate", "--store", str(store), "--golden", str(gold), *PASSING).exit_code == 0
+
+
 def test_golden_key_includes_engine_args_and_numerics_are_checked(store, tmp_path):
     """A golden recorded with engine args lands in its own directory; a golden whose recorded
     numerics (dtype) differ from today's is refused with exit 2."""
