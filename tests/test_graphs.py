@@ -101,7 +101,8 @@ def test_batches_and_faults_keep_the_eager_loops(engine):
     assert not faulty.decoder.graphs.handles("mtp", 1)
 
 
-def test_cpu_engine_runs_no_graphs_and_fused_needs_cuda(engine):
+def test_cpu_engine_runs_no_graphs_and_fused_needs_cuda():
+    engine = ReferenceEngine(engine_args={**EQUAL, "device": "cpu"})  # a CPU engine on a GPU box too
     assert engine.decoder.graphs is None  # cuda_graphs=on applies on CUDA only
     assert "cuda_graphs" not in engine.identity()
     if os.environ.get("TRITON_INTERPRET") != "1":
