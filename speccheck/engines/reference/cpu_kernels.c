@@ -7,13 +7,14 @@
  * Here every output element is computed the same way whatever the number of rows: products of
  * the bf16 operands in fp32 (exact), accumulated in 16 lanes (lane l takes k = 16c + l, in order
  * of c, K zero-padded to a multiple of 16), the lanes summed by a fixed tree
- * ((l, l+8), then (l, l+4), (l, l+2), (0, 1)). Plain IEEE fp32 multiplies and adds, no FMA
- * (compiled with -ffp-contract=off): the same bits on any CPU, and cpu_linear.py's PyTorch
- * formulation of the same sums gives them too. Rows are taken four at a time so each weight
- * row is converted once per four rows, and the next weight rows are prefetched (a decode step's
- * weights come from L3 or memory: 1.9x faster cold on the AVX2 EPYC); from 12 rows on (a
- * prefill, a batch) the weights are converted to fp32 a column block at a time and six rows run
- * over each (1.4-1.7x faster). Those change speed, not any element's arithmetic.
+ * ((l, l+8), then (l, l+4), (l, l+2), (0, 1)). Plain IEEE fp32 adds (-ffp-contract=off; a
+ * fused multiply-add where the CPU has one rounds as a multiply and an add do, see MADD): the
+ * same bits on any CPU, and cpu_kernels.py's PyTorch formulation of the same sums gives them
+ * too. Rows are taken up to four at a time so each weight row is converted once per four rows,
+ * and the next weight rows are prefetched (a decode step's weights come from L3 or memory: 1.9x
+ * faster cold on the AVX2 EPYC); from 5 rows on (a verify, a prefill, a batch) a column block
+ * of weights is converted to fp32 once and up to six rows run over each weight row (1.2-1.7x
+ * faster). Those change speed, not any element's arithmetic.
  */
 #include <stdint.h>
 #include <string.h>
@@ -110,36 +111,56 @@ TILE(2, 2)
 TILE(3, 1)
 TILE(4, 1)
 
-/* Many rows (a prefill, a batch): the 16 weight rows of a column block are converted to fp32
- * once, then R rows of x at a time run over each weight row with the weight operand straight
- * from L1 (no conversion in the loop; 12 independent sums keep both FMA pipes busy). The same
- * lanes in the same order as the tiles above: the same bits. */
+/* Many rows (a prefill, a batch, a verify of 5 or more): the 16 weight rows of a column block are
+ * converted to fp32 once, then R rows of x (up to 6, 12 independent sums keep both FMA pipes
+ * busy) run over each weight row with the weight operand straight from L1, no conversion in the
+ * loop. The same lanes in the same order as the tiles above: the same bits. */
 #define WIDE 6
+#define WIDE_ROWS(R)                                                                            \
+    static void wide##R(const float *xf, int64_t Kp, const float *wf, int64_t N, void *out,    \
+                        int64_t m0, int out_fp32, int64_t n0, int64_t n1) {                     \
+        for (int64_t n = n0; n < n1; n++) {                                                     \
+            const float *wr = wf + (n - n0) * Kp;                                               \
+            v8f a[R], b[R];                                                                     \
+            for (int r = 0; r < R; r++) { a[r] = (v8f){0}; b[r] = (v8f){0}; }                   \
+            for (int64_t k = 0; k < Kp; k += 16) {                                              \
+                v8f w0, w1;                                                                     \
+                memcpy(&w0, wr + k, sizeof w0);                                                 \
+                memcpy(&w1, wr + k + 8, sizeof w1);                                             \
+                for (int r = 0; r < R; r++) {                                                   \
+                    v8f x0, x1;                                                                 \
+                    memcpy(&x0, xf + r * Kp + k, sizeof x0);                                    \
+                    memcpy(&x1, xf + r * Kp + k + 8, sizeof x1);                                \
+                    a[r] = MADD(x0, w0, a[r]);                                                  \
+                    b[r] = MADD(x1, w1, b[r]);                                                  \
+                }                                                                               \
+            }                                                                                   \
+            for (int r = 0; r < R; r++)                                                         \
+                store(out, out_fp32, (m0 + r) * N + n, reduce16(a[r], b[r]));                   \
+        }                                                                                       \
+    }
+WIDE_ROWS(1)
+WIDE_ROWS(2)
+WIDE_ROWS(3)
+WIDE_ROWS(4)
+WIDE_ROWS(5)
+WIDE_ROWS(6)
+
 static void wide_rows(const float *xf, int64_t Kp, const float *wf, int R, int64_t N, void *out,
                       int64_t m0, int out_fp32, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) {
-        const float *wr = wf + (n - n0) * Kp;
-        v8f a[WIDE], b[WIDE];
-        for (int r = 0; r < WIDE; r++) { a[r] = (v8f){0}; b[r] = (v8f){0}; }
-        for (int64_t k = 0; k < Kp; k += 16) {
-            v8f w0, w1;
-            memcpy(&w0, wr + k, sizeof w0);
-            memcpy(&w1, wr + k + 8, sizeof w1);
-            for (int r = 0; r < WIDE; r++) {
-                v8f x0, x1;
-                memcpy(&x0, xf + r * Kp + k, sizeof x0);
-                memcpy(&x1, xf + r * Kp + k + 8, sizeof x1);
-                a[r] = MADD(x0, w0, a[r]);
-                b[r] = MADD(x1, w1, b[r]);
-            }
-        }
-        for (int r = 0; r < R; r++)
-            store(out, out_fp32, (m0 + r) * N + n, reduce16(a[r], b[r]));
+    switch (R) {
+    case 1: wide1(xf, Kp, wf, N, out, m0, out_fp32, n0, n1); break;
+    case 2: wide2(xf, Kp, wf, N, out, m0, out_fp32, n0, n1); break;
+    case 3: wide3(xf, Kp, wf, N, out, m0, out_fp32, n0, n1); break;
+    case 4: wide4(xf, Kp, wf, N, out, m0, out_fp32, n0, n1); break;
+    case 5: wide5(xf, Kp, wf, N, out, m0, out_fp32, n0, n1); break;
+    default: wide6(xf, Kp, wf, N, out, m0, out_fp32, n0, n1); break;
     }
 }
 
-/* rows of x from M_WIDE on take the wide path (measured on the AVX2 EPYC) */
-#define M_WIDE 12
+/* rows of x from M_WIDE on take the wide path (A/B on the AVX2 EPYC: 5-8 rows 1.24-1.38x, 2 and
+ * 4 rows no faster) */
+#define M_WIDE 5
 #define M_BLOCK 96
 
 /* x [M, K] bf16, w [N, K] bf16, out [M, N] bf16 or fp32; xbuf >= (M + WIDE) * Kp floats, wbuf
@@ -162,8 +183,6 @@ void rowinv_linear(const uint16_t *x, const uint16_t *w, void *out, int64_t M, i
         }
         for (int64_t k = K; k < Kp; k++) xfr[k] = 0.0f;
     }
-    if (wide) /* the last row block reads WIDE rows: zeros past M */
-        memset(xbuf + M * Kp, 0, (size_t)(WIDE * Kp) * sizeof(float));
     if (wide) { /* blocks of M_BLOCK rows (in L2), over every column block (in L1) */
         for (int64_t mb = 0; mb < M; mb += M_BLOCK) {
             int64_t me = M - mb < M_BLOCK ? M : mb + M_BLOCK;
@@ -178,9 +197,12 @@ void rowinv_linear(const uint16_t *x, const uint16_t *w, void *out, int64_t M, i
                     }
                     for (int64_t k = K; k < Kp; k++) wfr[k] = 0.0f;
                 }
-                for (int64_t m0 = mb; m0 < me; m0 += WIDE) {
-                    int R = me - m0 < WIDE ? (int)(me - m0) : WIDE;
+                /* the block's rows in groups of at most WIDE, as even as can be (8 = 4 + 4) */
+                int64_t rows = me - mb, groups = (rows + WIDE - 1) / WIDE;
+                for (int64_t g = 0, m0 = mb; g < groups; g++) {
+                    int R = (int)(rows / groups + (g < rows % groups));
                     wide_rows(xbuf + m0 * Kp, Kp, wf, R, N, out, m0, out_fp32, n0, n1);
+                    m0 += R;
                 }
             }
         }
