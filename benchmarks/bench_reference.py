@@ -5,7 +5,8 @@
         [--variant LABEL:key=value,key=value ...]
 
 Every config first runs once to warm up; then ``--repeats`` rounds each run every config once,
-in turn, so that a machine whose speed drifts (a shared CPU) slows all configs alike. The
+interleaved prompt by prompt (every config on a prompt before the next prompt), so that a
+machine whose speed drifts (a shared CPU) slows all configs alike. The
 table gives the median decode tok/s (generated tokens after the first / decode seconds, summed
 over the corpus), tokens per iteration and the speedup over the baseline's median. Not a test:
 numbers depend on the machine (CPU threads, contention). Each ``--variant`` (other code-path
@@ -35,9 +36,13 @@ from speccheck.types import SpecConfig
 
 
 def run(engine, prompts, ids, config):
+    """(decode tok/s, tokens per iteration, wall seconds, token ids per prompt) of the corpus."""
     t = time.perf_counter()
     comps = engine.generate(prompts, ids, config, 5)
-    wall = time.perf_counter() - t
+    return summarize(comps, time.perf_counter() - t)
+
+
+def summarize(comps, wall):
     tokens = sum(c.n_tokens - 1 for c in comps)
     decode = sum(c.decode_s for c in comps)
     spec = None
@@ -46,6 +51,21 @@ def run(engine, prompts, ids, config):
             spec = c.spec if spec is None else spec + c.spec
     tpi = 1 + spec.accepted_tokens / spec.drafts if spec and spec.drafts else 1.0
     return tokens / decode, tpi, wall, [c.token_ids.tolist() for c in comps]
+
+
+def interleaved_round(cells, engines, prompts, ids, turn: int) -> dict:
+    """One round: prompt by prompt, every cell on that prompt before the next one (starting
+    at a cell that moves each prompt and round), so a drift in the machine's speed over the
+    round hits every config alike instead of the ones that ran while it was slow."""
+    comps = {cell: [] for cell in cells}
+    walls = {cell: 0.0 for cell in cells}
+    for j, (p, i) in enumerate(zip(prompts, ids)):
+        for n in range(len(cells)):
+            label, cfg = cells[(n + j + turn) % len(cells)]
+            t = time.perf_counter()
+            comps[(label, cfg)] += engines[label].generate([p], [i], cfg, 5)
+            walls[(label, cfg)] += time.perf_counter() - t
+    return {cell: summarize(comps[cell], walls[cell]) for cell in cells}
 
 
 def main(argv=None) -> int:
@@ -94,8 +114,8 @@ def main(argv=None) -> int:
         run(engines[label], prompts, ids, cfg)  # warm-up (on CUDA: captures the step graphs)
     by_cell = {cell: [] for cell in cells}
     for i in range(a.repeats):
-        for label, cfg in cells:
-            by_cell[(label, cfg)].append(run(engines[label], prompts, ids, cfg))
+        for cell, result in interleaved_round(cells, engines, prompts, ids, i).items():
+            by_cell[cell].append(result)
         print(f"  round {i + 1}/{a.repeats}: " + "  ".join(
             f"{label + ' ' if label else ''}{cfg.name} {r[-1][0]:.0f}"
             for (label, cfg), r in by_cell.items()), file=sys.stderr, flush=True)
