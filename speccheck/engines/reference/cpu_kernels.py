@@ -4,7 +4,7 @@ row-invariant and fast.
 A decode step (1 row), a verify (K+1 rows) and a batch all get the same bits for a row, on any
 CPU; the C kernels are compiled with the machine's C compiler at first use and cached. Without a
 compiler, :func:`rowinv_linear_torch` and :func:`rms_norm_torch` compute the same sums with
-PyTorch ops (slower, same bits).
+PyTorch ops (slower, same bits); ``SPECCHECK_CPU_LINEAR=torch`` forces them.
 """
 from __future__ import annotations
 
