@@ -95,14 +95,11 @@ def _kernel():
     return _lib
 
 
-_WIDE = 6  # cpu_kernels.c's WIDE: rows of x the wide path reads past the last one
-
-
 def _scratch(rows: int, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-thread buffers: the rows of x in fp32 (and WIDE zero rows), 16 weight rows in
-    fp32 (or 4 in bf16), zero-padded to kp."""
+    """Per-thread buffers: the rows of x in fp32, 16 weight rows in fp32 (or 4 in bf16),
+    zero-padded to kp."""
     bufs = getattr(_local, "bufs", None)
-    need_x, need_w = (rows + _WIDE) * kp, 16 * kp
+    need_x, need_w = rows * kp, 16 * kp
     if bufs is None or bufs[0].numel() < need_x or bufs[1].numel() < need_w:
         bufs = (torch.empty(max(need_x, bufs[0].numel() if bufs else 0), dtype=torch.float32),
                 torch.empty(max(need_w, bufs[1].numel() if bufs else 0), dtype=torch.float32))
