@@ -60,6 +60,15 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch doe
     return (uint16_t)(u >> 16);
 }
 
+/* K bf16 values to fp32, zero-padded to Kp (the lanes' multiple of 16) */
+static void widen_row(const uint16_t *src, float *dst, int64_t K, int64_t Kp) {
+    for (int64_t k = 0; k < K; k++) {
+        uint32_t u = (uint32_t)src[k] << 16;
+        memcpy(dst + k, &u, 4);
+    }
+    for (int64_t k = K; k < Kp; k++) dst[k] = 0.0f;
+}
+
 static inline void store(void *out, int out_fp32, int64_t i, float v) {
     if (out_fp32) ((float *)out)[i] = v;
     else ((uint16_t *)out)[i] = to_bf16(v);
@@ -174,29 +183,13 @@ void rowinv_linear(const uint16_t *x, const uint16_t *w, void *out, int64_t M, i
     int wide = M >= M_WIDE;
     if (Kp != K && !wide)
         for (int j = 0; j < 4; j++) memset(wb16 + j * Kp + K, 0, (size_t)(Kp - K) * 2);
-    for (int64_t m = 0; m < M; m++) {
-        const uint16_t *xr = x + m * K;
-        float *xfr = xbuf + m * Kp;
-        for (int64_t k = 0; k < K; k++) {
-            uint32_t u = (uint32_t)xr[k] << 16;
-            memcpy(xfr + k, &u, 4);
-        }
-        for (int64_t k = K; k < Kp; k++) xfr[k] = 0.0f;
-    }
+    for (int64_t m = 0; m < M; m++) widen_row(x + m * K, xbuf + m * Kp, K, Kp);
     if (wide) { /* blocks of M_BLOCK rows (in L2), over every column block (in L1) */
         for (int64_t mb = 0; mb < M; mb += M_BLOCK) {
             int64_t me = M - mb < M_BLOCK ? M : mb + M_BLOCK;
             for (int64_t n0 = 0; n0 < N; n0 += 16) {
                 int64_t n1 = N - n0 < 16 ? N : n0 + 16;
-                for (int64_t n = n0; n < n1; n++) {
-                    const uint16_t *wr = w + n * K;
-                    float *wfr = wf + (n - n0) * Kp;
-                    for (int64_t k = 0; k < K; k++) {
-                        uint32_t u = (uint32_t)wr[k] << 16;
-                        memcpy(wfr + k, &u, 4);
-                    }
-                    for (int64_t k = K; k < Kp; k++) wfr[k] = 0.0f;
-                }
+                for (int64_t n = n0; n < n1; n++) widen_row(w + n * K, wf + (n - n0) * Kp, K, Kp);
                 /* the block's rows in groups of at most WIDE, as even as can be (8 = 4 + 4) */
                 int64_t rows = me - mb, groups = (rows + WIDE - 1) / WIDE;
                 for (int64_t g = 0, m0 = mb; g < groups; g++) {

@@ -71,7 +71,7 @@ def _build() -> ctypes.CDLL | None:
             if tmp is not None and os.path.exists(tmp):  # no half-written library left behind
                 os.unlink(tmp)
             print(f"speccheck: could not compile {_SOURCE.name} ({e}); the reference engine's "
-                  "CPU linear runs as PyTorch ops (same bits, slower)", file=sys.stderr)
+                  "CPU kernels run as PyTorch ops (same bits, slower)", file=sys.stderr)
             return None
     dll = ctypes.CDLL(str(lib))
     fn = dll.rowinv_linear
