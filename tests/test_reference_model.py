@@ -177,3 +177,19 @@ def test_bf16_logits_are_the_fp32_product_and_a_row_is_the_same_alone_or_in_a_ba
     assert torch.equal(got.topk(5, dim=-1).indices, full.topk(5, dim=-1).indices)
     for i in range(6):
         assert torch.equal(target.logits(h[i:i + 1])[0], got[i])
+
+
+@pytest.mark.parametrize("T", [2, 33, 257, 700])
+def test_prefill_attention_is_the_masked_form_bit_for_bit(T):
+    """A prefill (queries = keys, from position 0) attends with ``is_causal`` on the CPU, which
+    skips the keys above the diagonal; it must give the bits of the explicit causal mask that
+    verify steps use, or prefill and verify would score the same position differently."""
+    from speccheck.engines.reference.model import _attend
+
+    g = torch.Generator().manual_seed(T)
+    q = torch.randn(1, 4, T, 64, generator=g).bfloat16()
+    K, V = (torch.randn(1, 2, T, 64, generator=g).bfloat16() for _ in range(2))
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    want = torch.nn.functional.scaled_dot_product_attention(q, K, V, attn_mask=mask,
+                                                            enable_gqa=True)
+    assert torch.equal(_attend(q, K, V, 0, "multi"), want)

@@ -660,6 +660,9 @@ def _attend(q, K, V, start: int | torch.Tensor, form: str):
     if form == "multi":
         if T == 1 and allowed is None:
             return F.scaled_dot_product_attention(q, K, V, enable_gqa=True)
+        if T == L and allowed is None and q.device.type == "cpu":
+            # a prefill: on the CPU the same bits as the mask below, its upper half skipped
+            return F.scaled_dot_product_attention(q, K, V, is_causal=True, enable_gqa=True)
         mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)
         if allowed is not None:
             mask = mask & allowed
