@@ -182,8 +182,9 @@ def test_bf16_logits_are_the_fp32_product_and_a_row_is_the_same_alone_or_in_a_ba
 @pytest.mark.parametrize("T", [2, 33, 257, 700])
 def test_prefill_attention_is_the_masked_form_bit_for_bit(T):
     """A prefill (queries = keys, from position 0) attends with ``is_causal`` on the CPU, which
-    skips the keys above the diagonal; it must give the bits of the explicit causal mask that
-    verify steps use, or prefill and verify would score the same position differently."""
+    skips the keys above the diagonal; it must give the bits of the explicit causal mask it
+    replaced, or every prefill and teacher-forced rescoring (the same square call) would move
+    against the stored runs and goldens."""
     from speccheck.engines.reference.model import _attend
 
     g = torch.Generator().manual_seed(T)
