@@ -8,6 +8,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from speccheck.engines.base import EngineUsageError
 from speccheck.engines.reference.dflash2 import (DFLASH2_FILE, DFlash2Drafter, DFlashGroupedConv,
@@ -64,6 +66,21 @@ def test_walk_follows_previous_choice_and_breaks_ties_low():
 def test_candidates_order_ties_by_token_id():
     ids, vals = candidates(torch.tensor([[0.5, 2.0, 1.0, 2.0, 2.0]]), 3)
     assert ids.tolist() == [[1, 3, 4]] and vals.tolist() == [[2.0, 2.0, 2.0]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0.0, -0.0, 1.5, -1.5, 2.0, -3.25, 7.0, 1e-30, -1e-30,
+                                 float("inf"), float("-inf"), 3.0e38]), min_size=1, max_size=40),
+       st.data())
+def test_candidates_are_the_stable_sorts_first_k(values, data):
+    """The topk on one key per score picks what the stable descending sort picks first, ties
+    (a bf16 score has many), signed zeros and infinities included; rows apart."""
+    x = torch.tensor([values, values[::-1]])
+    k = data.draw(st.integers(1, len(values)))
+    vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    got_ids, got_vals = candidates(x, k)
+    assert got_ids.tolist() == ids[..., :k].tolist()
+    assert got_vals.tolist() == vals[..., :k].tolist()
 
 
 def _weights_dir(tmp_path, mutate=None):

@@ -253,3 +253,41 @@ def test_ignore_eos_decodes_the_full_budget(equal_engine, config):
     base = equal_engine.generate([goes_on], [ids], SpecConfig(), 5)[0]
     assert alone.token_ids.tolist() == base.token_ids.tolist()
     assert alone.spec.drafts > 0
+
+
+@pytest.mark.parametrize("batch", ["1", "3"])
+def test_prefix_cache_gives_the_bits_of_a_fresh_prefill(prompts, batch):
+    """A prompt prefilled before (prefix_cache, the default) decodes to exactly what a fresh
+    prefill gives (bf16, the default kernels), whichever config prefilled it first: the
+    baseline's prefills serve MTP, DFlash and DFlash2, which need more of the target's
+    layers, and a repeat; prefilled once each, not once per config."""
+    ps, ids = prompts
+    on = ReferenceEngine(engine_args={"threads": "1", "batch": batch})
+    off = on.with_args(prefix_cache="off")
+    kept = None
+    for config in [SpecConfig(), SpecConfig("mtp", 3), SpecConfig("dflash", 7),
+                   SpecConfig("dflash2", 7), SpecConfig()]:
+        for x, y in zip(on.generate(ps, ids, config, 5), off.generate(ps, ids, config, 5)):
+            assert x.token_ids.tolist() == y.token_ids.tolist(), (config.name, x.prompt_id)
+            assert x.logprobs.tobytes() == y.logprobs.tobytes(), (config.name, x.prompt_id)
+            assert x.topk_logprobs.tobytes() == y.topk_logprobs.tobytes()
+            if config.method != "baseline":
+                assert x.spec.accepted_per_pos == y.spec.accepted_per_pos
+        memo = on.decoder._prefilled
+        assert set(memo) == {tuple(i) for i in ids}
+        if kept is None:
+            kept = {key: entry[1] for key, entry in memo.items()}
+        assert all(memo[key][1] is h for key, h in kept.items())  # reused, not recomputed
+    assert not off.decoder._prefilled
+    assert on.identity()["prefix_cache"] == "on" and off.identity()["prefix_cache"] == "off"
+
+
+def test_prefix_cache_keeps_a_bounded_number_of_tokens(prompts, monkeypatch):
+    from speccheck.engines.reference import decode
+
+    """The least recently used prefills go first."""
+    ps, ids = prompts
+    monkeypatch.setattr(decode, "PREFIX_CACHE_TOKENS", len(ids[-1]) + len(ids[-2]))
+    eng = ReferenceEngine(engine_args={"threads": "1"})
+    eng.generate(ps, ids, SpecConfig(), 5)
+    assert list(eng.decoder._prefilled) == [tuple(ids[-2]), tuple(ids[-1])]

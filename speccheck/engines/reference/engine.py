@@ -59,6 +59,9 @@ ENGINE_ARGS = {
     "dflash2_top_k": (None, "", "DFlash2 candidates per slot (empty = the checkpoint's "
                                 "selector_top_k)"),
     "dflash2_walk": (tuple(WALK_DTYPES), "fp32", "dtype of the DFlash2 edge scores and walk"),
+    "prefix_cache": (("on", "off"), "on", "a prompt prefilled before in this process reuses "
+                                          "that prefill (the same bits; eager decoding, not the "
+                                          "CUDA graphs path); off = every request prefills"),
     "cuda_graphs": (("on", "off"), "on", "CUDA: each decode, verify and draft step of one prompt "
                                          "replays a CUDA graph (no planted fault); off = eager"),
 }
@@ -66,7 +69,7 @@ ENGINE_ARGS = {
 #: on the loaded networks
 PATH_ARGS = ("gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode",
              "attn_verify", "batch", "no_draft_every", "fault", "dflash2_selector", "dflash2_top_k",
-             "dflash2_walk", "cuda_graphs")
+             "dflash2_walk", "cuda_graphs", "prefix_cache")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -231,6 +234,7 @@ class ReferenceEngine(Engine):
         fault = None if self.args["fault"] == "none" else self.args["fault"]
         self.knobs = Knobs(fault=fault, no_draft_every=int(self.args["no_draft_every"]),
                            cuda_graphs=self.args["cuda_graphs"] == "on",
+                           prefix_cache=self.args["prefix_cache"] == "on",
                            **{k: self.args[k] for k in ("gdn_prefill", "gdn_decode", "gdn_verify",
                                                         "attn_prefill", "attn_decode", "attn_verify")})
         top_k = self.args["dflash2_top_k"]
@@ -290,6 +294,7 @@ class ReferenceEngine(Engine):
             "fault": self.args["fault"],
             **({"cuda_graphs": self.args["cuda_graphs"]} if self.device.type == "cuda" else {}),
             "batch": int(self.args["batch"]),
+            "prefix_cache": self.args["prefix_cache"],
             "no_draft_every": int(self.args["no_draft_every"]),
             "block_size": self.cfg.drafter.block_size,
             "dflash2": (None if self.dflash2 is None else

@@ -543,6 +543,21 @@ class Cache:
             setattr(self, name, [None if t is None else t[idx] for t in getattr(self, name)])
         self.lengths = self.lengths[idx]
 
+    def copy(self, max_len: int) -> "Cache":
+        """A single sequence's cache copied into a new one of ``max_len`` positions (the K/V
+        of the positions seen; nothing shared): a prefilled prompt kept for reuse."""
+        assert self.lengths is None and not self.pending and self.length <= max_len
+        out = Cache(len(self.gdn), max_len)
+        out.length = self.length
+        out.gdn = [None if s is None else s.clone() for s in self.gdn]
+        out.conv = [None if s is None else s.clone() for s in self.conv]
+        for name in ("k", "v"):
+            for i, t in enumerate(getattr(self, name)):
+                if t is not None:
+                    getattr(out, name)[i] = t.new_zeros(*t.shape[:2], max_len, t.shape[3])
+                    getattr(out, name)[i][:, :, :self.length] = t[:, :, :self.length]
+        return out
+
     def snapshot(self) -> tuple:
         """A copy of the state at the current position (cheap: a few small tensors)."""
         return (self.length, [None if s is None else s.clone() for s in self.gdn],
