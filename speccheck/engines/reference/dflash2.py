@@ -195,9 +195,9 @@ def candidates(unary_full: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     sort was half of a DFlash2 draft on the CPU). Scores must not be NaN."""
     V = unary_full.shape[-1]
     shift = max(1, (V - 1).bit_length())
-    bits = (unary_full.float() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes +0.0
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int order = float order
-    key = (ordered << shift) | (V - 1 - torch.arange(V, device=unary_full.device))
+    bits = (unary_full.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negatives' magnitude bits flipped: int order
+    key = (ordered.long() << shift) | torch.arange(V - 1, -1, -1, device=unary_full.device)
     ids = key.topk(k, dim=-1).indices
     return ids, unary_full.gather(-1, ids)
 
