@@ -121,7 +121,7 @@ class DFlashGroupedConv(nn.Module):
     def prepare(self, x: torch.Tensor, slot: torch.Tensor) -> tuple:
         """Side 0 applied to the sublayer input; returns it and side 1's δ."""
         B, T, _ = x.shape
-        delta = self.kernel_projection(x).view(B, T, 2, self.taps, self.groups)
+        delta = linear(x, self.kernel_projection.weight).view(B, T, 2, self.taps, self.groups)
         return self._convolve(x, delta[:, :, 0], 0, slot), delta[:, :, 1]
 
     def finish(self, y: torch.Tensor, delta: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
