@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from speccheck.engines.base import EngineUsageError
 from speccheck.engines.reference.dflash2 import (DFLASH2_FILE, DFlash2Drafter, DFlashGroupedConv,
-                                                 block_slots, candidates, init_from_dflash,
-                                                 load_dflash2, save_dflash2, walk)
+                                                 block_reach, block_slots, candidates,
+                                                 init_from_dflash, load_dflash2, save_dflash2, walk)
 from speccheck.engines.reference.engine import WEIGHTS_DIR, ReferenceEngine, load_networks
 from speccheck.types import SpecConfig
 
@@ -30,7 +30,8 @@ def test_grouped_conv_matches_its_formula():
         conv.kernel_projection.weight.normal_()
     x = torch.randn(1, 6, 32)
     slot = block_slots(6, 3, x.device)  # two blocks of 3
-    out, delta1 = conv.prepare(x, slot)
+    reach = block_reach(slot, 2)
+    out, delta1 = conv.prepare(x, reach)
     delta0 = conv.kernel_projection(x).view(1, 6, 2, 2, 2)[:, :, 0]
     want = torch.zeros_like(x)
     for i in range(6):
@@ -41,7 +42,7 @@ def test_grouped_conv_matches_its_formula():
                         * x[0, i - t, c]
     assert torch.allclose(out, want, atol=1e-5)
     y = torch.randn(1, 6, 32)
-    fin = conv.finish(y, delta1, slot)
+    fin = conv.finish(y, delta1, reach)
     assert torch.allclose(fin[0, 3], (conv.base_kernel[1, 0] + delta1[0, 3, 0].repeat_interleave(16)) * y[0, 3],
                           atol=1e-5)  # slot 0 of block 2: no tap from block 1
 
@@ -49,9 +50,9 @@ def test_grouped_conv_matches_its_formula():
 def test_conv_initialised_to_identity():
     conv = DFlashGroupedConv(hidden=32, taps=2, group_size=16)
     x = torch.randn(1, 5, 32)
-    y, delta = conv.prepare(x, block_slots(5, 5, x.device))
+    y, delta = conv.prepare(x, block_reach(block_slots(5, 5, x.device), 2))
     assert torch.equal(y, x)
-    assert torch.equal(conv.finish(x, delta, block_slots(5, 5, x.device)), x)
+    assert torch.equal(conv.finish(x, delta, block_reach(block_slots(5, 5, x.device), 2)), x)
 
 
 def test_walk_follows_previous_choice_and_breaks_ties_low():

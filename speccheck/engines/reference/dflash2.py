@@ -85,6 +85,13 @@ def block_slots(n: int, block_size: int, device) -> torch.Tensor:
     return torch.arange(n, device=device) % block_size
 
 
+def block_reach(slot: torch.Tensor, taps: int) -> list:
+    """Per tap t, bool [1, T, 1, 1]: may the token reach t back (slot >= t, inside its own
+    block)? Made once per drafter forward for all its convolutions; a product with a bool
+    mask is the product with 0.0 / 1.0."""
+    return [(slot >= t).view(1, -1, 1, 1) for t in range(taps)]
+
+
 class DFlashGroupedConv(nn.Module):
     """vLLM ``DFlashGroupedConv``: ``base_kernel`` [2, taps, H] (side 0 = before the sublayer,
     side 1 = after it), ``kernel_projection`` H -> 2 * taps * groups (the per-position δ)."""
@@ -105,27 +112,26 @@ class DFlashGroupedConv(nn.Module):
             self.kernel_projection.weight.zero_()
 
     def _convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int,
-                  slot: torch.Tensor) -> torch.Tensor:
+                  reach: list) -> torch.Tensor:
         """x [B,T,H], delta [B,T,taps,G]: out[i] = Σ_t (base[t] + δ[i,t]) x[i - t], taps that
-        would reach before the block's first slot dropped."""
-        B, T, H = x.shape
+        would reach before the block's first slot dropped (``reach``: :func:`block_reach`)."""
         blocks = x.unflatten(-1, (self.groups, self.group_size))
         coef = self.base_kernel[side].view(1, 1, self.taps, self.groups, self.group_size) \
             + delta.unsqueeze(-1)
         out = coef[:, :, 0] * blocks
         for t in range(1, self.taps):
             shifted = F.pad(blocks[:, :-t], (0, 0, 0, 0, t, 0))
-            out = out + coef[:, :, t] * shifted * (slot >= t).view(1, T, 1, 1).to(x.dtype)
+            out = out + coef[:, :, t] * shifted * reach[t]
         return out.flatten(-2)
 
-    def prepare(self, x: torch.Tensor, slot: torch.Tensor) -> tuple:
+    def prepare(self, x: torch.Tensor, reach: list) -> tuple:
         """Side 0 applied to the sublayer input; returns it and side 1's δ."""
         B, T, _ = x.shape
         delta = linear(x, self.kernel_projection.weight).view(B, T, 2, self.taps, self.groups)
-        return self._convolve(x, delta[:, :, 0], 0, slot), delta[:, :, 1]
+        return self._convolve(x, delta[:, :, 0], 0, reach), delta[:, :, 1]
 
-    def finish(self, y: torch.Tensor, delta: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        return self._convolve(y, delta, 1, slot)
+    def finish(self, y: torch.Tensor, delta: torch.Tensor, reach: list) -> torch.Tensor:
+        return self._convolve(y, delta, 1, reach)
 
 
 class DFlash2DecoderLayer(DFlashDecoderLayer):
@@ -135,12 +141,12 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.attention_conv = DFlashGroupedConv(*args)
         self.mlp_conv = DFlashGroupedConv(*args)
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None, slot=None, keys=None):
-        h, delta = self.attention_conv.prepare(self.input_layernorm(x), slot)
+    def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None, reach=None, keys=None):
+        h, delta = self.attention_conv.prepare(self.input_layernorm(x), reach)
         h = self.self_attn(h, positions, ctx_k, ctx_v, mask, ctx_len, keys)
-        x = x + self.attention_conv.finish(h, delta, slot)
-        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x), slot)
-        return x + self.mlp_conv.finish(self.mlp(h), delta, slot)
+        x = x + self.attention_conv.finish(h, delta, reach)
+        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x), reach)
+        return x + self.mlp_conv.finish(self.mlp(h), delta, reach)
 
 
 # --------------------------------------------------------------------------- candidate selector
@@ -222,9 +228,10 @@ class DFlash2Drafter(DFlashDrafter):
         """As DFlashDrafter.forward; the T block tokens are blocks of ``block_size`` laid end
         to end (None: one block), which bounds the convolution's reach."""
         x = block_embeds.float()
-        slot = block_slots(x.shape[1], block_size or x.shape[1], x.device)
+        reach = block_reach(block_slots(x.shape[1], block_size or x.shape[1], x.device),
+                            self.d2.conv_kernel_size)
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            x = layer(x, positions, ck, cv, mask, ctx_len, slot, keys)
+            x = layer(x, positions, ck, cv, mask, ctx_len, reach, keys)
         return self.norm(x)
 
 
