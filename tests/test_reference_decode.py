@@ -283,9 +283,9 @@ def test_prefix_cache_gives_the_bits_of_a_fresh_prefill(prompts, batch):
 
 
 def test_prefix_cache_keeps_a_bounded_number_of_tokens(prompts, monkeypatch):
+    """The least recently used prefills go first."""
     from speccheck.engines.reference import decode
 
-    """The least recently used prefills go first."""
     ps, ids = prompts
     monkeypatch.setattr(decode, "PREFIX_CACHE_TOKENS", len(ids[-1]) + len(ids[-2]))
     eng = ReferenceEngine(engine_args={"threads": "1"})

@@ -551,11 +551,11 @@ class Cache:
         out.length = self.length
         out.gdn = [None if s is None else s.clone() for s in self.gdn]
         out.conv = [None if s is None else s.clone() for s in self.conv]
-        for name in ("k", "v"):
-            for i, t in enumerate(getattr(self, name)):
+        for mine, theirs in ((self.k, out.k), (self.v, out.v)):
+            for i, t in enumerate(mine):
                 if t is not None:
-                    getattr(out, name)[i] = t.new_zeros(*t.shape[:2], max_len, t.shape[3])
-                    getattr(out, name)[i][:, :, :self.length] = t[:, :, :self.length]
+                    theirs[i] = t.new_zeros(*t.shape[:2], max_len, t.shape[3])
+                    theirs[i][:, :, :self.length] = t[:, :, :self.length]
         return out
 
     def snapshot(self) -> tuple:
