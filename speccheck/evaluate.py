@@ -28,6 +28,9 @@ from speccheck.verify import (
     Divergence,
     acceptance_mismatches,
     acceptance_summary,
+    SameOutputAcceptance,
+    output_digest,
+    same_output_acceptance,
     boundary_divergence,
     calibrate_thresholds,
     abs_deltas,
@@ -158,6 +161,8 @@ class ConfigResult:
     noise_missing: str | None = None
     #: prompts whose spec output stops elsewhere than the baseline's (explained or not)
     boundaries: list[Boundary] = field(default_factory=list)
+    #: acceptance against the golden's on the prompts whose output is the golden run's
+    golden_same_output: SameOutputAcceptance | None = None
     #: impossible spec counters ("r0 prompt p: ..."), and the run's tokens/iteration three ways
     counter_problems: list[str] = field(default_factory=list)
     counter_views: dict[str, float | None] = field(default_factory=dict)
@@ -675,10 +680,24 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
         except ValueError:  # impossible counters: counters_consistent names them
             result.acceptance = None
     if golden_acceptance and name in golden_acceptance:
-        result.golden_tokens_per_iter = golden_acceptance[name]
+        gold = golden_acceptance[name]
+        gold = gold if isinstance(gold, dict) else {"tokens_per_iter": gold}  # overall only
+        result.golden_tokens_per_iter = gold["tokens_per_iter"]
+        if ok and gold.get("per_prompt"):
+            result.golden_same_output = same_output_acceptance(
+                per_prompt_acceptance(ok[0].completions),
+                {p: tuple(v) for p, v in gold["per_prompt"].items()})
 
     result.checks = _checks(result, policy, is_baseline=(name == "baseline"))
     return result
+
+
+def per_prompt_acceptance(completions: Sequence[Completion]) -> dict[str, tuple[int, int, str]]:
+    """{prompt id: (drafts, accepted tokens, output digest)} of the completions that carry spec
+    counters: what ``golden record`` keeps per config, what :func:`same_output_acceptance`
+    compares."""
+    return {c.prompt_id: (int(c.spec.drafts), int(c.spec.accepted_tokens), output_digest(c.token_ids))
+            for c in completions if c.spec is not None}
 
 
 def _token_divergences(divs: Sequence[Divergence]) -> list[Divergence]:
@@ -824,11 +843,18 @@ def _checks(r: ConfigResult, p: Policy, is_baseline: bool) -> list[Check]:
         problems = []
         if acc.tokens_per_iter < p.min_tokens_per_iter:
             problems.append(f"{acc.tokens_per_iter:.2f} tokens/iteration < {p.min_tokens_per_iter:.2f}")
-        if r.golden_tokens_per_iter is not None and \
+        same = r.golden_same_output
+        where = (f" on the {same.shared} of {same.prompts} prompts whose output is the golden run's "
+                 "token for token") if same else ""
+        if same is not None and same.today < same.golden * (1 - p.max_acceptance_drop):
+            problems.append(f"{same.today:.2f} tokens/iteration{where} fell more than "
+                            f"{p.max_acceptance_drop:.0%} below the golden's {same.golden:.2f} there")
+        elif same is None and r.golden_tokens_per_iter is not None and \
                 acc.tokens_per_iter < r.golden_tokens_per_iter * (1 - p.max_acceptance_drop):
             problems.append(f"{acc.tokens_per_iter:.2f} tokens/iteration fell more than "
                             f"{p.max_acceptance_drop:.0%} below golden {r.golden_tokens_per_iter:.2f}")
-        gold = f" (golden {r.golden_tokens_per_iter:.2f})" if r.golden_tokens_per_iter else ""
+        gold = f" (golden {r.golden_tokens_per_iter:.2f}" if r.golden_tokens_per_iter else ""
+        gold += f"; {same.today:.2f} vs {same.golden:.2f}{where})" if same else (")" if gold else "")
         checks.append(Check("acceptance_not_regressed", not problems,
                             "; ".join(problems) if problems else f"{acc.tokens_per_iter:.2f} tokens/iteration{gold}"))
 

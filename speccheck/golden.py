@@ -13,7 +13,7 @@ import numpy as np
 
 from speccheck.engines import RUN_ONLY_ARGS
 from speccheck.evaluate import (Comparison, SuiteResult, compare_runs, kernel_noise_sample,
-                                spec_delta_sample)
+                                per_prompt_acceptance, spec_delta_sample)
 from speccheck.store import Suite, read_run
 from speccheck.types import RunRecord
 from speccheck.verify import DriftTest, calibrate_thresholds, drift_test, summarize
@@ -101,8 +101,12 @@ def record(suite: Suite, result: SuiteResult, root: Path, force: bool = False) -
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(suite.run_dir("baseline", 0), tmp / "baseline")
+    # per prompt too, with a digest of its output: on another machine only the prompts that
+    # keep their trajectory are compared (verify.same_output_acceptance)
     acceptance = {r.config: {"tokens_per_iter": r.acceptance.tokens_per_iter,
-                             "per_pos": list(r.acceptance.per_pos)}
+                             "per_pos": list(r.acceptance.per_pos),
+                             "per_prompt": {p: list(v) for p, v in per_prompt_acceptance(
+                                 suite.load_run(r.config, 0).completions).items()}}
                   for r in result.configs if r.acceptance is not None}
     samples = {KERNEL_PATH: kernel_noise_sample(suite)}
     samples.update({f"config:{r.config}": spec_delta_sample(suite, r.config)
@@ -202,9 +206,11 @@ def golden_noise(suite: Suite, root: Path) -> dict[str, np.ndarray] | None:
     return {k.removeprefix("config:"): v for k, v in samples.items() if k.startswith("config:")} or None
 
 
-def golden_acceptance(suite: Suite, root: Path) -> dict[str, float] | None:
+def golden_acceptance(suite: Suite, root: Path) -> dict[str, dict] | None:
+    """Per config the golden's acceptance: ``tokens_per_iter``, ``per_pos`` and (goldens
+    recorded since it existed) ``per_prompt`` {prompt id: [drafts, accepted, output digest]}."""
     try:
         _, meta, _ = load_golden(suite, root)
     except (GoldenMismatch, FileNotFoundError, KeyError):
         return None
-    return {k: v["tokens_per_iter"] for k, v in meta.get("acceptance", {}).items()}
+    return dict(meta.get("acceptance", {}))

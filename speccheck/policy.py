@@ -93,6 +93,7 @@ class Policy:
     #: a spec config must have drafted (drafts > 0) and reach this many tokens per iteration
     min_tokens_per_iter: float = 1.0
     #: tokens per iteration may fall this much (relative) below the golden's before failing
+    #: (on the prompts whose output is the golden run's, where the golden records them)
     max_acceptance_drop: float = 0.05
     #: warm decode speedup over the baseline measured in the same suite (0 = report only)
     min_speedup: float = 0.0

@@ -5,12 +5,13 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import pytest
 
-from speccheck.evaluate import CHECKS, evaluate_suite
+from speccheck.evaluate import CHECKS, evaluate_suite, per_prompt_acceptance
 from speccheck.gate import exit_code, gate_text, write_junit
 from speccheck.policy import Policy
 from speccheck.report import diff_text, markdown_report
 from speccheck.store import Store
 from speccheck.types import Completion, RunRecord, Scored, SpecConfig, SpecCounters
+from speccheck.verify import output_digest
 
 V = 50
 
@@ -126,6 +127,46 @@ def test_zero_drafts_is_flagged(suite):
 def test_golden_acceptance_regression(suite):
     res = evaluate_suite(suite, Policy(min_token_agreement=0.5), golden_acceptance={"mtp-k3": 3.5})
     assert not res.get("mtp-k3").check("acceptance_not_regressed").passed
+
+
+def _golden_per_prompt(suite, name, accepted=None, other_output=()):
+    """The golden entry of ``name`` as `golden record` writes it, from today's run 0, with
+    each prompt's accepted count replaced from ``accepted`` and the prompts in
+    ``other_output`` given another output (a trajectory the golden's machine took)."""
+    per = {p: list(v) for p, v in per_prompt_acceptance(suite.load_run(name, 0).completions).items()}
+    for p, n in (accepted or {}).items():
+        per[p][1] = n
+    for p in other_output:
+        per[p][2] = output_digest([9, 9, 9])
+    tpi = 1 + sum(v[1] for v in per.values()) / sum(v[0] for v in per.values())
+    return {name: {"tokens_per_iter": tpi, "per_pos": [], "per_prompt": per}}
+
+
+def test_golden_acceptance_compared_on_the_prompts_that_kept_their_output(suite):
+    """Another machine flipped a near-tie in prompt a, whose new continuation the drafter
+    guesses far worse than the golden's did: the suite's tokens/iteration is 17 % under the
+    golden's, yet on b and c (same output as the golden's run) acceptance is unchanged."""
+    gold = _golden_per_prompt(suite, "mtp-k3", accepted={"a": 6}, other_output=["a"])
+    check = evaluate_suite(suite, Policy(min_token_agreement=0.5),
+                           golden_acceptance=gold).get("mtp-k3").check("acceptance_not_regressed")
+    assert 2.5 < gold["mtp-k3"]["tokens_per_iter"] * 0.95  # the overall figure alone would fail
+    assert check.passed and "on the 2 of 3 prompts whose output is the golden run's" in check.message
+
+
+def test_golden_acceptance_drop_on_unchanged_outputs_fails(suite):
+    """Same outputs (lossless), fewer tokens accepted: a drafter regression."""
+    gold = _golden_per_prompt(suite, "mtp-k3", accepted={"b": 4, "c": 4})
+    check = evaluate_suite(suite, Policy(min_token_agreement=0.5),
+                           golden_acceptance=gold).get("mtp-k3").check("acceptance_not_regressed")
+    assert not check.passed and "on the 3 of 3 prompts" in check.message and "2.83" in check.message
+
+
+def test_golden_acceptance_without_shared_outputs_uses_the_total(suite):
+    gold = _golden_per_prompt(suite, "mtp-k3", accepted={"a": 4, "b": 4, "c": 4},
+                              other_output=["a", "b", "c"])
+    check = evaluate_suite(suite, Policy(min_token_agreement=0.5),
+                           golden_acceptance=gold).get("mtp-k3").check("acceptance_not_regressed")
+    assert not check.passed and "below golden 3.00" in check.message
 
 
 def test_failed_run_is_engine_failure(suite):

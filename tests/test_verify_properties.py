@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from speccheck.verify import (acceptance_summary, calibrate_thresholds, classify_divergence,
                               determinism, find_divergences, first_divergence, margins,
-                              path_noise, prefix_agreement, teacher_forced_agreement,
+                              path_noise, prefix_agreement, same_output_acceptance,
+                              teacher_forced_agreement,
                               teacher_forced_divergences, text_similarity, unique_completions)
 
 settings.register_profile("verify", max_examples=150, deadline=None)
@@ -201,6 +202,27 @@ def test_tokens_per_iteration_within_one_and_one_plus_k(counters):
     assert all(0.0 <= x <= 1.0 for x in a.per_pos)
     if drafts:
         assert np.isclose(a.tokens_per_iter, 1.0 + sum(a.per_pos))
+
+
+per_prompt = st.dictionaries(st.sampled_from("abcdefgh"), st.tuples(
+    st.integers(0, 50), st.integers(0, 7), st.sampled_from(["x", "y"])), max_size=8).map(
+    lambda d: {p: (n, min(a, 7 * n), o) for p, (n, a, o) in d.items()})  # accepted <= K x drafts
+
+
+@given(per_prompt, per_prompt)
+def test_same_output_acceptance_reads_only_prompts_whose_output_matches(today, golden):
+    """Changing any prompt whose output differs (or is missing on one side) changes nothing;
+    the same counters on both sides give equal figures; shared never exceeds the golden's."""
+    r = same_output_acceptance(today, golden)
+    other = {p: (v[0] + 3, v[1], v[2]) for p, v in today.items()
+             if p not in golden or golden[p][2] != v[2]}
+    assert same_output_acceptance({**today, **other}, golden) == r
+    if r is not None:
+        assert 1 <= r.shared <= r.prompts == len(golden)
+        assert 1.0 <= min(r.today, r.golden) and max(r.today, r.golden) <= 8.0
+    mine = same_output_acceptance(golden, golden)
+    assert (mine is None) == (not any(v[0] for v in golden.values()))
+    assert mine is None or mine.today == mine.golden
 
 
 finite_lp = st.floats(-30, 0, allow_nan=False)

@@ -2,9 +2,9 @@
 
 See DESIGN.md, "What 'agree' means (verify/)".
 """
-from speccheck.verify.acceptance import (Acceptance, acceptance_mismatches, acceptance_of,
-                                         acceptance_summary, counter_problems,
-                                         tokens_per_iteration_views)
+from speccheck.verify.acceptance import (Acceptance, SameOutputAcceptance, acceptance_mismatches,
+                                         acceptance_of, acceptance_summary, counter_problems,
+                                         output_digest, same_output_acceptance, tokens_per_iteration_views)
 from speccheck.verify.boundaries import Boundary, boundary_divergence, stop_tokens
 from speccheck.verify.divergence import (END, Divergence, below_floor_p, find_divergences,
                                          teacher_forced_agreement, teacher_forced_divergences)
@@ -22,7 +22,8 @@ from speccheck.verify.streams import (DeterminismResult, PrefixAgreement, determ
 
 __all__ = [
     "Acceptance", "acceptance_mismatches", "acceptance_of", "acceptance_summary",
-    "counter_problems", "tokens_per_iteration_views",
+    "counter_problems", "tokens_per_iteration_views", "SameOutputAcceptance", "output_digest",
+    "same_output_acceptance",
     "Boundary", "boundary_divergence", "stop_tokens",
     "END", "Divergence", "below_floor_p", "find_divergences", "teacher_forced_agreement", "teacher_forced_divergences",
     "DeltaSummary", "DriftTest", "FlipBudget", "abs_deltas", "drift_test", "flip_budget",

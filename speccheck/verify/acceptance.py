@@ -2,8 +2,11 @@
 accepted per draft position), as vLLM's ``spec_decode_*`` metrics report them."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -126,3 +129,40 @@ def acceptance_mismatches(runs: Sequence[Sequence[tuple | None]]) -> list[tuple[
     runs = [list(r) for r in runs]
     return [(ri, pi) for ri, run in enumerate(runs[1:], start=1)
             for pi, (ref, got) in enumerate(zip(runs[0], run)) if ref != got]
+
+
+def output_digest(token_ids: Sequence[int]) -> str:
+    """A short fingerprint of one output's token ids: equal digests, same trajectory."""
+    return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class SameOutputAcceptance:
+    """Tokens per iteration today and in the golden's run, summed over the prompts whose
+    output is the same token for token in both (``shared`` of the golden's ``prompts``)."""
+
+    today: float
+    golden: float
+    shared: int
+    prompts: int
+
+
+def same_output_acceptance(today: dict, golden: dict) -> SameOutputAcceptance | None:
+    """Acceptance against a golden on the prompts that followed the same trajectory.
+
+    Both sides are {prompt id: (drafts, accepted tokens, output digest)}. Where another
+    machine flips a near-tie, that prompt's continuation, and with it what the drafter is
+    asked to guess, changes from there on: its acceptance is a different experiment, and a
+    handful of such prompts moves a suite's tokens/iteration by more than any tolerance that
+    still catches a real regression. Output is lossless, so a broken drafter leaves
+    trajectories alone and shows here. None when no prompt with drafts is shared."""
+    shared = [p for p, g in golden.items()
+              if p in today and today[p][2] == g[2] and today[p][0] > 0 and g[0] > 0]
+    if not shared:
+        return None
+
+    def tpi(side):
+        return 1.0 + sum(side[p][1] for p in shared) / sum(side[p][0] for p in shared)
+
+    return SameOutputAcceptance(tpi(today), tpi(golden), len(shared), len(golden))
+
