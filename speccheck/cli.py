@@ -70,6 +70,13 @@ class SpeccheckGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("\nspeccheck: interrupted; runs already stored are kept (a re-run resumes).", err=True)
             sys.exit(EXIT_INTERRUPTED)
+        except ValueError as e:
+            if "embedded null" not in str(e):  # what os.* says of a path with a NUL in it
+                self._internal_error(e)
+            click.echo("speccheck: error: a path given on the command line (--store / --out / "
+                       "--golden / --policy ...) contains a NUL byte; no file can have that name: "
+                       "give the path without it.", err=True)
+            sys.exit(EXIT_USAGE)
         except OSError as e:
             if e.errno not in _ENVIRONMENT_ERRNOS:
                 self._internal_error(e)

@@ -194,6 +194,30 @@ def _load_checked_json(path: Path, redo: str = _REDO_DEFAULT):
     return _load_json(path, redo)
 
 
+#: what a plan holds for each config (key -> accepted types)
+_PLAN_CONFIG = {"repeats": (int,), "fresh_process_repeat": (bool,), "concurrent": (int,),
+                "rescore": (bool,), "attribute": (bool,)}
+
+
+def _plan_problem(plan) -> str | None:
+    """What is wrong with a loaded plan.json (None: nothing)."""
+    if not isinstance(plan, dict) or not isinstance(plan.get("configs"), dict):
+        return "it holds no 'configs' table"
+    if not isinstance(plan.get("run_args", []), list):
+        return "its 'run_args' is not a list"
+    for name, want in plan["configs"].items():
+        try:
+            SpecConfig.from_name(name)
+        except ValueError:
+            return f"{name!r} is not a config name"
+        if not isinstance(want, dict):
+            return f"config {name!r} is not a table"
+        for key, types in _PLAN_CONFIG.items():
+            if type(want.get(key)) not in types:
+                return f"config {name!r} has no valid {key!r}"
+    return None
+
+
 #: what a run manifest must hold (key -> accepted types); anything else is a damaged store
 _MANIFEST_SCHEMA = {"format": (int,), "complete": (bool,), "config": (dict,), "identity": (dict,),
                     "corpus": (str,), "corpus_hash": (str,), "repeat": (int,), "fresh_process": (bool,),
@@ -548,7 +572,16 @@ class Suite:
     def load_plan(self) -> dict | None:
         """The recorded plan, or None for a suite stored before plans were recorded."""
         path = self.root / "plan.json"
-        return _load_json(path) if path.exists() else None
+        if not path.exists():
+            return None
+        redo = ("delete it and `speccheck run` again with the options you want (stored runs are "
+                "kept and skipped)")
+        plan = _load_json(path, redo)
+        problem = _plan_problem(plan)
+        if problem:
+            raise StoreError(f"{path}: {problem}, so the plan is damaged; {redo}; nothing else in "
+                             "the store is affected.")
+        return plan
 
     def extend_plan(self, configs: dict[str, dict], run_args: list[str]) -> dict:
         """Add configs to the plan (written atomically, before any engine starts). A config

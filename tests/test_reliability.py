@@ -758,6 +758,31 @@ TOKENS = ["--store", "STORE", "--suite", "nope", "--suite", "", "--set", "min_to
           "é", "--k", "1,,3", "--unknown"]
 
 
+@pytest.mark.parametrize("damage", [("\"configs\"", "\"confihs\""), ("\"baseline\"", "\"caseline\""),
+                                    ("\"repeats\": 1", "\"repeats\": \"1\"")])
+def test_a_damaged_plan_is_a_damaged_store(made_store, tmp_path, damage):
+    """Byte flips the fuzz below found in plan.json: valid JSON, wrong schema (a KeyError and a
+    bad config name, each an internal error before)."""
+    root = tmp_path / "st"
+    shutil.copytree(made_store[0], root)
+    plan = next(root.rglob("plan.json"))
+    text = plan.read_text()
+    assert damage[0] in text
+    plan.write_text(text.replace(damage[0], damage[1], 1))
+    r = invoke("gate", "--store", str(root))
+    assert r.exit_code == 2 and "plan.json" in r.output and "the plan is damaged" in r.output, r.output
+
+
+@pytest.mark.parametrize("command, option", [(["gate"], "--store"), (["gate"], "--golden"),
+                                             (["golden", "check"], "--golden"), (["report"], "--out"),
+                                             (["golden", "record"], "--golden")])
+def test_a_nul_byte_in_a_path_is_bad_input(made_store, command, option):
+    """Python's os functions refuse such a name with ValueError, not OSError (the fuzz below
+    drew it once in 40 examples: an internal error, a red CI)."""
+    r = invoke(*command, "--store", str(made_store[0]), option, "a\x00b")
+    assert r.exit_code == 2 and "NUL byte" in r.output, r.output
+
+
 @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 40)), deadline=None, suppress_health_check=list(HealthCheck))
 @given(command=st.sampled_from([["gate"], ["diff"], ["report"], ["golden", "check"], ["golden", "record"],
                                 ["compare"], ["corpus", "show"], ["sweep"]]),
