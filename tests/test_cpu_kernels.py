@@ -1,7 +1,7 @@
 """The reference engine's CPU kernels (engines/reference/cpu_kernels.c), the bf16 linear and
 RMSNorm: each compiled kernel gives the bits its PyTorch specification gives, and a row's output
 does not depend on how many rows are computed with it (decode, verify and a batch agree bit for
-bit)."""
+bit); the verify's GDN chunk computes the delta rule and is the same for a sequence alone."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -68,3 +68,72 @@ def test_rms_norm_equals_its_specification_and_each_row_alone(m, d, seed, x_bf16
     want = torch.nn.functional.rms_norm(x.double(), (d,), None if scale is None else scale.double(),
                                         1e-6)
     assert torch.allclose(got.double(), want, rtol=1e-2 if not fp32 else 1e-5, atol=1e-5)
+
+
+def _gdn_reference(qkv, g, beta, s0, H, D):
+    """The gated delta rule one position at a time in float64 (the recurrent form): outputs
+    [B, T, H, D] and the state after each position."""
+    B, T, _ = qkv.shape
+    q, k, v = (t.double().reshape(B, T, H, D) for t in qkv.split([H * D] * 3, -1))
+    q = q / (q * q).sum(-1, keepdim=True).add(1e-6).sqrt() * D ** -0.5
+    k = k / (k * k).sum(-1, keepdim=True).add(1e-6).sqrt()
+    S, outs, states = s0.double(), [], []
+    for t in range(T):
+        S = S * g[:, t].double().exp()[..., None, None]
+        delta = (v[:, t] - torch.einsum("bhd,bhde->bhe", k[:, t], S)) * beta[:, t].double()[..., None]
+        S = S + torch.einsum("bhd,bhe->bhde", k[:, t], delta)
+        outs.append(torch.einsum("bhd,bhde->bhe", q[:, t], S))
+        states.append(S)
+    return torch.stack(outs, 1), states
+
+
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 3), t=st.integers(1, 16), h=st.integers(1, 4), d=st.sampled_from([8, 16, 64]),
+       seed=st.integers(0, 2**16))
+def test_gdn_chunk_is_the_delta_rule_and_each_sequence_alone(b, t, h, d, seed):
+    """The verify's C chunk (cpu_kernels.gdn_chunk): outputs and the state after any position
+    equal the rule computed one position at a time in float64 (to fp32 rounding), and a
+    sequence gets the same bits alone as in a batch."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(b, t, 3 * h * d, generator=gen)
+    g = -torch.rand(b, t, h, generator=gen) * 2
+    beta = torch.rand(b, t, h, generator=gen)
+    s0 = torch.randn(b, h, d, d, generator=gen) * 0.3
+    out, parts = cpu_kernels.gdn_chunk(qkv, g, beta, s0, h, d, d)
+    want, states = _gdn_reference(qkv, g, beta, s0, h, d)
+    assert torch.allclose(out.double(), want, rtol=1e-4, atol=1e-5)
+    idx = torch.randint(0, t, (b,), generator=gen)
+    got = cpu_kernels.gdn_chunk_state(parts, idx)
+    for i in range(b):
+        assert torch.allclose(got[i].double(), states[int(idx[i])][i], rtol=1e-4, atol=1e-5)
+        alone, p1 = cpu_kernels.gdn_chunk(qkv[i:i + 1], g[i:i + 1], beta[i:i + 1], s0[i:i + 1], h, d, d)
+        assert torch.equal(bits(alone[0]), bits(out[i]))
+        assert torch.equal(bits(cpu_kernels.gdn_chunk_state(p1, idx[i:i + 1])[0]), bits(got[i]))
+
+
+def test_a_cpu_verify_runs_the_gdn_chunk_kernel_close_to_the_pytorch_form(monkeypatch):
+    """The reference target's verify forward takes the C chunk for every GDN layer, and its
+    logits stay within fp32-level noise of the same form as PyTorch ops."""
+    from speccheck.engines.reference import model
+    from speccheck.engines.reference.engine import ReferenceEngine
+
+    eng = ReferenceEngine(engine_args={"dtype": "fp32"})
+    d = eng.decoder
+    with torch.inference_mode():
+        cache, *_ = d._prefill([[10 + i for i in range(40)]], 64, 5, ())
+        snap = cache.snapshot()
+        feed = d._t([5, 6, 7, 8, 9, 10])[None]
+
+        def verify():
+            cache.restore(snap)
+            h, _ = d.target(feed, cache, gdn_form="chunked", per_position=True)
+            kinds = {i: p[1].kernel is not None for i, p in cache.pending.items()}
+            cache.commit(4)
+            return d.target.logits(h[0]), kinds, [s.clone() for s in cache.gdn if s is not None]
+
+        c_logits, c_kinds, c_states = verify()
+        monkeypatch.setattr(model, "gdn_chunk_available", lambda: False)
+        t_logits, t_kinds, t_states = verify()
+    assert all(c_kinds.values()) and len(c_kinds) == 6 and not any(t_kinds.values())
+    assert torch.allclose(c_logits, t_logits, rtol=1e-4, atol=1e-4)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(c_states, t_states))

@@ -1,5 +1,5 @@
 /* The reference engine's CPU kernels: a row-invariant bf16 linear, out[m, n] = x[m, :] . w[n, :],
- * and RMSNorm (at the end).
+ * RMSNorm, and the gated delta rule over a verify's chunk (both at the end).
  *
  * Why: PyTorch's bf16 GEMM on a CPU without bf16 instructions is a scalar loop whose cost grows
  * with the rows (a verify of 8 tokens paid ~6x a decode step's GEMMs), and an fp32 BLAS sums a
@@ -251,6 +251,111 @@ void rms_norm(const void *x, int x_bf16, const float *scale, void *out, int out_
             float y = v * r;
             if (scale) y = y * scale[k];
             store(out, out_fp32, m * D + k, y);
+        }
+    }
+}
+
+/* The gated delta rule over one chunk of T new positions (a verify's K+1 tokens), in the
+ * chunked (WY) form of model.gdn_chunked, for each sequence b and head h:
+ *   q, k L2-normalised (x / sqrt(sum x^2 + eps)), q also scaled by 1/sqrt(Dk);
+ *   cum_i = g_0 + ... + g_i;  D_ij = exp(cum_i - cum_j) for j <= i;
+ *   [u | w]_i = [beta_i v_i | beta_i exp(cum_i) k_i] - sum_{j<i} beta_i (k_i.k_j) D_ij [u | w]_j
+ *   (the unit lower-triangular solve, by forward substitution);
+ *   vnew_i = u_i - w_i S0;   out_i = exp(cum_i) q_i S0 + sum_{j<=i} (q_i.k_j) D_ij vnew_j.
+ * One call instead of ~30 PyTorch ops per layer; every sum runs in a fixed sequential order
+ * (no reassociation: -ffp-contract=off, no fast-math), so the bits depend on nothing but the
+ * inputs. qkv: [B, T, C] fp32 (q at column h*Dk, k at Hk + h*Dk, v at 2*Hk + h*Dv, Hk = H*Dk);
+ * g, beta: [B, T, H] fp32; s0: [B, H, Dk, Dv]. Writes out [B, T, H, Dv] and, for
+ * gdn_chunk_state, kn [B, H, T, Dk] (the normalised keys), vnew [B, H, T, Dv], cum [B, H, T].
+ * scratch: T * (2 Dk + Dv) + Dv floats. */
+void gdn_chunk(const float *qkv, int64_t C, const float *g, const float *beta, const float *s0,
+               float *out, float *kn, float *vnew, float *cum, int64_t B, int64_t T, int64_t H,
+               int64_t Dk, int64_t Dv, float eps, float *scratch) {
+    const int64_t Hk = H * Dk, W = Dv + Dk;
+    const float qscale = 1.0f / sqrtf((float)Dk);
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            const float *S = s0 + (b * H + h) * Dk * Dv;
+            float *K = kn + (b * H + h) * T * Dk, *Vn = vnew + (b * H + h) * T * Dv;
+            float *cm = cum + (b * H + h) * T;
+            float *Q = scratch, *X = Q + T * Dk, *tmp = X + T * W;
+            float c = 0.0f;
+            for (int64_t i = 0; i < T; i++) {
+                const float *row = qkv + (b * T + i) * C;
+                const float *qi = row + h * Dk, *ki = row + Hk + h * Dk;
+                float sq = 0.0f, sk = 0.0f;
+                for (int64_t d = 0; d < Dk; d++) { sq = sq + qi[d] * qi[d]; sk = sk + ki[d] * ki[d]; }
+                float rq = 1.0f / sqrtf(sq + eps), rk = 1.0f / sqrtf(sk + eps);
+                for (int64_t d = 0; d < Dk; d++) {
+                    Q[i * Dk + d] = (qi[d] * rq) * qscale;
+                    K[i * Dk + d] = ki[d] * rk;
+                }
+                c = i == 0 ? g[(b * T + i) * H + h] : c + g[(b * T + i) * H + h];
+                cm[i] = c;
+            }
+            for (int64_t i = 0; i < T; i++) {
+                const float bi = beta[(b * T + i) * H + h], ec = expf(cm[i]);
+                const float *vi = qkv + (b * T + i) * C + 2 * Hk + h * Dv;
+                float *xi = X + i * W;
+                for (int64_t d = 0; d < Dv; d++) xi[d] = vi[d] * bi;
+                for (int64_t d = 0; d < Dk; d++) xi[Dv + d] = (K[i * Dk + d] * bi) * ec;
+                for (int64_t j = 0; j < i; j++) {
+                    float kk = 0.0f;
+                    for (int64_t d = 0; d < Dk; d++) kk = kk + K[i * Dk + d] * K[j * Dk + d];
+                    float a = (bi * kk) * expf(cm[i] - cm[j]);
+                    const float *xj = X + j * W;
+                    for (int64_t d = 0; d < W; d++) xi[d] = xi[d] - a * xj[d];
+                }
+                /* vnew_i = u_i - w_i S0 */
+                for (int64_t e = 0; e < Dv; e++) tmp[e] = 0.0f;
+                for (int64_t d = 0; d < Dk; d++) {
+                    const float wd = xi[Dv + d];
+                    for (int64_t e = 0; e < Dv; e++) tmp[e] = tmp[e] + wd * S[d * Dv + e];
+                }
+                for (int64_t e = 0; e < Dv; e++) Vn[i * Dv + e] = xi[e] - tmp[e];
+            }
+            for (int64_t i = 0; i < T; i++) {
+                const float ec = expf(cm[i]);
+                const float *qi = Q + i * Dk;
+                float *o = out + ((b * T + i) * H + h) * Dv;
+                for (int64_t e = 0; e < Dv; e++) tmp[e] = 0.0f;
+                for (int64_t d = 0; d < Dk; d++) {
+                    const float qd = qi[d];
+                    for (int64_t e = 0; e < Dv; e++) tmp[e] = tmp[e] + qd * S[d * Dv + e];
+                }
+                for (int64_t e = 0; e < Dv; e++) o[e] = ec * tmp[e];
+                for (int64_t j = 0; j <= i; j++) {
+                    float qk = 0.0f;
+                    for (int64_t d = 0; d < Dk; d++) qk = qk + qi[d] * K[j * Dk + d];
+                    float a = qk * expf(cm[i] - cm[j]);
+                    for (int64_t e = 0; e < Dv; e++) o[e] = o[e] + a * Vn[j * Dv + e];
+                }
+            }
+        }
+    }
+}
+
+/* The state after position idx[b] of gdn_chunk's chunk, per sequence b:
+ * S = exp(cum_i) S0 + sum_{j<=i} D_ij k_j^T vnew_j (i = idx[b]; summed over j in order).
+ * state: [B, H, Dk, Dv]. */
+void gdn_chunk_state(const float *s0, const float *kn, const float *vnew, const float *cum,
+                     const int64_t *idx, float *state, int64_t B, int64_t T, int64_t H,
+                     int64_t Dk, int64_t Dv) {
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t i = idx[b];
+        for (int64_t h = 0; h < H; h++) {
+            const float *S = s0 + (b * H + h) * Dk * Dv, *cm = cum + (b * H + h) * T;
+            const float *K = kn + (b * H + h) * T * Dk, *Vn = vnew + (b * H + h) * T * Dv;
+            float *o = state + (b * H + h) * Dk * Dv;
+            const float ec = expf(cm[i]);
+            for (int64_t x = 0; x < Dk * Dv; x++) o[x] = ec * S[x];
+            for (int64_t j = 0; j <= i; j++) {
+                const float dij = expf(cm[i] - cm[j]);
+                for (int64_t d = 0; d < Dk; d++) {
+                    const float kd = dij * K[j * Dk + d];
+                    for (int64_t e = 0; e < Dv; e++) o[d * Dv + e] = o[d * Dv + e] + kd * Vn[j * Dv + e];
+                }
+            }
         }
     }
 }

@@ -1,10 +1,12 @@
 """The reference engine's CPU kernels (see cpu_kernels.c): the bf16 linear and RMSNorm,
-row-invariant and fast.
+row-invariant and fast, and the verify's GDN chunk.
 
 A decode step (1 row), a verify (K+1 rows) and a batch all get the same bits for a row, on any
 CPU; the C kernels are compiled with the machine's C compiler at first use and cached. Without a
 compiler, :func:`rowinv_linear_torch` and :func:`rms_norm_torch` compute the same sums with
-PyTorch ops (slower, same bits); ``SPECCHECK_CPU_LINEAR=torch`` forces them.
+PyTorch ops (slower, same bits); ``SPECCHECK_CPU_LINEAR=torch`` forces them. The GDN chunk
+(:func:`gdn_chunk`) has no such twin: without the compiled kernel a verify runs the chunked form
+as PyTorch ops (model.gdn_chunked), the same form summed in PyTorch's order.
 """
 from __future__ import annotations
 
@@ -82,6 +84,13 @@ def _build() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+    fn = dll.gdn_chunk
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 \
+        + [ctypes.c_float, ctypes.c_void_p]
+    fn = dll.gdn_chunk_state
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5
     return dll
 
 
@@ -184,3 +193,37 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor | None, eps: float, out_dtype)
                  None if scale is None else scale.data_ptr(), out.data_ptr(),
                  int(out_dtype == torch.float32), x.numel() // x.shape[-1], x.shape[-1], eps)
     return out
+
+
+def gdn_chunk_available() -> bool:
+    """Whether the verify's GDN chunk runs as one C call (:func:`gdn_chunk`)."""
+    return _kernel() is not None
+
+
+def gdn_chunk(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, s0: torch.Tensor,
+              heads: int, dk: int, dv: int, eps: float = 1e-6) -> tuple[torch.Tensor, tuple]:
+    """The gated delta rule over one chunk of T new positions in one C call (cpu_kernels.c,
+    ``gdn_chunk``; needs :func:`gdn_chunk_available`): qkv [B, T, C] fp32 (q, k, v side by
+    side, as the GDN layer's convolution leaves them, before the L2 norm), g / beta [B, T, H]
+    fp32, s0 [B, H, Dk, Dv]. Returns out [B, T, H, Dv] and the parts
+    :func:`gdn_chunk_state` forms the state after any of the T positions from."""
+    B, T, C = qkv.shape
+    qkv, g, beta, s0 = (t.float().contiguous() for t in (qkv, g, beta, s0))
+    out = torch.empty(B, T, heads, dv)
+    kn, vnew, cum = torch.empty(B, heads, T, dk), torch.empty(B, heads, T, dv), torch.empty(B, heads, T)
+    scratch = torch.empty(T * (2 * dk + dv) + dv)
+    _kernel().gdn_chunk(qkv.data_ptr(), C, g.data_ptr(), beta.data_ptr(), s0.data_ptr(), out.data_ptr(),
+                        kn.data_ptr(), vnew.data_ptr(), cum.data_ptr(), B, T, heads, dk, dv, eps,
+                        scratch.data_ptr())
+    return out, (s0, kn, vnew, cum)
+
+
+def gdn_chunk_state(parts: tuple, idx: torch.Tensor) -> torch.Tensor:
+    """The state [B, H, Dk, Dv] after position idx[b] of a :func:`gdn_chunk` chunk."""
+    s0, kn, vnew, cum = parts
+    B, H, T, dk = kn.shape
+    idx = idx.to(torch.int64).contiguous()
+    state = torch.empty(B, H, dk, vnew.shape[-1])
+    _kernel().gdn_chunk_state(s0.data_ptr(), kn.data_ptr(), vnew.data_ptr(), cum.data_ptr(),
+                              idx.data_ptr(), state.data_ptr(), B, T, H, dk, vnew.shape[-1])
+    return state

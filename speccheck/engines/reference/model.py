@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_kernels import linear, rms_norm, rowinv_linear
+from .cpu_kernels import gdn_chunk, gdn_chunk_available, gdn_chunk_state, linear, rms_norm, rowinv_linear
 from .gdn_fused import gdn_fused
 
 #: "fused" is one Triton kernel (CUDA; see gdn_fused.py) computing the recurrent form
@@ -290,13 +290,19 @@ class PerPositionStates:
     ([B,T,H,Dk,Dv], recurrent form) or, for a single chunk, kept as the chunk's parts and
     computed only for the one position that is asked for (the verify hot path)."""
 
-    def __init__(self, stacked=None, parts=None):
-        self.stacked, self.parts = stacked, parts
+    def __init__(self, stacked=None, parts=None, kernel=None):
+        #: kernel: the parts of the CPU kernel's chunk (cpu_kernels.gdn_chunk), which forms
+        #: the state after a position in one C call
+        self.stacked, self.parts, self.kernel = stacked, parts, kernel
 
     def __len__(self) -> int:
+        if self.kernel is not None:
+            return self.kernel[1].shape[2]
         return self.stacked.shape[1] if self.stacked is not None else self.parts[1].shape[-1]
 
     def at(self, i: int) -> torch.Tensor:
+        if self.kernel is not None:
+            return gdn_chunk_state(self.kernel, torch.full((self.kernel[0].shape[0],), i))
         if self.stacked is not None:
             return self.stacked[:, i]
         s0, cum, decay, k, v_new = self.parts
@@ -308,6 +314,8 @@ class PerPositionStates:
         """Row b's state after position idx[b] (a ragged batch keeps a count per sequence):
         one gather instead of a state per row. The masked decay row is zero past idx[b], so
         the sum runs over all T positions."""
+        if self.kernel is not None:
+            return gdn_chunk_state(self.kernel, idx)
         rows = torch.arange(idx.shape[0], device=idx.device)
         if self.stacked is not None:
             return self.stacked[rows, idx]
@@ -626,28 +634,18 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             if state is None:
                 state = x.new_zeros(B, self.nv, self.dk, self.dv, dtype=torch.float32)
         conv_out = F.silu(conv_out)  # [B, T, C]
-        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(B, T, self.nk, self.dk)
-        k = k.reshape(B, T, self.nk, self.dk)
-        v = v.reshape(B, T, self.nv, self.dv)
-        if self.nv != self.nk:
-            q = q.repeat_interleave(self.nv // self.nk, dim=2)
-            k = k.repeat_interleave(self.nv // self.nk, dim=2)
         beta = b.sigmoid()
         neg_a = inference_cached(self, "neg_a", [self.A_log], lambda: -self.A_log.float().exp())
         g = neg_a * F.softplus(a.float() + self.dt_bias)
-        if form == "recurrent":
-            if state is None:
-                state = q.new_zeros(B, self.nv, self.dk, self.dv, dtype=torch.float32)
-            out, s, per = gdn_recurrent(q, k, v, g, beta, state, per_position)
-        elif form == "chunked":
-            out, s, per = gdn_chunked(q, k, v, g, beta, state, self.chunk_size, per_position)
-        elif form == "fused":
-            if state is None:
-                state = q.new_zeros(B, self.nv, self.dk, self.dv, dtype=torch.float32)
-            out, s, per = gdn_fused(q, k, v, g, beta, state, per_position)
+        if (form == "chunked" and per_position and cache is not None and T <= self.chunk_size
+                and conv_out.is_cpu and self.nv == self.nk and not torch.is_grad_enabled()
+                and gdn_chunk_available()):
+            # a verify on the CPU: the chunk (L2 norms, WY solve, outputs) in one C call
+            # instead of ~30 PyTorch ops (same form; fp32 sums in the kernel's own order)
+            out, parts = gdn_chunk(conv_out, g, beta, state, self.nv, self.dk, self.dv)
+            s, per = None, PerPositionStates(kernel=parts)
         else:
-            raise ValueError(f"unknown GDN form {form!r}; choose one of {GDN_FORMS}")
+            out, s, per = self._core(conv_out, g, beta, state, form, per_position)
         if cache is not None:
             if per_position:
                 cache.pending[idx] = ("gdn", per, full)
@@ -659,6 +657,26 @@ class Qwen3_5GatedDeltaNet(nn.Module):
                 cache.conv[idx] = full[:, -(self.kernel - 1):]
         out = self.norm(out.to(x.dtype), z)
         return self.out_proj(out.reshape(B, T, self.value_dim))
+
+    def _core(self, conv_out, g, beta, state, form: str, per_position: bool):
+        """The gated delta rule in ``form`` over the convolution's q, k, v."""
+        B, T, _ = conv_out.shape
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(B, T, self.nk, self.dk)
+        k = k.reshape(B, T, self.nk, self.dk)
+        v = v.reshape(B, T, self.nv, self.dv)
+        if self.nv != self.nk:
+            q = q.repeat_interleave(self.nv // self.nk, dim=2)
+            k = k.repeat_interleave(self.nv // self.nk, dim=2)
+        if state is None and form != "chunked":
+            state = q.new_zeros(B, self.nv, self.dk, self.dv, dtype=torch.float32)
+        if form == "recurrent":
+            return gdn_recurrent(q, k, v, g, beta, state, per_position)
+        if form == "chunked":
+            return gdn_chunked(q, k, v, g, beta, state, self.chunk_size, per_position)
+        if form == "fused":
+            return gdn_fused(q, k, v, g, beta, state, per_position)
+        raise ValueError(f"unknown GDN form {form!r}; choose one of {GDN_FORMS}")
 
 
 def _attend(q, K, V, start: int | torch.Tensor, form: str):
