@@ -3,12 +3,13 @@ what DFLASH2.md says, drafting with them is lossless where numerics are equal (w
 rejections), the knobs change drafts only, and at initialisation DFlash2 drafts as DFlash."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from speccheck.engines.base import EngineUsageError
@@ -31,7 +32,7 @@ def test_grouped_conv_matches_its_formula():
     x = torch.randn(1, 6, 32)
     slot = block_slots(6, 3, x.device)  # two blocks of 3
     reach = block_reach(slot, 2)
-    out, delta1 = conv.prepare(x, reach)
+    out, delta = conv.prepare(x, reach)
     delta0 = conv.kernel_projection(x).view(1, 6, 2, 2, 2)[:, :, 0]
     want = torch.zeros_like(x)
     for i in range(6):
@@ -42,9 +43,42 @@ def test_grouped_conv_matches_its_formula():
                         * x[0, i - t, c]
     assert torch.allclose(out, want, atol=1e-5)
     y = torch.randn(1, 6, 32)
-    fin = conv.finish(y, delta1, reach)
-    assert torch.allclose(fin[0, 3], (conv.base_kernel[1, 0] + delta1[0, 3, 0].repeat_interleave(16)) * y[0, 3],
+    fin = conv.finish(y, delta, reach)
+    assert torch.allclose(fin[0, 3], (conv.base_kernel[1, 0] + delta[0, 3, 1, 0].repeat_interleave(16)) * y[0, 3],
                           atol=1e-5)  # slot 0 of block 2: no tap from block 1
+
+
+@settings(max_examples=int(os.environ.get("CONV_EXAMPLES", 60)), deadline=None)
+@given(b=st.integers(1, 2), t=st.integers(1, 9), block=st.integers(1, 9), taps=st.integers(1, 3),
+       side=st.integers(0, 1), bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_grouped_conv_kernel_has_the_bits_of_the_ops(b, t, block, taps, side, bf16, seed):
+    """The CPU's C convolution (cpu_kernels.grouped_conv) against the same ops in PyTorch,
+    bit for bit, in bf16 and fp32, with zeros of both signs among the inputs."""
+    from speccheck.engines.reference import cpu_kernels, dflash2
+
+    if cpu_kernels._kernel() is None:
+        pytest.skip("no C compiler here")
+    assume(taps <= t)  # (the op form's shift assumes a tap reaches no further than the block)
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    conv = DFlashGroupedConv(hidden=32, taps=taps, group_size=8).to(dtype)
+
+    def draw(*shape):
+        v = torch.randn(*shape, generator=g)
+        v[torch.rand(*shape, generator=g) < 0.1] = 0.0
+        v[torch.rand(*shape, generator=g) < 0.1] = -0.0
+        return v.to(dtype)
+
+    with torch.inference_mode():
+        conv.base_kernel.copy_(draw(2, taps, 32))
+        x, delta = draw(b, t, 32), draw(b, t, 2, taps, 4)
+        reach = block_reach(block_slots(t, block, x.device), taps)
+        got = conv._convolve(x, delta, side, reach)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dflash2, "grouped_conv", lambda *a: None)
+            want = conv._convolve(x, delta, side, reach)
+    view = torch.int16 if bf16 else torch.int32
+    assert torch.equal(got.view(view), want.view(view))
 
 
 def test_conv_initialised_to_identity():

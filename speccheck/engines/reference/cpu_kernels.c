@@ -359,3 +359,82 @@ void gdn_chunk_state(const float *s0, const float *kn, const float *vnew, const 
         }
     }
 }
+
+/* 8 fp32 values rounded to bf16 (nearest even, NaN to the quiet NaN), kept as fp32: to_bf16,
+ * lane by lane */
+static inline v8f round_bf16_v(v8f f) {
+    v8u u;
+    memcpy(&u, &f, sizeof u);
+    v8u nan = (v8u)((u & 0x7fffffffu) > 0x7f800000u);
+    v8u r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    r = (r & ~nan) | (0x7fc00000u & nan);
+    memcpy(&f, &r, sizeof f);
+    return f;
+}
+static inline v8f load_f32(const float *p) { v8f f; memcpy(&f, p, sizeof f); return f; }
+static inline void store_f32(float *p, v8f f) { memcpy(p, &f, sizeof f); }
+static inline void store_bf16(uint16_t *p, v8f f) { /* f already rounded: its high halves */
+    v8u u;
+    memcpy(&u, &f, sizeof u);
+    v8h h = __builtin_convertvector(u >> 16, v8h);
+    memcpy(p, &h, sizeof h);
+}
+static inline v8f same_v(v8f f) { return f; }
+static inline v8f splat(float v) { return (v8f){v, v, v, v, v, v, v, v}; } /* (0 + v loses -0) */
+static inline float bf16_to_f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline float f32_of(float f) { return f; }
+
+/* per position, for each tap t, 8 channels at a time: acc = R(acc + R(R(R(base + d) * xs) * r))
+ * (R: round to the op dtype; d one value per group of GS channels, GS a multiple of 8; tap 0
+ * has no reach factor and starts acc; xs is the zero padding before the first position) */
+#define GROUPED_CONV(NAME, TYPE, LOAD1, LOAD8, R, STORE8)                                          \
+    static void NAME(const TYPE *x, const TYPE *base, const TYPE *delta, int side,                \
+                     const uint8_t *reach, TYPE *out, int64_t B, int64_t T, int64_t taps,         \
+                     int64_t G, int64_t GS, float *acc) {                                         \
+        const int64_t H = G * GS;                                                                \
+        for (int64_t b = 0; b < B; b++)                                                          \
+            for (int64_t i = 0; i < T; i++) {                                                    \
+                const int64_t drow = ((b * T + i) * 2 + side) * taps * G;                          \
+                for (int64_t t = 0; t < taps; t++) {                                             \
+                    const int pad = i < t;                                                       \
+                    const TYPE *xs = x + (b * T + (pad ? 0 : i - t)) * H;                        \
+                    const v8f r = splat(reach[t * T + i] ? 1.0f : 0.0f);                          \
+                    for (int64_t g = 0; g < G; g++) {                                            \
+                        const v8f d = splat(LOAD1(delta[drow + t * G + g]));                         \
+                        for (int64_t h = g * GS; h < (g + 1) * GS; h += 8) {                     \
+                            v8f coef = R(LOAD8(base + t * H + h) + d);                           \
+                            v8f term = R(coef * (pad ? (v8f){0} : LOAD8(xs + h)));               \
+                            store_f32(acc + h, t == 0 ? term                                     \
+                                      : R(load_f32(acc + h) + R(term * r)));                     \
+                        }                                                                        \
+                    }                                                                            \
+                }                                                                                \
+                for (int64_t h = 0; h < H; h += 8) STORE8(out + (b * T + i) * H + h, load_f32(acc + h)); \
+            }                                                                                    \
+    }
+GROUPED_CONV(grouped_conv_bf16, uint16_t, bf16_to_f, load_bf16, round_bf16_v, store_bf16)
+GROUPED_CONV(grouped_conv_f32, float, f32_of, load_f32, same_v, store_f32)
+
+/* DFlash2's two-tap (any-tap) grouped dynamic convolution along the block, exactly as the
+ * PyTorch ops of dflash2.DFlashGroupedConv._convolve round it, one op after another:
+ *   c_t = base[t, h] + delta[i, side, t, g]                       (g = h / GS)
+ *   out = c_0 * x[i, h];  out = out + (c_t * x[i - t, h]) * reach[t, i]   for t = 1 ..
+ * with x[i - t] = +0 before the sequence's first position (the op form's zero padding) and
+ * reach 0 / 1 (a product with it, not a select: -0 and NaN come out as the op form's do). In
+ * bf16 (bf16 != 0) every op computes in fp32 and rounds to bf16, as PyTorch's CPU bf16 ops do;
+ * in fp32 every op is one IEEE fp32 operation. x, out: [B, T, H]; base: [taps, H] (one side of
+ * base_kernel); delta: [B, T, 2, taps, G] (kernel_projection's output, both sides);
+ * reach: [taps, T] bytes; acc: H floats of scratch. */
+void grouped_conv(const void *x, const void *base, const void *delta, int side,
+                  const uint8_t *reach, void *out, int bf16, int64_t B, int64_t T, int64_t taps,
+                  int64_t G, int64_t GS, float *acc) {
+    if (bf16)
+        grouped_conv_bf16(x, base, delta, side, reach, out, B, T, taps, G, GS, acc);
+    else
+        grouped_conv_f32(x, base, delta, side, reach, out, B, T, taps, G, GS, acc);
+}

@@ -91,6 +91,10 @@ def _build() -> ctypes.CDLL | None:
     fn = dll.gdn_chunk_state
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5
+    fn = dll.grouped_conv
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] \
+        + [ctypes.c_int64] * 5 + [ctypes.c_void_p]
     return dll
 
 
@@ -227,3 +231,23 @@ def gdn_chunk_state(parts: tuple, idx: torch.Tensor) -> torch.Tensor:
     _kernel().gdn_chunk_state(s0.data_ptr(), kn.data_ptr(), vnew.data_ptr(), cum.data_ptr(),
                               idx.data_ptr(), state.data_ptr(), B, T, H, dk, vnew.shape[-1])
     return state
+
+
+def grouped_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, side: int,
+                 reach: torch.Tensor, groups: int) -> torch.Tensor | None:
+    """DFlash2's grouped convolution (dflash2.DFlashGroupedConv._convolve) in one C call with
+    the bits of its PyTorch ops, or None where it does not apply (not the CPU, not inference,
+    mixed dtypes, no compiler): the caller then runs the ops. x [B, T, H]; base [taps, H]; delta
+    [B, T, 2, taps, G] (both sides, as kernel_projection leaves it); reach [taps, T] 0 / 1."""
+    B, T, H = x.shape
+    if (x.dtype not in (torch.float32, torch.bfloat16) or base.dtype != x.dtype
+            or delta.dtype != x.dtype or (H // groups) % 8 or not x.is_cpu
+            or torch.is_grad_enabled() or _kernel() is None):
+        return None
+    x, base, delta = x.contiguous(), base.contiguous(), delta.contiguous()
+    reach = reach.to(torch.uint8).contiguous()  # (a no-op for dflash2.block_reach's masks)
+    out, acc = torch.empty_like(x), _scratch(1, H)[0]
+    _kernel().grouped_conv(x.data_ptr(), base.data_ptr(), delta.data_ptr(), side, reach.data_ptr(),
+                           out.data_ptr(), int(x.dtype == torch.bfloat16), B, T, base.shape[0],
+                           groups, H // groups, acc.data_ptr())
+    return out

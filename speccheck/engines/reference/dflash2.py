@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_kernels import linear
+from .cpu_kernels import grouped_conv, linear
 from .model import DFlashDecoderLayer, DFlashDrafter, ReferenceConfig
 
 #: the DFlash2 drafter's weights file in a weights directory (config in its metadata)
@@ -85,11 +85,11 @@ def block_slots(n: int, block_size: int, device) -> torch.Tensor:
     return torch.arange(n, device=device) % block_size
 
 
-def block_reach(slot: torch.Tensor, taps: int) -> list:
-    """Per tap t, bool [1, T, 1, 1]: may the token reach t back (slot >= t, inside its own
-    block)? Made once per drafter forward for all its convolutions; a product with a bool
-    mask is the product with 0.0 / 1.0."""
-    return [(slot >= t).view(1, -1, 1, 1) for t in range(taps)]
+def block_reach(slot: torch.Tensor, taps: int) -> torch.Tensor:
+    """0 / 1 (uint8) [taps, T]: may the token reach t back (slot >= t, inside its own block)?
+    Made once per drafter forward for all its convolutions; a product with it is the product
+    with 0.0 / 1.0 in the other operand's dtype."""
+    return (slot[None] >= torch.arange(taps, device=slot.device)[:, None]).to(torch.uint8)
 
 
 class DFlashGroupedConv(nn.Module):
@@ -112,25 +112,30 @@ class DFlashGroupedConv(nn.Module):
             self.kernel_projection.weight.zero_()
 
     def _convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int,
-                  reach: list) -> torch.Tensor:
-        """x [B,T,H], delta [B,T,taps,G]: out[i] = Σ_t (base[t] + δ[i,t]) x[i - t], taps that
-        would reach before the block's first slot dropped (``reach``: :func:`block_reach`)."""
+                  reach: torch.Tensor) -> torch.Tensor:
+        """x [B,T,H], delta [B,T,2,taps,G] (both sides): out[i] = Σ_t (base[t] + δ[i,t]) x[i - t],
+        taps that would reach before the block's first slot dropped (``reach``:
+        :func:`block_reach`). On the CPU one C call with these ops' bits
+        (cpu_kernels.grouped_conv: 8 of them are a tenth of a DFlash2 draft as ops)."""
+        out = grouped_conv(x, self.base_kernel[side], delta, side, reach, self.groups)
+        if out is not None:
+            return out
         blocks = x.unflatten(-1, (self.groups, self.group_size))
         coef = self.base_kernel[side].view(1, 1, self.taps, self.groups, self.group_size) \
-            + delta.unsqueeze(-1)
+            + delta[:, :, side].unsqueeze(-1)
         out = coef[:, :, 0] * blocks
         for t in range(1, self.taps):
             shifted = F.pad(blocks[:, :-t], (0, 0, 0, 0, t, 0))
-            out = out + coef[:, :, t] * shifted * reach[t]
+            out = out + coef[:, :, t] * shifted * reach[t].view(1, -1, 1, 1)
         return out.flatten(-2)
 
-    def prepare(self, x: torch.Tensor, reach: list) -> tuple:
-        """Side 0 applied to the sublayer input; returns it and side 1's δ."""
+    def prepare(self, x: torch.Tensor, reach: torch.Tensor) -> tuple:
+        """Side 0 applied to the sublayer input; returns it and δ (side 1's for :meth:`finish`)."""
         B, T, _ = x.shape
         delta = linear(x, self.kernel_projection.weight).view(B, T, 2, self.taps, self.groups)
-        return self._convolve(x, delta[:, :, 0], 0, reach), delta[:, :, 1]
+        return self._convolve(x, delta, 0, reach), delta
 
-    def finish(self, y: torch.Tensor, delta: torch.Tensor, reach: list) -> torch.Tensor:
+    def finish(self, y: torch.Tensor, delta: torch.Tensor, reach: torch.Tensor) -> torch.Tensor:
         return self._convolve(y, delta, 1, reach)
 
 
