@@ -132,7 +132,7 @@ def test_a_cpu_verify_runs_the_gdn_chunk_kernel_close_to_the_pytorch_form(monkey
             return d.target.logits(h[0]), kinds, [s.clone() for s in cache.gdn if s is not None]
 
         c_logits, c_kinds, c_states = verify()
-        monkeypatch.setattr(model, "gdn_chunk_available", lambda: False)
+        monkeypatch.setattr(model, "compiled", lambda: False)
         t_logits, t_kinds, t_states = verify()
     assert all(c_kinds.values()) and len(c_kinds) == 6 and not any(t_kinds.values())
     assert torch.allclose(c_logits, t_logits, rtol=1e-4, atol=1e-4)

@@ -81,6 +81,38 @@ def test_grouped_conv_kernel_has_the_bits_of_the_ops(b, t, block, taps, side, bf
     assert torch.equal(got.view(view), want.view(view))
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3), l=st.integers(1, 7), v=st.integers(8, 40), k=st.integers(1, 8),
+       r=st.integers(1, 6), bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_selector_kernel_drafts_as_the_ops(n, l, v, k, r, bf16, seed):
+    """The CPU's C selector (cpu_kernels.dflash2_select: candidates, the edge-score row the
+    walk reads, the walk) against candidates + CandidateSelector.edge_scores + walk. Small
+    integers everywhere: every sum is exact in any order, and ties are everywhere (equal
+    unary scores go to the lower token id, equal edge scores to the lower candidate)."""
+    from speccheck.engines.reference import cpu_kernels
+    from speccheck.engines.reference.dflash2 import CandidateSelector
+
+    if cpu_kernels._kernel() is None:
+        pytest.skip("no C compiler here")
+    assume(k <= v)
+    g = torch.Generator().manual_seed(seed)
+    ints = lambda lo, hi, *shape: torch.randint(lo, hi + 1, shape, generator=g).float()
+    unary, hidden = ints(-3, 3, n, l, v), ints(-2, 2, n, l, r)
+    anchor = torch.randint(0, v, (n,), generator=g)
+    sel = CandidateSelector(hidden=r, vocab=v, rank=r, top_k=k)
+    with torch.inference_mode():
+        sel.hidden_projection.weight.copy_(torch.eye(r))  # h = the hidden states, exactly
+        for book in (sel.predecessor_codebook, sel.successor_codebook):
+            book.copy_(ints(-2, 2, v, r))
+        if bf16:
+            sel = sel.bfloat16()
+        got = cpu_kernels.dflash2_select(unary, hidden, sel.predecessor_codebook,
+                                         sel.successor_codebook, anchor, k)
+        ids, vals = candidates(unary, k)
+        want = ids.gather(-1, walk(sel.float().edge_scores(ids, vals, hidden, anchor))[..., None])[..., 0]
+    assert torch.equal(got, want)
+
+
 def test_conv_initialised_to_identity():
     conv = DFlashGroupedConv(hidden=32, taps=2, group_size=16)
     x = torch.randn(1, 5, 32)

@@ -438,3 +438,49 @@ void grouped_conv(const void *x, const void *base, const void *delta, int side,
     else
         grouped_conv_f32(x, base, delta, side, reach, out, B, T, taps, G, GS, acc);
 }
+
+/* DFlash2's candidate selector for N sequences of L slots, the fp32 walk (dflash2.select_drafts):
+ * per slot the top K of the V LM-head scores (ties to the lower token id: the first K of a
+ * stable descending sort, as dflash2.candidates), then from the anchor the greedy walk: at
+ * slot l the candidate c maximising unary[c] + sum_r (A[p, r] * h[l, r]) * B[c, r] (p the
+ * token chosen before, the anchor for l = 0; the first maximum on ties). Only the row of
+ * edge scores the walk reads is computed. The sum over r runs in order, so its rounding is
+ * not the PyTorch einsum's: drafts may differ from the op form at near-ties (drafts only).
+ * unary: [N, L, V] fp32; h: [N, L, R] fp32 (hidden_projection of the slots); books A, B:
+ * [V, R], bf16 (books_bf16) or fp32; out: [N, L] token ids; scratch: K ints + K floats. */
+void dflash2_select(const float *unary, const float *h, const void *pred_book,
+                    const void *succ_book, int books_bf16, const int64_t *anchor, int64_t *out,
+                    int64_t N, int64_t L, int64_t V, int64_t K, int64_t R, int64_t *ids,
+                    float *vals) {
+#define BOOK(p, i) (books_bf16 ? bf16_to_f(((const uint16_t *)(p))[i]) : ((const float *)(p))[i])
+    for (int64_t n = 0; n < N; n++) {
+        int64_t prev = anchor[n];
+        for (int64_t l = 0; l < L; l++) {
+            const float *u = unary + (n * L + l) * V;
+            int64_t count = 0;
+            for (int64_t v = 0; v < V; v++) { /* insertion into the K best, stable */
+                const float x = u[v];
+                if (count == K && !(x > vals[K - 1])) continue;
+                int64_t j = count < K ? count++ : K - 1;
+                while (j > 0 && x > vals[j - 1]) { vals[j] = vals[j - 1]; ids[j] = ids[j - 1]; j--; }
+                vals[j] = x;
+                ids[j] = v;
+            }
+            const float *hl = h + (n * L + l) * R;
+            float best = 0.0f;
+            int64_t pick = 0;
+            for (int64_t c = 0; c < count; c++) {
+                float e = 0.0f;
+                for (int64_t r = 0; r < R; r++) {
+                    const float ah = BOOK(pred_book, prev * R + r) * hl[r];
+                    e = e + ah * BOOK(succ_book, ids[c] * R + r);
+                }
+                const float s = vals[c] + e;
+                if (c == 0 || s > best) { best = s; pick = c; }
+            }
+            prev = ids[pick];
+            out[n * L + l] = prev;
+        }
+    }
+#undef BOOK
+}

@@ -91,6 +91,10 @@ def _build() -> ctypes.CDLL | None:
     fn = dll.gdn_chunk_state
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5
+    fn = dll.dflash2_select
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 2 \
+        + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 2
     fn = dll.grouped_conv
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] \
@@ -199,15 +203,15 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor | None, eps: float, out_dtype)
     return out
 
 
-def gdn_chunk_available() -> bool:
-    """Whether the verify's GDN chunk runs as one C call (:func:`gdn_chunk`)."""
+def compiled() -> bool:
+    """Whether the C kernels are there (compiled, or cached from an earlier compile)."""
     return _kernel() is not None
 
 
 def gdn_chunk(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, s0: torch.Tensor,
               heads: int, dk: int, dv: int, eps: float = 1e-6) -> tuple[torch.Tensor, tuple]:
     """The gated delta rule over one chunk of T new positions in one C call (cpu_kernels.c,
-    ``gdn_chunk``; needs :func:`gdn_chunk_available`): qkv [B, T, C] fp32 (q, k, v side by
+    ``gdn_chunk``; needs :func:`compiled`): qkv [B, T, C] fp32 (q, k, v side by
     side, as the GDN layer's convolution leaves them, before the L2 norm), g / beta [B, T, H]
     fp32, s0 [B, H, Dk, Dv]. Returns out [B, T, H, Dv] and the parts
     :func:`gdn_chunk_state` forms the state after any of the T positions from."""
@@ -250,4 +254,25 @@ def grouped_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, side:
     _kernel().grouped_conv(x.data_ptr(), base.data_ptr(), delta.data_ptr(), side, reach.data_ptr(),
                            out.data_ptr(), int(x.dtype == torch.bfloat16), B, T, base.shape[0],
                            groups, H // groups, acc.data_ptr())
+    return out
+
+
+def dflash2_select(unary: torch.Tensor, h: torch.Tensor, pred_book: torch.Tensor,
+                   succ_book: torch.Tensor, anchor: torch.Tensor, k: int) -> torch.Tensor | None:
+    """DFlash2's selector with the fp32 walk in one C call (cpu_kernels.c, ``dflash2_select``):
+    unary [N, L, V] fp32 LM-head scores, h [N, L, R] fp32 (hidden_projection of the slots), the
+    predecessor / successor codebooks [V, R], anchor [N] -> draft tokens [N, L]; None where it
+    does not apply (not the CPU, no compiler): the caller then runs the ops."""
+    if not unary.is_cpu or _kernel() is None or pred_book.dtype not in (torch.float32, torch.bfloat16) \
+            or succ_book.dtype != pred_book.dtype or k > unary.shape[-1]:
+        return None
+    N, L, V = unary.shape
+    unary, h = unary.float().contiguous(), h.float().contiguous()
+    pred_book, succ_book = pred_book.contiguous(), succ_book.contiguous()
+    anchor = anchor.to(torch.int64).contiguous()
+    out = torch.empty(N, L, dtype=torch.int64)
+    ids, vals = torch.empty(k, dtype=torch.int64), torch.empty(k)
+    _kernel().dflash2_select(unary.data_ptr(), h.data_ptr(), pred_book.data_ptr(), succ_book.data_ptr(),
+                             int(pred_book.dtype == torch.bfloat16), anchor.data_ptr(), out.data_ptr(),
+                             N, L, V, k, h.shape[-1], ids.data_ptr(), vals.data_ptr())
     return out

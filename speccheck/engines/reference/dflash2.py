@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_kernels import grouped_conv, linear
+from .cpu_kernels import compiled, dflash2_select, grouped_conv, linear
 from .model import DFlashDecoderLayer, DFlashDrafter, ReferenceConfig
 
 #: the DFlash2 drafter's weights file in a weights directory (config in its metadata)
@@ -294,8 +294,16 @@ def select_drafts(d2: DFlash2Drafter, target, hs: torch.Tensor, anchor: torch.Te
     unary_full = target.rough_logits(hs)  # [N, L, V] fp32 from the target's (bf16) LM head
     if not knobs.selector:
         return unary_full.argmax(-1)
-    ids, vals = candidates(unary_full, knobs.top_k or d2.candidate_selector.top_k)
-    scores = d2.candidate_selector.edge_scores(ids, vals, hs, anchor, WALK_DTYPES[knobs.walk])
+    sel, k = d2.candidate_selector, knobs.top_k or d2.candidate_selector.top_k
+    if knobs.walk == "fp32" and hs.is_cpu and not torch.is_grad_enabled() and compiled():
+        # one C call for candidates, the row of edge scores the walk reads and the walk
+        h = linear(hs.float(), sel.hidden_projection.weight.float())  # as edge_scores
+        drafts = dflash2_select(unary_full, h, sel.predecessor_codebook, sel.successor_codebook,
+                                anchor, k)
+        if drafts is not None:
+            return drafts
+    ids, vals = candidates(unary_full, k)
+    scores = sel.edge_scores(ids, vals, hs, anchor, WALK_DTYPES[knobs.walk])
     return ids.gather(-1, walk(scores)[..., None])[..., 0]
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_kernels import gdn_chunk, gdn_chunk_available, gdn_chunk_state, linear, rms_norm, rowinv_linear
+from .cpu_kernels import gdn_chunk, compiled, gdn_chunk_state, linear, rms_norm, rowinv_linear
 from .gdn_fused import gdn_fused
 
 #: "fused" is one Triton kernel (CUDA; see gdn_fused.py) computing the recurrent form
@@ -639,7 +639,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         g = neg_a * F.softplus(a.float() + self.dt_bias)
         if (form == "chunked" and per_position and cache is not None and T <= self.chunk_size
                 and conv_out.is_cpu and self.nv == self.nk and not torch.is_grad_enabled()
-                and gdn_chunk_available()):
+                and compiled()):
             # a verify on the CPU: the chunk (L2 norms, WY solve, outputs) in one C call
             # instead of ~30 PyTorch ops (same form; fp32 sums in the kernel's own order)
             out, parts = gdn_chunk(conv_out, g, beta, state, self.nv, self.dk, self.dv)
