@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_kernels import gdn_chunk, compiled, gdn_chunk_state, linear, rms_norm, rowinv_linear
+from .cpu_kernels import compiled, gdn_chunk, gdn_chunk_state, linear, rms_norm, rowinv_linear
 from .gdn_fused import gdn_fused
 
 #: "fused" is one Triton kernel (CUDA; see gdn_fused.py) computing the recurrent form
