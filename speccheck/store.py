@@ -194,30 +194,6 @@ def _load_checked_json(path: Path, redo: str = _REDO_DEFAULT):
     return _load_json(path, redo)
 
 
-#: what a plan holds for each config (key -> accepted types)
-_PLAN_CONFIG = {"repeats": (int,), "fresh_process_repeat": (bool,), "concurrent": (int,),
-                "rescore": (bool,), "attribute": (bool,)}
-
-
-def _plan_problem(plan) -> str | None:
-    """What is wrong with a loaded plan.json (None: nothing)."""
-    if not isinstance(plan, dict) or not isinstance(plan.get("configs"), dict):
-        return "it holds no 'configs' table"
-    if not isinstance(plan.get("run_args", []), list):
-        return "its 'run_args' is not a list"
-    for name, want in plan["configs"].items():
-        try:
-            SpecConfig.from_name(name)
-        except ValueError:
-            return f"{name!r} is not a config name"
-        if not isinstance(want, dict):
-            return f"config {name!r} is not a table"
-        for key, types in _PLAN_CONFIG.items():
-            if type(want.get(key)) not in types:
-                return f"config {name!r} has no valid {key!r}"
-    return None
-
-
 #: what a run manifest must hold (key -> accepted types); anything else is a damaged store
 _MANIFEST_SCHEMA = {"format": (int,), "complete": (bool,), "config": (dict,), "identity": (dict,),
                     "corpus": (str,), "corpus_hash": (str,), "repeat": (int,), "fresh_process": (bool,),
@@ -235,6 +211,30 @@ def _schema_problem(m, schema: dict, what: str) -> str | None:
             return f"{what} lacks {key!r}"
         if not isinstance(m[key], types) or (bool not in types and isinstance(m[key], bool)):
             return f"{what}: {key!r} is {type(m[key]).__name__}, not {'/'.join(t.__name__ for t in types)}"
+    return None
+
+
+#: what a plan.json holds, and per config (key -> accepted types; run_args may be absent)
+_PLAN_SCHEMA = {"configs": (dict,)}
+_PLAN_CONFIG_SCHEMA = {"repeats": (int,), "fresh_process_repeat": (bool,), "concurrent": (int,),
+                       "rescore": (bool,), "attribute": (bool,)}
+
+
+def _plan_problem(plan) -> str | None:
+    """What is wrong with a loaded plan.json (None: nothing)."""
+    problem = _schema_problem(plan, _PLAN_SCHEMA, "the plan")
+    if problem:
+        return problem
+    if not isinstance(plan.get("run_args", []), list):
+        return "the plan's 'run_args' is not a list"
+    for name, want in plan["configs"].items():
+        try:
+            SpecConfig.from_name(name)
+        except ValueError:
+            return f"{name!r} is not a config name"
+        problem = _schema_problem(want, _PLAN_CONFIG_SCHEMA, f"config {name!r}")
+        if problem:
+            return problem
     return None
 
 
