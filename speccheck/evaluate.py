@@ -853,8 +853,8 @@ def _checks(r: ConfigResult, p: Policy, is_baseline: bool) -> list[Check]:
                 acc.tokens_per_iter < r.golden_tokens_per_iter * (1 - p.max_acceptance_drop):
             problems.append(f"{acc.tokens_per_iter:.2f} tokens/iteration fell more than "
                             f"{p.max_acceptance_drop:.0%} below golden {r.golden_tokens_per_iter:.2f}")
-        gold = f" (golden {r.golden_tokens_per_iter:.2f}" if r.golden_tokens_per_iter else ""
-        gold += f"; {same.today:.2f} vs {same.golden:.2f}{where})" if same else (")" if gold else "")
+        shared = f"; {same.today:.2f} vs {same.golden:.2f}{where}" if same else ""
+        gold = f" (golden {r.golden_tokens_per_iter:.2f}{shared})" if r.golden_tokens_per_iter else ""
         checks.append(Check("acceptance_not_regressed", not problems,
                             "; ".join(problems) if problems else f"{acc.tokens_per_iter:.2f} tokens/iteration{gold}"))
 
