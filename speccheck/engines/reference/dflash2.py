@@ -168,6 +168,10 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.zeros(vocab, rank))
         self.hidden_projection = nn.Linear(hidden, rank, bias=False)
 
+    def project(self, hidden: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """P h: the slots' hidden states [N, L, H] through ``hidden_projection``, in ``dtype``."""
+        return linear(hidden.to(dtype), self.hidden_projection.weight.to(dtype))
+
     def edge_scores(self, cand: torch.Tensor, unary: torch.Tensor, hidden: torch.Tensor,
                     anchor: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """cand / unary [N, L, K] (candidate ids and their LM-head scores), hidden [N, L, H]
@@ -175,7 +179,7 @@ class CandidateSelector(nn.Module):
         -> scores [N, L, K_prev, K]: slot l's candidate c after slot l-1's candidate p (the
         anchor for l = 0), ``unary[c] + Σ_r A[p, r] (P h_l)_r B[c, r]``, in ``dtype``."""
         N, L, K = cand.shape
-        h = linear(hidden.to(dtype), self.hidden_projection.weight.to(dtype))  # [N, L, r]
+        h = self.project(hidden, dtype)  # [N, L, r]
         prev = torch.cat([anchor[:, None, None].expand(N, 1, K), cand[:, :-1]], 1)
         pred = self.predecessor_codebook[prev].to(dtype)  # [N, L, K, r] (gathered, then cast:
         succ = self.successor_codebook[cand].to(dtype)  # the same values, not the whole book)
@@ -297,9 +301,8 @@ def select_drafts(d2: DFlash2Drafter, target, hs: torch.Tensor, anchor: torch.Te
     sel, k = d2.candidate_selector, knobs.top_k or d2.candidate_selector.top_k
     if knobs.walk == "fp32" and hs.is_cpu and not torch.is_grad_enabled() and compiled():
         # one C call for candidates, the row of edge scores the walk reads and the walk
-        h = linear(hs.float(), sel.hidden_projection.weight.float())  # as edge_scores
-        drafts = dflash2_select(unary_full, h, sel.predecessor_codebook, sel.successor_codebook,
-                                anchor, k)
+        drafts = dflash2_select(unary_full, sel.project(hs), sel.predecessor_codebook,
+                                sel.successor_codebook, anchor, k)
         if drafts is not None:
             return drafts
     ids, vals = candidates(unary_full, k)
