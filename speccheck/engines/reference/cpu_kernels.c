@@ -60,12 +60,16 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch doe
     return (uint16_t)(u >> 16);
 }
 
+static inline float bf16_to_f(uint16_t h) { /* exact */
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 /* K bf16 values to fp32, zero-padded to Kp (the lanes' multiple of 16) */
 static void widen_row(const uint16_t *src, float *dst, int64_t K, int64_t Kp) {
-    for (int64_t k = 0; k < K; k++) {
-        uint32_t u = (uint32_t)src[k] << 16;
-        memcpy(dst + k, &u, 4);
-    }
+    for (int64_t k = 0; k < K; k++) dst[k] = bf16_to_f(src[k]);
     for (int64_t k = K; k < Kp; k++) dst[k] = 0.0f;
 }
 
@@ -231,8 +235,7 @@ void rms_norm(const void *x, int x_bf16, const float *scale, void *out, int out_
             for (int l = 0; l < 16; l++) {
                 float v = 0.0f;
                 if (k + l < D) {
-                    if (x_bf16) { uint32_t u = (uint32_t)xh[k + l] << 16; memcpy(&v, &u, 4); }
-                    else v = xf[k + l];
+                    v = x_bf16 ? bf16_to_f(xh[k + l]) : xf[k + l];
                 }
                 t[l] = v;
             }
@@ -245,9 +248,7 @@ void rms_norm(const void *x, int x_bf16, const float *scale, void *out, int out_
         }
         float r = 1.0f / sqrtf(reduce16(a, b) / (float)D + eps);
         for (int64_t k = 0; k < D; k++) {
-            float v;
-            if (x_bf16) { uint32_t u = (uint32_t)xh[k] << 16; memcpy(&v, &u, 4); }
-            else v = xf[k];
+            float v = x_bf16 ? bf16_to_f(xh[k]) : xf[k];
             float y = v * r;
             if (scale) y = y * scale[k];
             store(out, out_fp32, m * D + k, y);
@@ -381,12 +382,6 @@ static inline void store_bf16(uint16_t *p, v8f f) { /* f already rounded: its hi
 }
 static inline v8f same_v(v8f f) { return f; }
 static inline v8f splat(float v) { return (v8f){v, v, v, v, v, v, v, v}; } /* (0 + v loses -0) */
-static inline float bf16_to_f(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 static inline float f32_of(float f) { return f; }
 
 /* per position, for each tap t, 8 channels at a time: acc = R(acc + R(R(R(base + d) * xs) * r))
