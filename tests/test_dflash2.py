@@ -346,3 +346,53 @@ def test_report_method_table_compares_mtp_dflash_dflash2_at_k7():
     table = method_table(suite).splitlines()
     assert table[0].startswith("| method | K | decode tok/s (warm) | speedup | tokens / iteration")
     assert table[-1] == "| dflash2 | 7 | 58.5 | 5.85x | 3.90 | 99.50 % | identical x2 |"
+
+
+def test_triton_selector_drafts_as_the_ops():
+    """The GPU's Triton selector (dflash2_fused: candidates, then the walk) against candidates
+    + CandidateSelector.edge_scores + walk, through Triton's interpreter on the CPU (a
+    subprocess: TRITON_INTERPRET is read at import). Small integers, as above: every sum is
+    exact in any order and ties are everywhere (zeros of both signs among them); 60 random
+    shapes and seeds. The slot pass's candidates and projection are checked too."""
+    import importlib.util
+    import subprocess
+    import sys
+    import textwrap
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    code = textwrap.dedent("""
+        import random, torch
+        from speccheck.engines.reference.dflash2 import CandidateSelector, candidates, walk
+        from speccheck.engines.reference.dflash2_fused import dflash2_select_fused, slot_pass
+        rnd = random.Random(0)
+        for case in range(60):
+            n, l, v, r = rnd.randint(1, 3), rnd.randint(1, 7), rnd.randint(8, 40), rnd.randint(1, 6)
+            k, bf16 = rnd.randint(1, min(8, v)), rnd.random() < 0.5
+            g = torch.Generator().manual_seed(case)
+            ints = lambda lo, hi, *shape: torch.randint(lo, hi + 1, shape, generator=g).float()
+            unary, hidden = ints(-3, 3, n, l, v), ints(-2, 2, n, l, r)
+            unary[unary == 0] *= torch.where(torch.rand(unary.shape, generator=g) < 0.5, -1.0, 1.0)[unary == 0]
+            anchor = torch.randint(0, v, (n,), generator=g)
+            sel = CandidateSelector(hidden=r, vocab=v, rank=r, top_k=k)
+            with torch.inference_mode():
+                sel.hidden_projection.weight.copy_(torch.eye(r))
+                for book in (sel.predecessor_codebook, sel.successor_codebook):
+                    book.copy_(ints(-2, 2, v, r))
+                if bf16:
+                    sel = sel.bfloat16()
+                got = dflash2_select_fused(unary, hidden, sel.hidden_projection.weight,
+                                           sel.predecessor_codebook, sel.successor_codebook,
+                                           anchor, k)
+                ids, vals = candidates(unary, k)
+                scores = sel.float().edge_scores(ids, vals, hidden, anchor)
+                want = ids.gather(-1, walk(scores)[..., None])[..., 0]
+                h, got_ids, got_vals = slot_pass(unary, hidden, sel.hidden_projection.weight, k)
+            assert torch.equal(got, want), (case, got, want)
+            assert torch.equal(got_ids, ids) and torch.equal(got_vals, vals), case
+            assert torch.equal(h, sel.float().project(hidden)), case
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cpu_kernels import compiled, dflash2_select, grouped_conv, linear
+from .dflash2_fused import dflash2_select_fused
+from .dflash2_fused import unavailable as fused_unavailable
 from .model import DFlashDecoderLayer, DFlashDrafter, ReferenceConfig
 
 #: the DFlash2 drafter's weights file in a weights directory (config in its metadata)
@@ -305,6 +307,10 @@ def select_drafts(d2: DFlash2Drafter, target, hs: torch.Tensor, anchor: torch.Te
                                 sel.successor_codebook, anchor, k)
         if drafts is not None:
             return drafts
+    if knobs.walk == "fp32" and not torch.is_grad_enabled() and fused_unavailable(hs.device) is None:
+        # on a GPU: the same rule in two Triton launches instead of ~20 ops
+        return dflash2_select_fused(unary_full, hs, sel.hidden_projection.weight,
+                                    sel.predecessor_codebook, sel.successor_codebook, anchor, k)
     ids, vals = candidates(unary_full, k)
     scores = sel.edge_scores(ids, vals, hs, anchor, WALK_DTYPES[knobs.walk])
     return ids.gather(-1, walk(scores)[..., None])[..., 0]

@@ -1,0 +1,39 @@
+"""What the engine's Triton kernels (gdn_fused, dflash2_fused) share: whether Triton can run
+here, and each kernel defined once on first use.
+
+Both are plain module-level dicts, not ``functools`` caches, so that a step traced by
+``torch.compile`` (engine arg ``compile``) reads the answer and the kernel instead of tracing
+an import or a decorator."""
+from __future__ import annotations
+
+import os
+
+_MISSING: dict = {}  # device type -> why Triton cannot run there (None: it can)
+_KERNELS: dict = {}  # name -> what its define() returned
+
+
+def interpreted() -> bool:
+    """``TRITON_INTERPRET=1``: the kernels run on CPU tensors through Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_missing(device_type: str) -> str | None:
+    """Why a Triton kernel cannot run on this device type (None: it can)."""
+    if device_type not in _MISSING:
+        if device_type != "cuda" and not interpreted():
+            _MISSING[device_type] = f"a Triton kernel for CUDA; this engine runs on {device_type}"
+        else:
+            try:
+                import triton  # noqa: F401
+                _MISSING[device_type] = None
+            except ImportError:
+                _MISSING[device_type] = ("a Triton kernel, and Triton is not installed "
+                                         "(pip install triton)")
+    return _MISSING[device_type]
+
+
+def kernel(name: str, define):
+    """``define()`` (which builds the ``@triton.jit`` kernels) once per process."""
+    if name not in _KERNELS:
+        _KERNELS[name] = define()
+    return _KERNELS[name]
