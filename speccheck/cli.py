@@ -119,7 +119,8 @@ def _settings(items: tuple[str, ...]) -> dict[str, str]:
 REFERENCE_ARG_KEYS = (
     "dtype=bf16|fp32, gdn_prefill/gdn_decode/gdn_verify=chunked|recurrent|fused (fused: a "
     "Triton kernel, CUDA), attn_prefill/attn_decode/attn_verify=single|multi, device=auto|cpu|cuda, "
-    "cuda_graphs=on|off, prefix_cache=on|off, threads=N, batch=N, no_draft_every=N, "
+    "cuda_graphs=on|off, compile=on|off (torch.compile of the CUDA graph steps), "
+    "prefix_cache=on|off, threads=N, batch=N, no_draft_every=N, "
     "fault=NAME (planted bug), "
     "dflash2_selector=on|off, dflash2_top_k=N, dflash2_walk=fp32|bf16")
 ENGINE_ARG_HELP = (

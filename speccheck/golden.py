@@ -35,7 +35,7 @@ def _slug(s: str) -> str:
 #: engine args that reach a server, not the numerics: they are not part of a golden's key
 _NOT_NUMERICS = ("base_url", "served_model", "api_key_env")
 #: identity keys that change numerics (a golden recorded under other ones is another golden)
-NUMERICS_KEYS = ("dtype", "knobs", "fault", "kernel_knobs", "batch", "cuda_graphs")
+NUMERICS_KEYS = ("dtype", "knobs", "fault", "kernel_knobs", "batch", "cuda_graphs", "compile")
 #: identity keys that explain near-tie flips between machines (kernels, SIMD, library builds)
 PLATFORM_KEYS = ("device", "cpu_capability", "threads", "torch", "gpu", "cuda", "vllm_version",
                  "server_version", "driver")

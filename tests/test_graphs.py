@@ -170,3 +170,25 @@ def test_fused_form_is_lossless_in_the_graph_steps():
         assert spec.token_ids.tolist() == base.token_ids.tolist()
         assert spec.spec.accepted_tokens < spec.spec.draft_tokens  # rolled back fused states
     """)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile of the graph steps: CUDA")
+def test_compiled_steps_decode_what_the_uncompiled_ones_decode():
+    """compile=on (each graph step torch.compile'd before its capture) on CUDA, fp32: the same
+    tokens as the uncompiled graph steps for every method, with rejections (rollback ran), and
+    the same acceptance; the DFlash2 selector is the Triton one on both sides."""
+    base = ReferenceEngine(engine_args={"dtype": "fp32", "device": "cuda", "gdn_decode": "fused",
+                                        "gdn_verify": "fused"})
+    compiled = base.with_args(compile="on")
+    assert compiled.identity()["compile"] == "on" and "compile" not in base.identity()
+    prompts = _prompts(32)
+    ids = [base.tokenize(p) for p in prompts]
+    for config in CONFIGS:
+        want = base.generate(prompts, ids, config, 5)
+        got = compiled.generate(prompts, ids, config, 5)
+        for a, b in zip(want, got):
+            assert b.token_ids.tolist() == a.token_ids.tolist(), (config.name, a.prompt_id)
+            assert np.allclose(b.logprobs, a.logprobs, atol=1e-4)
+        if not config.is_baseline:
+            assert sum(c.spec.accepted_tokens for c in got) == sum(c.spec.accepted_tokens for c in want)
+            assert sum(c.spec.accepted_tokens for c in got) < sum(c.spec.draft_tokens for c in got)

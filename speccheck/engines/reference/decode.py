@@ -98,6 +98,8 @@ class Knobs:
     no_draft_every: int = 0
     #: on CUDA, one prompt at a time runs its steps as CUDA graphs (graphs.py); else eagerly
     cuda_graphs: bool = True
+    #: the graph steps are torch.compile'd before their capture (graphs.Replay)
+    compile: bool = False
     #: a prompt prefilled before by this decoder reuses that prefill (Decoder._prefill_one)
     prefix_cache: bool = True
 

@@ -64,12 +64,15 @@ ENGINE_ARGS = {
                                           "CUDA graphs path); off = every request prefills"),
     "cuda_graphs": (("on", "off"), "on", "CUDA: each decode, verify and draft step of one prompt "
                                          "replays a CUDA graph (no planted fault); off = eager"),
+    "compile": (("on", "off"), "off", "CUDA graphs: each step is torch.compile'd (Inductor fuses "
+                                      "its small ops into Triton kernels) before its capture; "
+                                      "bf16 roundings move (fused ops skip bf16 rounds)"),
 }
 #: engine args that pick code paths, not weights: :meth:`ReferenceEngine.with_args` changes them
 #: on the loaded networks
 PATH_ARGS = ("gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode",
              "attn_verify", "batch", "no_draft_every", "fault", "dflash2_selector", "dflash2_top_k",
-             "dflash2_walk", "cuda_graphs", "prefix_cache")
+             "dflash2_walk", "cuda_graphs", "compile", "prefix_cache")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -234,6 +237,7 @@ class ReferenceEngine(Engine):
         fault = None if self.args["fault"] == "none" else self.args["fault"]
         self.knobs = Knobs(fault=fault, no_draft_every=int(self.args["no_draft_every"]),
                            cuda_graphs=self.args["cuda_graphs"] == "on",
+                           compile=self.args["compile"] == "on",
                            prefix_cache=self.args["prefix_cache"] == "on",
                            **{k: self.args[k] for k in ("gdn_prefill", "gdn_decode", "gdn_verify",
                                                         "attn_prefill", "attn_decode", "attn_verify")})
@@ -293,6 +297,7 @@ class ReferenceEngine(Engine):
                                                 "attn_prefill", "attn_decode", "attn_verify")},
             "fault": self.args["fault"],
             **({"cuda_graphs": self.args["cuda_graphs"]} if self.device.type == "cuda" else {}),
+            **({"compile": "on"} if self.device.type == "cuda" and self.knobs.compile else {}),
             "batch": int(self.args["batch"]),
             "prefix_cache": self.args["prefix_cache"],
             "no_draft_every": int(self.args["no_draft_every"]),

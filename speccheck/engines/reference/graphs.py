@@ -6,7 +6,10 @@ each step — the one-token decode; the spec verify of K+1 positions with its ac
 exact rollback; the MTP, DFlash or DFlash2 draft — works on buffers at fixed addresses
 (:meth:`.model.Cache.static_for`: lengths on the device, every position attended with the
 ones past the sequence's end masked, states updated in place), is captured once as a graph
-and then replayed, and the host reads back only what the step emits (one copy per step).
+and then replayed, and the host reads back only what the step emits (one copy per step). The
+next step is launched before the host emits this one's tokens (it needs nothing from the host),
+so the host's work overlaps the GPU's, as vLLM's async scheduling does; a generation ends with
+one step run past its end, whose output is dropped.
 
 The networks, the greedy rule (argmax, lowest id on exact ties), the acceptance (the longest
 draft prefix equal to the target's own tokens, plus the target's next token) and the rollback
@@ -41,17 +44,27 @@ class Replay:
     """``fn`` (no arguments; it reads and writes fixed buffers) recorded as a CUDA graph after
     one warm-up run on a side stream (which builds lazily cached tensors and compiles Triton
     kernels outside the capture); calling it replays the graph. Without CUDA it calls ``fn``.
-    The warm-up really runs ``fn``: capture before filling the buffers with a request."""
+    The warm-up really runs ``fn``: capture before filling the buffers with a request.
+
+    ``compile``: on CUDA, ``fn`` is first run eagerly (it builds the weight-only caches the
+    trace then reads), then ``torch.compile``'d and warmed up again, which compiles it; the
+    capture records the compiled kernels, so a replay never runs the compiler's host code."""
 
     #: why a capture failed, per step name (the step then runs eagerly; the bench prints it)
     failures: dict[str, str] = {}
 
-    def __init__(self, fn, device: torch.device, name: str = ""):
+    def __init__(self, fn, device: torch.device, name: str = "", compile: bool = False):
         self.fn, self.graph = fn, None
         if device.type == "cuda":
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
+                if compile:
+                    fn()
+                    # each step function is one code object traced once per (capacity, K)
+                    torch._dynamo.config.recompile_limit = max(
+                        torch._dynamo.config.recompile_limit, 256)
+                    fn = torch.compile(fn, dynamic=False)
                 fn()
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
@@ -92,7 +105,15 @@ class _Timer:
             end.record()
             self.pairs.append((self.start, end))
         else:
-            self.seconds += time.perf_counter() - self.start
+            self.last = time.perf_counter() - self.start
+            self.seconds += self.last
+
+    def drop_last(self) -> None:
+        """Forget the last timed step (one run past the end of a generation)."""
+        if self.cuda:
+            self.pairs.pop()
+        else:
+            self.seconds -= self.last
 
     def total(self) -> float:
         return self.seconds + sum(a.elapsed_time(b) for a, b in self.pairs) / 1000.0
@@ -156,7 +177,7 @@ class GraphDecoding:
         from .decode import Generation, _Out, _sync
 
         d = self.d
-        B = self._buffers(capacity(len(prompt) + max_tokens + 2))
+        B = self._buffers(capacity(len(prompt) + max_tokens + 3))  # (+1: the step past the end)
         key = ("decode", top_k)
         if key not in B.graphs:
             B.graphs[key] = self._decode_step(B, top_k)
@@ -172,10 +193,13 @@ class GraphDecoding:
         _sync(d.device)
         t1 = time.perf_counter()
         steps = 0
+        step()
         while out.finish is None:
-            step()
+            packed = out_buf.to("cpu", copy=True)  # waits for the step (a copy on CPU too)
+            step()  # the next one runs on the GPU while the host emits this one's token
             steps += 1
-            self._emit(out, out_buf.cpu(), 1, top_k)
+            self._emit(out, packed, 1, top_k)
+        _sync(d.device)  # the step launched past the end counts too
         t2 = time.perf_counter()
         return Generation(out.tokens, out.lps, np.array(out.tk_ids), np.array(out.tk_lps),
                           out.finish, t1 - t0, t2 - t1, None, steps)
@@ -191,7 +215,7 @@ class GraphDecoding:
             B.tok.copy_(rows.argmax(-1, keepdim=True))
             out.copy_(_pack(rows, B.tok[0], top_k))
 
-        step = Replay(decode, B.dev, "decode")
+        step = Replay(decode, B.dev, "decode", d.knobs.compile)
         B.reset()  # the warm-up ran on the buffers
         return step, out
 
@@ -203,7 +227,8 @@ class GraphDecoding:
 
         d = self.d
         aux_ids = tuple(d.cfg.drafter.target_layer_ids) if method != "mtp" else ()
-        B = self._buffers(capacity(len(prompt) + max_tokens + k + 4))
+        # room for the iteration past the end too
+        B = self._buffers(capacity(len(prompt) + max_tokens + 2 * (k + 1) + 4))
         key = (method, k, top_k)
         if key not in B.graphs:
             B.graphs[key] = self._spec_steps(B, method, k, top_k, aux_ids)
@@ -242,11 +267,16 @@ class GraphDecoding:
         t1 = time.perf_counter()
         timer = _Timer(d.device)
         iterations = 0
-        while out.finish is None:
+
+        def launch():
             with timer:
                 draft()
             verify()
-            res = st["out"].cpu()
+
+        launch()
+        while out.finish is None:
+            res = st["out"].to("cpu", copy=True)  # waits for the iteration
+            launch()  # the next one runs on the GPU while the host emits this one's tokens
             m = int(res[-1])
             self._emit(out, res, m + 1, top_k, k + 1)
             iterations += 1
@@ -255,7 +285,9 @@ class GraphDecoding:
             counters.accepted_tokens += m
             for i in range(m):
                 counters.accepted_per_pos[i] += 1
+        _sync(d.device)  # the iteration launched past the end counts too
         t2 = time.perf_counter()
+        timer.drop_last()  # (its draft does not)
         counters.draft_s = timer.total() if iterations else None  # (as Decoder's loops)
         return Generation(out.tokens, out.lps, np.array(out.tk_ids), np.array(out.tk_lps),
                           out.finish, t1 - t0, t2 - t1, counters, iterations)
@@ -332,7 +364,8 @@ class GraphDecoding:
         B.reset()
         st["pend_n"].fill_(1)
         B.p.fill_(1)
-        steps = Replay(draft, dev, f"{method} draft"), Replay(verify, dev, f"{method} verify")
+        steps = (Replay(draft, dev, f"{method} draft", d.knobs.compile),
+                 Replay(verify, dev, f"{method} verify", d.knobs.compile))
         B.reset()
         return steps[0], steps[1], st
 
