@@ -7,9 +7,10 @@ exact rollback; the MTP, DFlash or DFlash2 draft — works on buffers at fixed a
 (:meth:`.model.Cache.static_for`: lengths on the device, every position attended with the
 ones past the sequence's end masked, states updated in place), is captured once as a graph
 and then replayed, and the host reads back only what the step emits (one copy per step). The
-next step is launched before the host emits this one's tokens (it needs nothing from the host),
-so the host's work overlaps the GPU's, as vLLM's async scheduling does; a generation ends with
-one step run past its end, whose output is dropped.
+next step is queued before the host waits for this one's output (:class:`_Ahead`; a step needs
+nothing from the host), so the GPU never waits for a launch and the host's work overlaps the
+GPU's, as vLLM's async scheduling does; a generation ends with one step run past its end, whose
+output is dropped.
 
 The networks, the greedy rule (argmax, lowest id on exact ties), the acceptance (the longest
 draft prefix equal to the target's own tokens, plus the target's next token) and the rollback
@@ -119,6 +120,36 @@ class _Timer:
         return self.seconds + sum(a.elapsed_time(b) for a, b in self.pairs) / 1000.0
 
 
+class _Ahead:
+    """A step always queued one ahead of the one the host reads: each step's output is copied
+    into one of two host buffers (pinned, without blocking) and an event marks it; ``next()``
+    queues the following step, then waits for this one's copy. The GPU never waits for the
+    host to launch a graph, and the host's emitting overlaps the GPU's next step (the steps
+    need nothing from the host). A generation ends with one step run past its end."""
+
+    def __init__(self, step, out: torch.Tensor):
+        self.step, self.out, self.cuda = step, out, out.device.type == "cuda"
+        self.host = [torch.empty(out.shape, dtype=out.dtype, pin_memory=self.cuda)
+                     for _ in range(2)]
+        self.done = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
+        self.slot = 0
+        self._queue(0)
+
+    def _queue(self, slot: int) -> None:
+        self.step()
+        self.host[slot].copy_(self.out, non_blocking=self.cuda)
+        if self.cuda:
+            self.done[slot].record()
+
+    def next(self) -> torch.Tensor:
+        """The output of the oldest queued step (after queueing the one after it)."""
+        slot, self.slot = self.slot, 1 - self.slot
+        self._queue(self.slot)
+        if self.cuda:
+            self.done[slot].synchronize()
+        return self.host[slot]
+
+
 class Buffers:
     """Everything the graphs of one capacity read and write: the target's static cache, the
     drafters' (MTP cache, DFlash context K/V), the step inputs and the packed outputs."""
@@ -193,10 +224,9 @@ class GraphDecoding:
         _sync(d.device)
         t1 = time.perf_counter()
         steps = 0
-        step()
+        ahead = _Ahead(step, out_buf)
         while out.finish is None:
-            packed = out_buf.to("cpu", copy=True)  # waits for the step (a copy on CPU too)
-            step()  # the next one runs on the GPU while the host emits this one's token
+            packed = ahead.next()
             steps += 1
             self._emit(out, packed, 1, top_k)
         _sync(d.device)  # the step launched past the end counts too
@@ -268,15 +298,14 @@ class GraphDecoding:
         timer = _Timer(d.device)
         iterations = 0
 
-        def launch():
+        def iteration():
             with timer:
                 draft()
             verify()
 
-        launch()
+        ahead = _Ahead(iteration, st["out"])
         while out.finish is None:
-            res = st["out"].to("cpu", copy=True)  # waits for the iteration
-            launch()  # the next one runs on the GPU while the host emits this one's tokens
+            res = ahead.next()
             m = int(res[-1])
             self._emit(out, res, m + 1, top_k, k + 1)
             iterations += 1
