@@ -1,5 +1,7 @@
 """Reported logprobs against the baseline (verify/logprobs.py and the logprobs_consistent
 check): the two-sample drift statistic, the flip budget, and the check on constructed suites."""
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -375,3 +377,19 @@ def test_golden_records_the_noise_samples_and_check_compares_them(tmp_path):
     assert r.logprobs.golden_drift.ratio == pytest.approx(1.0, abs=1e-3) and r.check("logprobs_consistent").passed
     chk = golden.check(s, tmp_path / "golden", res.noise, Policy())
     assert chk.noise_drift is not None and not chk.noise_drift.drifted and chk.passed
+
+
+def test_golden_noise_from_another_platform_is_not_compared(tmp_path):
+    """A golden recorded on another CPU (SIMD level) or GPU: its |Δ logprob| sample is not
+    evidence about this machine's kernels, so only today's kernel-path noise judges drift."""
+    from speccheck import golden
+
+    s = _suite(tmp_path / "st")
+    path = golden.record(s, evaluate_suite(s, Policy()), tmp_path / "golden")
+    assert golden.golden_noise(s, tmp_path / "golden") is not None
+    manifest = path / "baseline" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m.pop("files", None)
+    m["identity"]["cpu_capability"] = "AVX2" if m["identity"].get("cpu_capability") != "AVX2" else "AVX512"
+    manifest.write_text(json.dumps(m))
+    assert golden.golden_noise(s, tmp_path / "golden") is None
