@@ -39,7 +39,8 @@ def _define_kernel():
 
     @triton.jit
     def gdn_fused_fwd(q, k, v, g, beta, s0, out, s_last, states,
-                      T: tl.constexpr, sq_b, sq_t, sq_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
+                      T: tl.constexpr, TP: tl.constexpr, sq_b, sq_t, sq_h, sv_b, sv_t, sv_h,
+                      sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
                       H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                       PER_POSITION: tl.constexpr, EPS: tl.constexpr):
         # one program per (sequence, head, block of BV value columns): S[:, cols] in registers
@@ -48,27 +49,48 @@ def _define_kernel():
         h = bh % H
         rk = tl.arange(0, DK)
         rv = tl.program_id(1) * BV + tl.arange(0, BV)
+        rt = tl.arange(0, TP)
+        live = rt < T
         tile = (bh * DK + rk[:, None]) * DV + rv[None, :]  # [B,H,DK,DV] offsets of the tile
+        # every position's inputs loaded before the first store (a store may alias a later
+        # load as far as the compiler knows, so loads inside the loop would each wait for
+        # the memory round trip), q and k L2-normalised for all positions at once
+        qs = tl.load(q + b * sq_b + rt[:, None] * sq_t + h * sq_h + rk[None, :],
+                     mask=live[:, None], other=0.0).to(tl.float32)
+        ks = tl.load(k + b * sq_b + rt[:, None] * sq_t + h * sq_h + rk[None, :],
+                     mask=live[:, None], other=0.0).to(tl.float32)
+        vs = tl.load(v + b * sv_b + rt[:, None] * sv_t + h * sv_h + rv[None, :],
+                     mask=live[:, None], other=0.0).to(tl.float32)
+        gs = tl.load(g + b * sg_b + rt * sg_t + h * sg_h, mask=live, other=0.0).to(tl.float32)
+        bs = tl.load(beta + b * sb_b + rt * sb_t + h * sb_h, mask=live, other=0.0).to(tl.float32)
         s = tl.load(s0 + tile)
         scale = 1.0 / tl.sqrt(DK * 1.0)
-        for t in tl.static_range(T):  # unrolled: the loads of every position issue early
-            qt = tl.load(q + b * sq_b + t * sq_t + h * sq_h + rk).to(tl.float32)
-            kt = tl.load(k + b * sq_b + t * sq_t + h * sq_h + rk).to(tl.float32)
-            vt = tl.load(v + b * sv_b + t * sv_t + h * sv_h + rv).to(tl.float32)
-            gt = tl.load(g + b * sg_b + t * sg_t + h * sg_h).to(tl.float32)
-            bt = tl.load(beta + b * sb_b + t * sb_t + h * sb_h).to(tl.float32)
-            qt = qt * (1.0 / tl.sqrt(tl.sum(qt * qt, axis=0) + EPS)) * scale
-            kt = kt * (1.0 / tl.sqrt(tl.sum(kt * kt, axis=0) + EPS))
-            s = s * tl.exp(gt)
+        qs = qs * (1.0 / tl.sqrt(tl.sum(qs * qs, axis=1) + EPS))[:, None] * scale
+        ks = ks * (1.0 / tl.sqrt(tl.sum(ks * ks, axis=1) + EPS))[:, None]
+        decay = tl.exp(gs)
+        outs = tl.zeros([TP, BV], dtype=tl.float32)
+        for t in tl.static_range(T):  # unrolled
+            row = rt == t
+            qt = tl.sum(tl.where(row[:, None], qs, 0.0), axis=0)
+            kt = tl.sum(tl.where(row[:, None], ks, 0.0), axis=0)
+            vt = tl.sum(tl.where(row[:, None], vs, 0.0), axis=0)
+            dt = tl.sum(tl.where(row, decay, 0.0), axis=0)
+            bt = tl.sum(tl.where(row, bs, 0.0), axis=0)
+            s = s * dt
             delta = (vt - tl.sum(kt[:, None] * s, axis=0)) * bt
             s = s + kt[:, None] * delta[None, :]
-            o = tl.sum(qt[:, None] * s, axis=0)
-            tl.store(out + ((b * T + t) * H + h) * DV + rv, o)
+            outs = tl.where(row[:, None], tl.sum(qt[:, None] * s, axis=0)[None, :], outs)
             if PER_POSITION:
                 tl.store(states + (((b * T + t) * H + h) * DK + rk[:, None]) * DV + rv[None, :], s)
+        tl.store(out + ((b * T + rt[:, None]) * H + h) * DV + rv[None, :], outs, mask=live[:, None])
         tl.store(s_last + tile, s)
 
     return gdn_fused_fwd
+
+
+def _positions_tile(n: int) -> int:
+    """The power of two >= n (and >= 2) that holds a call's positions as one tile."""
+    return max(2, 1 << max(0, n - 1).bit_length())
 
 
 def gdn_fused(q, k, v, g, beta, state, per_position: bool = False):
@@ -96,7 +118,7 @@ def gdn_fused(q, k, v, g, beta, state, per_position: bool = False):
     if k.stride() != q.stride():  # (one split of the conv output: they share strides)
         q, k = q.contiguous(), k.contiguous()
     _kernel()[(B * H, DV // bv)](
-        q, k, v, g, beta, state, out, s_last, states, T,
+        q, k, v, g, beta, state, out, s_last, states, T, _positions_tile(T),
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2),
         g.stride(0), g.stride(1), g.stride(2), beta.stride(0), beta.stride(1), beta.stride(2),
         H=H, DK=DK, DV=DV, BV=bv, PER_POSITION=per_position, EPS=L2_EPS, num_warps=NUM_WARPS)
