@@ -118,7 +118,8 @@ def _settings(items: tuple[str, ...]) -> dict[str, str]:
 
 REFERENCE_ARG_KEYS = (
     "dtype=bf16|fp32, gdn_prefill/gdn_decode/gdn_verify=chunked|recurrent|fused (fused: a "
-    "Triton kernel, CUDA), attn_prefill/attn_decode/attn_verify=single|multi, device=auto|cpu|cuda, "
+    "Triton kernel, CUDA), attn_prefill=single|multi, attn_decode/attn_verify=single|multi|fused, "
+    "attn_draft=multi|fused (fused: a Triton kernel, CUDA), device=auto|cpu|cuda, "
     "cuda_graphs=on|off, compile=on|off (torch.compile of the CUDA graph steps), "
     "prefix_cache=on|off, threads=N, batch=N, no_draft_every=N, "
     "fault=NAME (planted bug), "

@@ -19,7 +19,7 @@ from speccheck.verify.ties import canonical_rows
 
 from . import dflash2 as _dflash2
 from .graphs import GraphDecoding
-from .model import (ATTN_FORMS, GDN_FORMS, Cache, DFlashDrafter, MTPModule, Qwen3_5TextModel,
+from .model import (ATTN_FORMS, DRAFT_ATTN_FORMS, GDN_FORMS, Cache, DFlashDrafter, MTPModule, Qwen3_5TextModel,
                     ReferenceConfig, set_nondeterministic)
 
 #: planted spec-decode bugs (engine arg ``fault=NAME``), one line each naming the real bug it
@@ -93,6 +93,8 @@ class Knobs:
     attn_verify: str = "multi"
     fault: str | None = None
     attn_prefill: str = "multi"
+    #: the drafter's attention (DFlash / DFlash2 block): SDPA (multi) or the Triton kernel
+    attn_draft: str = "multi"
     #: every N-th verify step carries no draft and decodes one token (0 = never), as engines
     #: do near the end of the context or when the drafter has nothing to propose
     no_draft_every: int = 0
@@ -110,6 +112,8 @@ class Knobs:
         for name in ("attn_prefill", "attn_decode", "attn_verify"):
             if getattr(self, name) not in ATTN_FORMS:
                 raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {ATTN_FORMS}")
+        if self.attn_draft not in DRAFT_ATTN_FORMS:
+            raise ValueError(f"attn_draft={self.attn_draft!r}: choose one of {DRAFT_ATTN_FORMS}")
         if self.fault is not None and self.fault not in FAULTS:
             raise ValueError(f"fault={self.fault!r}: choose one of {tuple(FAULTS)}")
         if self.no_draft_every < 0:
@@ -530,7 +534,7 @@ class Decoder:
             return self._draft_mtp(state, tokens, pending, k)
         if method == "dflash2":
             return _dflash2.draft(self.dflash2, self.target, self.cfg, state, tokens, pending, k,
-                                  self.selector)
+                                  self.selector, self.knobs.attn_draft)
         return self._draft_dflash(state, tokens, pending, k)
 
     def _draft_init(self, method, max_len):
@@ -607,7 +611,8 @@ class Decoder:
             st["v"][li][which, :, pos] = cv[0].transpose(0, 1)
         block = self._t([[tokens[b][-1]] + [self.cfg.mask_token_id] * k for b in live])
         bpos = p_t[:, None] + torch.arange(k + 1, device=self.device)
-        hb = net(self.target.embed_tokens(block), bpos, list(zip(st["k"], st["v"])), ctx_len=p_t)
+        hb = net(self.target.embed_tokens(block), bpos, list(zip(st["k"], st["v"])), ctx_len=p_t,
+                 attn_form=self.knobs.attn_draft)
         if method == "dflash2":
             return _dflash2.select_drafts(net, self.target, hb[:, 1:], block[:, 0],
                                           self.selector).tolist()
@@ -643,5 +648,6 @@ class Decoder:
         st["len"] = p
         block = [tokens[-1]] + [self.cfg.mask_token_id] * k
         emb = self.target.embed_tokens(self._t(block))[None]
-        hb = self.drafter(emb, range(p, p + k + 1), list(zip(st["k"], st["v"])), ctx_len=p)
+        hb = self.drafter(emb, range(p, p + k + 1), list(zip(st["k"], st["v"])), ctx_len=p,
+                          attn_form=self.knobs.attn_draft)
         return self.target.rough_logits(hb[0, 1:]).argmax(-1).tolist()

@@ -148,9 +148,10 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.attention_conv = DFlashGroupedConv(*args)
         self.mlp_conv = DFlashGroupedConv(*args)
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None, reach=None, keys=None):
+    def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None, reach=None, keys=None,
+                attn_form="multi"):
         h, delta = self.attention_conv.prepare(self.input_layernorm(x), reach)
-        h = self.self_attn(h, positions, ctx_k, ctx_v, mask, ctx_len, keys)
+        h = self.self_attn(h, positions, ctx_k, ctx_v, mask, ctx_len, keys, attn_form)
         x = x + self.attention_conv.finish(h, delta, reach)
         h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x), reach)
         return x + self.mlp_conv.finish(self.mlp(h), delta, reach)
@@ -235,14 +236,14 @@ class DFlash2Drafter(DFlashDrafter):
                                                     d2.selector_rank, d2.selector_top_k)
 
     def forward(self, block_embeds, positions, ctx_kv, mask=None, ctx_len=None,
-                keys=None, block_size: int | None = None) -> torch.Tensor:
+                keys=None, block_size: int | None = None, attn_form: str = "multi") -> torch.Tensor:
         """As DFlashDrafter.forward; the T block tokens are blocks of ``block_size`` laid end
         to end (None: one block), which bounds the convolution's reach."""
         x = block_embeds.float()
         reach = block_reach(block_slots(x.shape[1], block_size or x.shape[1], x.device),
                             self.d2.conv_kernel_size)
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            x = layer(x, positions, ck, cv, mask, ctx_len, reach, keys)
+            x = layer(x, positions, ck, cv, mask, ctx_len, reach, keys, attn_form)
         return self.norm(x)
 
 
@@ -324,7 +325,8 @@ def new_state(d2: DFlash2Drafter, cfg: ReferenceConfig, max_len: int, like: torc
 
 
 def draft(d2: DFlash2Drafter, target, cfg: ReferenceConfig, st: dict, tokens: list[int],
-          pending_aux: torch.Tensor, k: int, knobs: SelectorKnobs) -> list[int]:
+          pending_aux: torch.Tensor, k: int, knobs: SelectorKnobs,
+          attn_form: str = "multi") -> list[int]:
     """As decode's DFlash drafting (append the newly verified positions' context K/V, one
     forward over [x, mask * k] at p..p+k, the block being one conv block of k+1), then the
     selector picks the K tokens."""
@@ -341,5 +343,5 @@ def draft(d2: DFlash2Drafter, target, cfg: ReferenceConfig, st: dict, tokens: li
     block = torch.tensor([tokens[-1]] + [cfg.mask_token_id] * k, device=device)
     emb = target.embed_tokens(block)[None]
     hb = d2(emb, torch.arange(p, p + k + 1, device=device), list(zip(st["k"], st["v"])),
-            ctx_len=p)
+            ctx_len=p, attn_form=attn_form)
     return select_drafts(d2, target, hb[:, 1:], block[:1], knobs)[0].tolist()

@@ -30,7 +30,8 @@ from speccheck.types import Completion, Prompt, Scored, SpecConfig
 from .decode import FAULTS, Decoder, Knobs
 from .dflash2 import DFLASH2_FILE, WALK_DTYPES, SelectorKnobs, load_dflash2
 from .gdn_fused import unavailable as gdn_fused_unavailable
-from .model import (ATTN_FORMS, GDN_FORMS, DFlashDrafter, MTPModule, Qwen3_5TextModel,
+from .attn_fused import unavailable as attn_fused_unavailable
+from .model import (ATTN_FORMS, DRAFT_ATTN_FORMS, GDN_FORMS, DFlashDrafter, MTPModule, Qwen3_5TextModel,
                     ReferenceConfig, init_weights)
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
@@ -43,6 +44,8 @@ ENGINE_ARGS = {
     "attn_prefill": (ATTN_FORMS, "multi", "attention form for the prompt (and for score())"),
     "attn_decode": (ATTN_FORMS, "single", "attention form for one-token decode steps"),
     "attn_verify": (ATTN_FORMS, "multi", "attention form for the verify forward"),
+    "attn_draft": (DRAFT_ATTN_FORMS, "multi", "attention form of the DFlash / DFlash2 drafter "
+                                              "(multi = SDPA; fused = the Triton kernel)"),
     "dtype": (("bf16", "fp32"), "bf16", "weights/activations dtype (GDN state, norms, logits fp32)"),
     "device": (("auto", "cpu", "cuda"), "auto", "auto = cuda when available"),
     # one thread by default: the toy model's ops are too small to gain from more (measured 313 vs
@@ -71,9 +74,12 @@ ENGINE_ARGS = {
 #: engine args that pick code paths, not weights: :meth:`ReferenceEngine.with_args` changes them
 #: on the loaded networks
 PATH_ARGS = ("gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode",
-             "attn_verify", "batch", "no_draft_every", "fault", "dflash2_selector", "dflash2_top_k",
-             "dflash2_walk", "cuda_graphs", "compile", "prefix_cache")
+             "attn_verify", "attn_draft", "batch", "no_draft_every", "fault", "dflash2_selector",
+             "dflash2_top_k", "dflash2_walk", "cuda_graphs", "compile", "prefix_cache")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+#: the engine args that pick a kernel form per phase (Knobs fields; the identity's "knobs")
+KNOB_ARGS = ("gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode",
+             "attn_verify", "attn_draft")
 
 
 def _sha256(path: Path) -> str | None:
@@ -234,13 +240,20 @@ class ReferenceEngine(Engine):
         if why:
             raise EngineUsageError(f"--engine-arg {fused[0]}=fused: {why}; choose chunked or "
                                    f"recurrent here")
+        if self.args["attn_prefill"] == "fused":
+            raise EngineUsageError("--engine-arg attn_prefill=fused: the fused attention kernel "
+                                   "is for a few queries at a time (decode, verify, drafts); "
+                                   "choose multi or single for the prompt")
+        fused = [k for k in ("attn_decode", "attn_verify", "attn_draft") if self.args[k] == "fused"]
+        why = fused and attn_fused_unavailable(self.device)
+        if why:
+            raise EngineUsageError(f"--engine-arg {fused[0]}=fused: {why}; choose multi here")
         fault = None if self.args["fault"] == "none" else self.args["fault"]
         self.knobs = Knobs(fault=fault, no_draft_every=int(self.args["no_draft_every"]),
                            cuda_graphs=self.args["cuda_graphs"] == "on",
                            compile=self.args["compile"] == "on",
                            prefix_cache=self.args["prefix_cache"] == "on",
-                           **{k: self.args[k] for k in ("gdn_prefill", "gdn_decode", "gdn_verify",
-                                                        "attn_prefill", "attn_decode", "attn_verify")})
+                           **{k: self.args[k] for k in KNOB_ARGS})
         top_k = self.args["dflash2_top_k"]
         self.selector = SelectorKnobs(self.args["dflash2_selector"] == "on",
                                       int(top_k) if top_k else None, self.args["dflash2_walk"])
@@ -293,8 +306,9 @@ class ReferenceEngine(Engine):
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # SIMD kernels torch picked
-            "knobs": {k: self.args[k] for k in ("gdn_prefill", "gdn_decode", "gdn_verify",
-                                                "attn_prefill", "attn_decode", "attn_verify")},
+            # (attn_draft only when not the default: goldens recorded before it compare equal)
+            "knobs": {k: self.args[k] for k in KNOB_ARGS
+                      if k != "attn_draft" or self.args[k] != ENGINE_ARGS[k][1]},
             "fault": self.args["fault"],
             **({"cuda_graphs": self.args["cuda_graphs"]} if self.device.type == "cuda" else {}),
             **({"compile": "on"} if self.device.type == "cuda" and self.knobs.compile else {}),

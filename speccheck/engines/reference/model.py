@@ -27,12 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attn_fused import attn_fused
 from .cpu_kernels import compiled, gdn_chunk, gdn_chunk_state, linear, rms_norm, rowinv_linear
 from .gdn_fused import gdn_fused
 
 #: "fused" is one Triton kernel (CUDA; see gdn_fused.py) computing the recurrent form
 GDN_FORMS = ("chunked", "recurrent", "fused")
-ATTN_FORMS = ("single", "multi")
+ATTN_FORMS = ("single", "multi", "fused")
+DRAFT_ATTN_FORMS = ("multi", "fused")  # a DFlash block attends non-causally: no per-query form
 
 
 # --------------------------------------------------------------------------- config
@@ -695,9 +697,12 @@ class Qwen3_5GatedDeltaNet(nn.Module):
 
 def _attend(q, K, V, start: int | torch.Tensor, form: str):
     """q: [B,H,T,D] at positions start..start+T-1; K,V: [B,Hkv,start+T,D] (all visible
-    keys). ``multi`` = one SDPA with a causal mask, ``single`` = one SDPA per query. A tensor
+    keys). ``multi`` = one SDPA with a causal mask, ``single`` = one SDPA per query,
+    ``fused`` = one Triton kernel (:mod:`.attn_fused`; few queries, CUDA). A tensor
     ``start`` [B] is a batch of sequences at their own lengths: K,V hold max(start)+T
     positions and sequence b sees keys <= start[b]+i."""
+    if form == "fused":  # one Triton kernel (CUDA): the visibility follows from start alone
+        return attn_fused(q, K, V, start, causal=True)
     T, L = q.shape[2], K.shape[2]
     allowed = None  # [B, 1, T, L]: key visibility in a batch of sequences of their own lengths
     if isinstance(start, torch.Tensor):
@@ -940,7 +945,8 @@ class DFlashAttention(nn.Module):
         kv = linear(x, fused_weight(self, "kv", [self.k_proj, self.v_proj]))
         return self._kv_heads(*kv.split(self.nkv * self.d, dim=-1), *self._rope(positions, kv.dtype))
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None, keys=None):
+    def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None, keys=None,
+                form: str = "multi"):
         """x: [B,T,H] block slots at ``positions``; mask (optional, bool [T, L+T], True = may
         attend) for batched training blocks. ctx_k/v: [B,Hkv,L,D] context, or with
         ``ctx_len`` buffers holding it in [:ctx_len] with room after it: the block's own
@@ -948,7 +954,9 @@ class DFlashAttention(nn.Module):
         [B] (with ``positions`` [B,T]) is a batch of sequences each with its own context
         length: row b's block goes to [ctx_len[b]:], keys past it are masked; they attend
         over the first ``keys`` buffer positions (None: as many as the longest row needs,
-        read back from the device; a CUDA graph gives the buffer's size)."""
+        read back from the device; a CUDA graph gives the buffer's size). ``form`` ``fused``
+        (with ``ctx_len``): the Triton kernel, every key before the block's end visible to
+        every slot."""
         B, T, _ = x.shape
         qkv = linear(x, fused_weight(self, "qkv", [self.q_proj, self.k_proj, self.v_proj]))
         nq, nk = self.nh * self.d, self.nkv * self.d
@@ -956,21 +964,28 @@ class DFlashAttention(nn.Module):
         q = self.q_norm(qkv[..., :nq].view(B, T, self.nh, self.d)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k, v = self._kv_heads(qkv[..., nq:nq + nk], qkv[..., nq + nk:], cos, sin)
+        if form == "fused" and ctx_len is None:
+            raise ValueError("attention form fused needs the context in buffers (ctx_len)")
         if ctx_len is None:
             K, V = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
         elif isinstance(ctx_len, torch.Tensor):
             rows = torch.arange(B, device=x.device)[:, None]
             ctx_k[rows, :, positions] = k.transpose(1, 2)
             ctx_v[rows, :, positions] = v.transpose(1, 2)
-            end = positions[:, -1] + 1  # [B]
-            L = int(end.max()) if keys is None else keys
-            K, V = ctx_k[:, :, :L], ctx_v[:, :, :L]
-            if keys is not None or bool((end < L).any()):
-                mask = (torch.arange(L, device=x.device) < end[:, None])[:, None, None, :]
+            if form != "fused":
+                end = positions[:, -1] + 1  # [B]
+                L = int(end.max()) if keys is None else keys
+                K, V = ctx_k[:, :, :L], ctx_v[:, :, :L]
+                if keys is not None or bool((end < L).any()):
+                    mask = (torch.arange(L, device=x.device) < end[:, None])[:, None, None, :]
         else:
             ctx_k[:, :, ctx_len:ctx_len + T] = k
             ctx_v[:, :, ctx_len:ctx_len + T] = v
             K, V = ctx_k[:, :, :ctx_len + T], ctx_v[:, :, :ctx_len + T]
+        if form == "fused":  # every key before the block's end, for every slot
+            base = positions[:, 0] if isinstance(ctx_len, torch.Tensor) else ctx_len
+            o = attn_fused(q, ctx_k, ctx_v, base, causal=False)
+            return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.d))
         o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.d))
 
@@ -983,9 +998,10 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None, keys=None):
+    def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None, keys=None,
+                attn_form="multi"):
         x = x + self.self_attn(self.input_layernorm(x), positions, ctx_k, ctx_v, mask, ctx_len,
-                               keys)
+                               keys, attn_form)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -1010,11 +1026,11 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.kv(ctx, positions) for layer in self.layers]
 
     def forward(self, block_embeds, positions, ctx_kv, mask=None, ctx_len=None,
-                keys=None) -> torch.Tensor:
+                keys=None, attn_form: str = "multi") -> torch.Tensor:
         """ctx_kv: per layer (K, V) of the context (see DFlashAttention.forward)."""
         x = block_embeds.float()
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            x = layer(x, positions, ck, cv, mask, ctx_len, keys)
+            x = layer(x, positions, ck, cv, mask, ctx_len, keys, attn_form)
         return self.norm(x)
 
 

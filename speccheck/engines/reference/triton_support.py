@@ -35,5 +35,28 @@ def triton_missing(device_type: str) -> str | None:
 def kernel(name: str, define):
     """``define()`` (which builds the ``@triton.jit`` kernels) once per process."""
     if name not in _KERNELS:
+        if interpreted():
+            _interpreter_loop_bounds()
         _KERNELS[name] = define()
     return _KERNELS[name]
+
+
+def _interpreter_loop_bounds() -> None:
+    """Triton's interpreter holds a scalar as a 1-element array and turns a loop bound read
+    from memory (``range(0, n)``) into a Python int with ``int(array)``, which NumPy 2
+    refuses for a 1-d array; this reads its one element instead (the compiled kernel is
+    unaffected: it is the interpreter's own patch of ``tensor.__index__``)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_speccheck_index", False):
+        return
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__",
+                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._speccheck_index = True
