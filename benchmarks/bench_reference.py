@@ -83,6 +83,10 @@ def main(argv=None) -> int:
                     help="time decoding by the wall clock or by the decoding thread's CPU time")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="CUDA: also list each step graph's N costliest kernels")
+    ap.add_argument("--timeline", default="", metavar="STEP,...",
+                    help="CUDA: print every kernel of one replay of these step graphs (e.g. "
+                         "'decode,dflash2-k7 verify') in launch order, with its duration and "
+                         "the idle gap before it")
     a = ap.parse_args(argv)
     engine_args = dict(kv.split("=", 1) for kv in a.engine_arg)
     engine = ReferenceEngine(engine_args=engine_args)
@@ -124,7 +128,7 @@ def main(argv=None) -> int:
             print(f"\nvariant {label}: {o}")
         table({cfg: by_cell[(label, cfg)] for cfg in configs}, len(prompts))
     for label, eng in engines.items():
-        times = graph_step_times(eng, a.kernels)
+        times = graph_step_times(eng, a.kernels, [t for t in a.timeline.split(",") if t])
         if times:
             print(f"\n{label or 'default'}: GPU time of one replay of each step graph (median of "
                   f"{STEP_REPLAYS}, microseconds): " + "; ".join(f"{k} {v:.0f}" for k, v in times.items()))
@@ -134,9 +138,34 @@ def main(argv=None) -> int:
 
 
 STEP_REPLAYS = 50
+BACK_TO_BACK = 40
 
 
-def graph_step_times(engine, kernels: int = 0) -> dict[str, float]:
+def _timeline(name: str, step) -> None:
+    """Every kernel of the last of 5 back-to-back replays, in order: start offset, duration
+    and the gap before it (microseconds) — where a step graph's time goes between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                     key=lambda e: e.time_range.start)
+    per = len(kernels) // 5
+    last = kernels[-per:]
+    t0, prev_end, gaps = last[0].time_range.start, None, 0.0
+    print(f"  timeline of {name}: {per} kernels, {last[-1].time_range.end - t0:.1f} us")
+    for e in last:
+        gap = 0.0 if prev_end is None else e.time_range.start - prev_end
+        gaps += gap
+        print(f"    {e.time_range.start - t0:8.1f} {e.time_range.end - e.time_range.start:6.1f} "
+              f"gap {gap:5.1f}  {e.name[:100]}")
+        prev_end = e.time_range.end
+    print(f"  gaps in all: {gaps:.1f} us")
+
+
+def graph_step_times(engine, kernels: int = 0, timeline=()) -> dict[str, float]:
     """On CUDA, each captured step graph replayed alone (CUDA events; the buffers put back at
     a valid position before each replay): the GPU cost per decode step, per draft and per
     verify, the terms of the speedup; {} where no graph was captured (CPU, eager). With
@@ -146,25 +175,26 @@ def graph_step_times(engine, kernels: int = 0) -> dict[str, float]:
     if graphs is None or engine.device.type != "cuda":
         return {}
     with torch.inference_mode():  # the buffers are inference tensors
-        return _step_times(graphs, kernels)
+        return _step_times(graphs, kernels, timeline)
 
 
-def _step_times(graphs, kernels: int = 0) -> dict[str, float]:
+def _step_times(graphs, kernels: int = 0, timeline=()) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     out = {}
     for cap, B in graphs.buffers.items():
         for key, steps in B.graphs.items():
             named = [("decode", steps[0])] if key[0] == "decode" else \
-                [(f"{key[0]}-k{key[1]} draft", steps[0]), (f"{key[0]}-k{key[1]} verify", steps[1])]
+                [(f"{key[0]}-k{key[1]} draft", steps[0]), (f"{key[0]}-k{key[1]} verify", steps[1]),
+                 (f"{key[0]}-k{key[1]} iteration", steps[2])]
             for name, step in named:
-                if step.graph is None:
+                if step is None or step.graph is None:
                     continue
                 ms = []
                 for _ in range(STEP_REPLAYS):
                     B.reset()
-                    if len(steps) > 2:
-                        steps[2]["pend_n"].fill_(1)
+                    if key[0] != "decode":
+                        steps[-1]["pend_n"].fill_(1)
                         B.p.fill_(1)
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     torch.cuda.synchronize()
@@ -174,6 +204,21 @@ def _step_times(graphs, kernels: int = 0) -> dict[str, float]:
                     b.synchronize()
                     ms.append(a.elapsed_time(b))
                 out[f"{name} (cap {cap})"] = 1000 * statistics.median(ms)
+                # back to back (the GPU never idles between them, as in the decode loop)
+                B.reset()
+                if key[0] != "decode":
+                    steps[-1]["pend_n"].fill_(1)
+                    B.p.fill_(1)
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                a.record()
+                for _ in range(BACK_TO_BACK):
+                    step()
+                b.record()
+                b.synchronize()
+                out[f"{name} (cap {cap}) back to back"] = 1000 * a.elapsed_time(b) / BACK_TO_BACK
+                if name in timeline:
+                    _timeline(f"{name} (cap {cap})", step)
                 if kernels:
                     with profile(activities=[ProfilerActivity.CUDA]) as prof:
                         for _ in range(10):

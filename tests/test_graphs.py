@@ -92,6 +92,27 @@ def test_buffers_are_shared_by_capacity_and_reset_between_prompts(engine):
     assert capacity(1) == capacity(CAPACITY_STEP) == CAPACITY_STEP < capacity(CAPACITY_STEP + 1)
 
 
+@pytest.mark.parametrize("config", [SpecConfig(), SpecConfig("dflash", 7), SpecConfig("mtp", 3)],
+                         ids=lambda c: c.name)
+def test_no_step_runs_past_max_tokens(engine, config, monkeypatch):
+    """A generation that ends by length runs no step past its end: the steps queued equal
+    the steps read (one queued ahead and dropped cost a whole iteration, ~3 % of a spec
+    generation of 96 tokens on the H200)."""
+    from speccheck.engines.reference import graphs
+
+    queued = []
+    queue = graphs._Ahead._queue
+    monkeypatch.setattr(graphs._Ahead, "_queue", lambda self: (queued.append(1), queue(self)))
+    e = _graphed(engine)
+    for n in (2, 9, 24):
+        p = _prompts(n)[0]
+        p = Prompt(p.id, p.category, n, p.text, p.messages, ignore_eos=True)
+        queued.clear()
+        c = e.generate([p], [e.tokenize(p)], config, 5)[0]
+        assert c.n_tokens == n and c.finish_reason == "length"
+        assert len(queued) == (n - 1 if config.is_baseline else c.spec.drafts), n
+
+
 def test_batches_and_faults_keep_the_eager_loops(engine):
     e = _graphed(engine)
     g = e.decoder.graphs
@@ -108,6 +129,13 @@ def test_cpu_engine_runs_no_graphs_and_fused_needs_cuda():
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(EngineUsageError, match="gdn_verify=fused"):
             engine.with_args(gdn_verify="fused")
+        with pytest.raises(EngineUsageError, match="attn_draft=fused"):
+            engine.with_args(attn_draft="fused")
+    with pytest.raises(EngineUsageError, match="attn_prefill=fused: the fused attention kernel"):
+        engine.with_args(attn_prefill="fused")
+    # the drafter's attention is in the identity only when not the default: goldens recorded
+    # before the knob existed still compare equal
+    assert "attn_draft" not in engine.identity()["knobs"]
 
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -151,7 +179,37 @@ def test_fused_gdn_kernel_matches_the_recurrence():
 
 
 @needs_triton
+def test_fused_attention_kernel_matches_sdpa():
+    """attn_fused against SDPA with the explicit mask: grouped queries, causal (the target's
+    decode and verify) and block-visible (a DFlash block), sequences of a batch at their own
+    positions, key counts across block boundaries (fp32: the interpreter's bf16 products are
+    not bf16's; on the H200 bf16 agrees to bf16 rounding, benchmarks/README)."""
+    _interpreted("""
+        import torch, torch.nn.functional as F
+        from speccheck.engines.reference.attn_fused import attn_fused
+
+        g = torch.Generator().manual_seed(0)
+        for B, H, HKV, T, L, causal in [(1, 4, 2, 8, 300, True), (1, 4, 2, 1, 77, True),
+                                        (2, 4, 2, 8, 130, False), (3, 4, 1, 6, 64, True),
+                                        (1, 2, 2, 3, 5, False)]:
+            q = torch.randn(B, H, T, 64, generator=g)
+            K, V = torch.randn(B, HKV, L, 64, generator=g), torch.randn(B, HKV, L, 64, generator=g)
+            base = torch.randint(0, L - T + 1, (B,), generator=g)
+            got = attn_fused(q, K, V, base, causal)
+            for b in range(B):
+                n = int(base[b]) + T
+                mask = torch.ones(T, n, dtype=torch.bool)
+                mask = mask.tril(n - T) if causal else mask
+                want = F.scaled_dot_product_attention(q[b:b + 1], K[b:b + 1, :, :n], V[b:b + 1, :, :n],
+                                                      attn_mask=mask, enable_gqa=True)
+                assert torch.allclose(got[b:b + 1], want, atol=2e-6), (B, T, L, causal)
+    """)
+
+
+@needs_triton
 def test_fused_form_is_lossless_in_the_graph_steps():
+    """The fused GDN kernel and the fused attention (target decode and verify, drafter) in the
+    graph steps, fp32: every speculative method's output is the baseline's, with rejections."""
     _interpreted("""
         from speccheck.corpus import load_corpus
         from speccheck.engines.reference.engine import ReferenceEngine
@@ -159,16 +217,17 @@ def test_fused_form_is_lossless_in_the_graph_steps():
         from speccheck.types import Prompt, SpecConfig
 
         e = ReferenceEngine(engine_args={"dtype": "fp32", "gdn_decode": "fused",
-                                         "gdn_verify": "fused", "attn_decode": "single",
-                                         "attn_verify": "single"})
+                                         "gdn_verify": "fused", "attn_decode": "fused",
+                                         "attn_verify": "fused", "attn_draft": "fused"})
         e.decoder.graphs = GraphDecoding(e.decoder)
         p = load_corpus("smoke").prompts[0]
         p = Prompt(p.id, p.category, 8, p.text, p.messages)
         ids = e.tokenize(p)
         base = e.generate([p], [ids], SpecConfig(), 5)[0]
-        spec = e.generate([p], [ids], SpecConfig("dflash", 3), 5)[0]
-        assert spec.token_ids.tolist() == base.token_ids.tolist()
-        assert spec.spec.accepted_tokens < spec.spec.draft_tokens  # rolled back fused states
+        for config in (SpecConfig("dflash", 3), SpecConfig("dflash2", 3), SpecConfig("mtp", 2)):
+            spec = e.generate([p], [ids], config, 5)[0]
+            assert spec.token_ids.tolist() == base.token_ids.tolist(), config.name
+            assert spec.spec.accepted_tokens < spec.spec.draft_tokens  # rolled back fused states
     """)
 
 
@@ -176,9 +235,11 @@ def test_fused_form_is_lossless_in_the_graph_steps():
 def test_compiled_steps_decode_what_the_uncompiled_ones_decode():
     """compile=on (each graph step torch.compile'd before its capture) on CUDA, fp32: the same
     tokens as the uncompiled graph steps for every method, with rejections (rollback ran), and
-    the same acceptance; the DFlash2 selector is the Triton one on both sides."""
+    the same acceptance; the DFlash2 selector, the GDN kernel and the attention are the Triton
+    ones on both sides."""
     base = ReferenceEngine(engine_args={"dtype": "fp32", "device": "cuda", "gdn_decode": "fused",
-                                        "gdn_verify": "fused"})
+                                        "gdn_verify": "fused", "attn_decode": "fused",
+                                        "attn_verify": "fused", "attn_draft": "fused"})
     compiled = base.with_args(compile="on")
     assert compiled.identity()["compile"] == "on" and "compile" not in base.identity()
     prompts = _prompts(32)

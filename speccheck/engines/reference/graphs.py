@@ -6,11 +6,13 @@ each step — the one-token decode; the spec verify of K+1 positions with its ac
 exact rollback; the MTP, DFlash or DFlash2 draft — works on buffers at fixed addresses
 (:meth:`.model.Cache.static_for`: lengths on the device, every position attended with the
 ones past the sequence's end masked, states updated in place), is captured once as a graph
-and then replayed, and the host reads back only what the step emits (one copy per step). The
-next step is queued before the host waits for this one's output (:class:`_Ahead`; a step needs
-nothing from the host), so the GPU never waits for a launch and the host's work overlaps the
-GPU's, as vLLM's async scheduling does; a generation ends with one step run past its end, whose
-output is dropped.
+and then replayed (a speculative iteration, draft then verify, as one graph of the two), and
+the host reads back only what the step emits (one copy per step). The next step is queued
+before the host waits for this one's output (:class:`_Ahead`; a step needs nothing from the
+host), so the GPU never waits for a launch and the host's work overlaps the GPU's, as vLLM's
+async scheduling does. Nothing is queued past a step that may reach
+``max_tokens``; a generation that ends at end-of-sequence leaves one step run past its end,
+whose output is dropped.
 
 The networks, the greedy rule (argmax, lowest id on exact ties), the acceptance (the longest
 draft prefix equal to the target's own tokens, plus the target's next token) and the rollback
@@ -76,6 +78,7 @@ class Replay:
                 Replay.failures[name or fn.__name__] = " ".join(str(e).split())[:300]
             else:
                 self.graph = graph
+            self.fn = fn  # (compiled, where it was)
 
     def __call__(self) -> None:
         if self.graph is None:
@@ -83,68 +86,53 @@ class Replay:
         else:
             self.graph.replay()
 
-
-class _Timer:
-    """Seconds spent in one kind of step: CUDA events around each replay (read at the end,
-    without a sync per step) or, on CPU, the wall clock."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.pairs: list = []
-        self.seconds = 0.0
-
-    def __enter__(self):
-        if self.cuda:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.start = time.perf_counter()
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.pairs.append((self.start, end))
-        else:
-            self.last = time.perf_counter() - self.start
-            self.seconds += self.last
-
-    def drop_last(self) -> None:
-        """Forget the last timed step (one run past the end of a generation)."""
-        if self.cuda:
-            self.pairs.pop()
-        else:
-            self.seconds -= self.last
-
-    def total(self) -> float:
-        return self.seconds + sum(a.elapsed_time(b) for a, b in self.pairs) / 1000.0
+    def gpu_seconds(self, replays: int = 3) -> float:
+        """GPU time of one replay alone (CUDA events; median of ``replays``)."""
+        times = []
+        for _ in range(replays):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            self()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1000.0)
+        return float(np.median(times))
 
 
 class _Ahead:
-    """A step always queued one ahead of the one the host reads: each step's output is copied
-    into one of two host buffers (pinned, without blocking) and an event marks it; ``next()``
+    """A step queued one ahead of the one the host reads: each step's output is copied into
+    one of two host buffers (pinned, without blocking) and an event marks it; ``next()``
     queues the following step, then waits for this one's copy. The GPU never waits for the
     host to launch a graph, and the host's emitting overlaps the GPU's next step (the steps
-    need nothing from the host). A generation ends with one step run past its end."""
+    need nothing from the host). Where the step read now may end the generation by length,
+    the caller says so (``more=False``) and nothing is queued past it; a generation that ends
+    otherwise (end-of-sequence) leaves one step run past its end."""
 
     def __init__(self, step, out: torch.Tensor):
         self.step, self.out, self.cuda = step, out, out.device.type == "cuda"
         self.host = [torch.empty(out.shape, dtype=out.dtype, pin_memory=self.cuda)
                      for _ in range(2)]
         self.done = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
-        self.slot = 0
-        self._queue(0)
+        self.slot = 0  # the oldest queued step's buffer
+        self.queued = 0  # steps queued and not read yet
 
-    def _queue(self, slot: int) -> None:
+    def _queue(self) -> None:
+        slot = (self.slot + self.queued) % 2
         self.step()
         self.host[slot].copy_(self.out, non_blocking=self.cuda)
         if self.cuda:
             self.done[slot].record()
+        self.queued += 1
 
-    def next(self) -> torch.Tensor:
-        """The output of the oldest queued step (after queueing the one after it)."""
+    def next(self, more: bool = True) -> torch.Tensor:
+        """The output of the oldest queued step (queued now if none is); with ``more``, the
+        step after it is queued first."""
+        if self.queued == 0:
+            self._queue()
+        if more and self.queued == 1:
+            self._queue()
         slot, self.slot = self.slot, 1 - self.slot
-        self._queue(self.slot)
+        self.queued -= 1
         if self.cuda:
             self.done[slot].synchronize()
         return self.host[slot]
@@ -226,10 +214,10 @@ class GraphDecoding:
         steps = 0
         ahead = _Ahead(step, out_buf)
         while out.finish is None:
-            packed = ahead.next()
+            packed = ahead.next(more=out.max_tokens - len(out.tokens) > 1)
             steps += 1
             self._emit(out, packed, 1, top_k)
-        _sync(d.device)  # the step launched past the end counts too
+        _sync(d.device)  # a step launched past the end (at end-of-sequence) counts too
         t2 = time.perf_counter()
         return Generation(out.tokens, out.lps, np.array(out.tk_ids), np.array(out.tk_lps),
                           out.finish, t1 - t0, t2 - t1, None, steps)
@@ -262,7 +250,7 @@ class GraphDecoding:
         key = (method, k, top_k)
         if key not in B.graphs:
             B.graphs[key] = self._spec_steps(B, method, k, top_k, aux_ids)
-        draft, verify, st = B.graphs[key]
+        draft, verify, both, st = B.graphs[key]
         out = _Out(max_tokens, d.cfg.eos_token_id, top_k, ignore_eos=ignore_eos, emit=emit)
         counters = SpecCounters(accepted_per_pos=[0] * k)
         t0 = time.perf_counter()
@@ -295,17 +283,23 @@ class GraphDecoding:
         B.tok.copy_(x)
         _sync(d.device)
         t1 = time.perf_counter()
-        timer = _Timer(d.device)
+        drafting: list[float] = []  # seconds of each iteration's draft (eager steps)
         iterations = 0
 
         def iteration():
-            with timer:
-                draft()
+            if both is not None:  # a CUDA graph of the draft and the verify: one launch
+                both()
+                return
+            t = time.perf_counter()
+            draft()
+            drafting.append(time.perf_counter() - t)
             verify()
 
         ahead = _Ahead(iteration, st["out"])
         while out.finish is None:
-            res = ahead.next()
+            # an iteration emits 1 to k + 1 tokens: the next is queued while this one cannot
+            # reach max_tokens (near the end the host waits for each iteration instead)
+            res = ahead.next(more=out.max_tokens - len(out.tokens) > k + 1)
             m = int(res[-1])
             self._emit(out, res, m + 1, top_k, k + 1)
             iterations += 1
@@ -314,10 +308,16 @@ class GraphDecoding:
             counters.accepted_tokens += m
             for i in range(m):
                 counters.accepted_per_pos[i] += 1
-        _sync(d.device)  # the iteration launched past the end counts too
+        _sync(d.device)  # an iteration launched past the end (end-of-sequence) counts too
         t2 = time.perf_counter()
-        timer.drop_last()  # (its draft does not)
-        counters.draft_s = timer.total() if iterations else None  # (as Decoder's loops)
+        if not iterations:
+            counters.draft_s = None
+        elif both is not None:
+            # inside one graph the draft cannot be timed apart: its graph replayed alone here,
+            # at the generation's final length (it writes only the drafter's own buffers)
+            counters.draft_s = iterations * draft.gpu_seconds()
+        else:
+            counters.draft_s = sum(drafting[:iterations])  # (not the one past the end)
         return Generation(out.tokens, out.lps, np.array(out.tk_ids), np.array(out.tk_lps),
                           out.finish, t1 - t0, t2 - t1, counters, iterations)
 
@@ -367,7 +367,7 @@ class GraphDecoding:
                     vs[li][:, :, pos] = cv
                 block = torch.cat([B.tok, block_tail], 1)
                 hb = net(d.target.embed_tokens(block), B.p[:, None] + ar, list(zip(ks, vs)),
-                         ctx_len=B.p, keys=B.cap)
+                         ctx_len=B.p, keys=B.cap, attn_form=d.knobs.attn_draft)
                 if method == "dflash2":
                     toks = _dflash2.select_drafts(net, d.target, hb[:, 1:], block[:, 0], d.selector)
                 else:
@@ -393,10 +393,18 @@ class GraphDecoding:
         B.reset()
         st["pend_n"].fill_(1)
         B.p.fill_(1)
-        steps = (Replay(draft, dev, f"{method} draft", d.knobs.compile),
-                 Replay(verify, dev, f"{method} verify", d.knobs.compile))
+        drafting = Replay(draft, dev, f"{method} draft", d.knobs.compile)
+        verifying = Replay(verify, dev, f"{method} verify", d.knobs.compile)
+        both = None
+        if drafting.graph is not None and verifying.graph is not None:
+            # one iteration as one graph of the two (compiled) steps: one launch instead of two,
+            # no gap between them (the draft's time is then measured apart: speculative())
+            B.reset()
+            st["pend_n"].fill_(1)
+            B.p.fill_(1)
+            both = Replay(lambda: (drafting.fn(), verifying.fn()), dev, f"{method} iteration")
         B.reset()
-        return steps[0], steps[1], st
+        return drafting, verifying, both, st
 
     # ------------------------------------------------------------------ host side
 
