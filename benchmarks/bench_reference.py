@@ -178,6 +178,23 @@ def graph_step_times(engine, kernels: int = 0, timeline=()) -> dict[str, float]:
         return _step_times(graphs, kernels, timeline)
 
 
+def _replays_ms(B, key, step, n: int) -> float:
+    """Milliseconds per replay of ``n`` replays in a row (CUDA events), the buffers put back
+    at a valid position first (for a speculative step: one kept position pending)."""
+    B.reset()
+    if key[0] != "decode":
+        B.graphs[key][-1]["pend_n"].fill_(1)
+        B.p.fill_(1)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    for _ in range(n):
+        step()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / n
+
+
 def _step_times(graphs, kernels: int = 0, timeline=()) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -190,33 +207,10 @@ def _step_times(graphs, kernels: int = 0, timeline=()) -> dict[str, float]:
             for name, step in named:
                 if step is None or step.graph is None:
                     continue
-                ms = []
-                for _ in range(STEP_REPLAYS):
-                    B.reset()
-                    if key[0] != "decode":
-                        steps[-1]["pend_n"].fill_(1)
-                        B.p.fill_(1)
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    torch.cuda.synchronize()
-                    a.record()
-                    step()
-                    b.record()
-                    b.synchronize()
-                    ms.append(a.elapsed_time(b))
+                ms = [_replays_ms(B, key, step, 1) for _ in range(STEP_REPLAYS)]
                 out[f"{name} (cap {cap})"] = 1000 * statistics.median(ms)
                 # back to back (the GPU never idles between them, as in the decode loop)
-                B.reset()
-                if key[0] != "decode":
-                    steps[-1]["pend_n"].fill_(1)
-                    B.p.fill_(1)
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                a.record()
-                for _ in range(BACK_TO_BACK):
-                    step()
-                b.record()
-                b.synchronize()
-                out[f"{name} (cap {cap}) back to back"] = 1000 * a.elapsed_time(b) / BACK_TO_BACK
+                out[f"{name} (cap {cap}) back to back"] = 1000 * _replays_ms(B, key, step, BACK_TO_BACK)
                 if name in timeline:
                     _timeline(f"{name} (cap {cap})", step)
                 if kernels:
