@@ -181,18 +181,9 @@ def graph_step_times(engine, kernels: int = 0, timeline=()) -> dict[str, float]:
 def _replays_ms(B, key, step, n: int) -> float:
     """Milliseconds per replay of ``n`` replays in a row (CUDA events), the buffers put back
     at a valid position first (for a speculative step: one kept position pending)."""
-    B.reset()
-    if key[0] != "decode":
-        B.graphs[key][-1]["pend_n"].fill_(1)
-        B.p.fill_(1)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    B.reset(None if key[0] == "decode" else B.graphs[key][-1])
     torch.cuda.synchronize()
-    a.record()
-    for _ in range(n):
-        step()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / n
+    return 1000 * step.gpu_seconds(n)
 
 
 def _step_times(graphs, kernels: int = 0, timeline=()) -> dict[str, float]:

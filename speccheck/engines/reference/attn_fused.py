@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import kernel, triton_missing
+from .triton_support import kernel
+from .triton_support import unavailable as form_unavailable
 
 #: keys per block of the walk, and warps per program
 BLOCK_N, NUM_WARPS = 64, 4
@@ -26,8 +27,7 @@ BLOCK_N, NUM_WARPS = 64, 4
 
 def unavailable(device: torch.device) -> str | None:
     """Why the fused attention cannot run on ``device`` (None: it can)."""
-    why = triton_missing(device.type)
-    return why and f"attention form fused is {why}"
+    return form_unavailable(device.type, "attention form fused")
 
 
 def _kernel():

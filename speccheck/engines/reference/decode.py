@@ -19,8 +19,8 @@ from speccheck.verify.ties import canonical_rows
 
 from . import dflash2 as _dflash2
 from .graphs import GraphDecoding
-from .model import (ATTN_FORMS, DRAFT_ATTN_FORMS, GDN_FORMS, Cache, DFlashDrafter, MTPModule, Qwen3_5TextModel,
-                    ReferenceConfig, set_nondeterministic)
+from .model import (ATTN_FORMS, DRAFT_ATTN_FORMS, GDN_FORMS, Cache, DFlashDrafter, MTPModule,
+                    Qwen3_5TextModel, ReferenceConfig, set_nondeterministic)
 
 #: planted spec-decode bugs (engine arg ``fault=NAME``), one line each naming the real bug it
 #: models; ``speccheck selftest`` proves that the gate catches each

@@ -27,12 +27,12 @@ import torch
 from speccheck.engines.base import Engine, EngineError, EngineUsageError, OnTokens
 from speccheck.types import Completion, Prompt, Scored, SpecConfig
 
+from .attn_fused import unavailable as attn_fused_unavailable
 from .decode import FAULTS, Decoder, Knobs
 from .dflash2 import DFLASH2_FILE, WALK_DTYPES, SelectorKnobs, load_dflash2
 from .gdn_fused import unavailable as gdn_fused_unavailable
-from .attn_fused import unavailable as attn_fused_unavailable
-from .model import (ATTN_FORMS, DRAFT_ATTN_FORMS, GDN_FORMS, DFlashDrafter, MTPModule, Qwen3_5TextModel,
-                    ReferenceConfig, init_weights)
+from .model import (ATTN_FORMS, DRAFT_ATTN_FORMS, GDN_FORMS, DFlashDrafter, MTPModule,
+                    Qwen3_5TextModel, ReferenceConfig, init_weights)
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 
@@ -235,19 +235,19 @@ class ReferenceEngine(Engine):
         self._set_knobs()
 
     def _set_knobs(self) -> None:
-        fused = [k for k in ("gdn_prefill", "gdn_decode", "gdn_verify") if self.args[k] == "fused"]
-        why = fused and gdn_fused_unavailable(self.device)
-        if why:
-            raise EngineUsageError(f"--engine-arg {fused[0]}=fused: {why}; choose chunked or "
-                                   f"recurrent here")
         if self.args["attn_prefill"] == "fused":
             raise EngineUsageError("--engine-arg attn_prefill=fused: the fused attention kernel "
                                    "is for a few queries at a time (decode, verify, drafts); "
                                    "choose multi or single for the prompt")
-        fused = [k for k in ("attn_decode", "attn_verify", "attn_draft") if self.args[k] == "fused"]
-        why = fused and attn_fused_unavailable(self.device)
-        if why:
-            raise EngineUsageError(f"--engine-arg {fused[0]}=fused: {why}; choose multi here")
+        for keys, unavailable, instead in (
+                (("gdn_prefill", "gdn_decode", "gdn_verify"), gdn_fused_unavailable,
+                 "chunked or recurrent"),
+                (("attn_decode", "attn_verify", "attn_draft"), attn_fused_unavailable, "multi")):
+            fused = [k for k in keys if self.args[k] == "fused"]
+            why = fused and unavailable(self.device)
+            if why:
+                raise EngineUsageError(f"--engine-arg {fused[0]}=fused: {why}; choose {instead} "
+                                       f"here")
         fault = None if self.args["fault"] == "none" else self.args["fault"]
         self.knobs = Knobs(fault=fault, no_draft_every=int(self.args["no_draft_every"]),
                            cuda_graphs=self.args["cuda_graphs"] == "on",

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import kernel, triton_missing
+from .triton_support import kernel
+from .triton_support import unavailable as form_unavailable
 
 #: eps of the q/k L2 normalisation (model.l2norm)
 L2_EPS = 1e-6
@@ -25,8 +26,7 @@ BLOCK_V, NUM_WARPS = 8, 1  # (fastest on the H200: T=8 6.4 µs, T=1 2.0 µs; 32,
 
 def unavailable(device: torch.device) -> str | None:
     """Why the fused kernel cannot run on ``device`` (None: it can)."""
-    why = triton_missing(device.type)
-    return why and f"GDN form fused is {why}"
+    return form_unavailable(device.type, "GDN form fused")
 
 
 def _kernel():

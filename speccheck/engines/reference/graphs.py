@@ -86,17 +86,15 @@ class Replay:
         else:
             self.graph.replay()
 
-    def gpu_seconds(self, replays: int = 3) -> float:
-        """GPU time of one replay alone (CUDA events; median of ``replays``)."""
-        times = []
-        for _ in range(replays):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+    def gpu_seconds(self, in_a_row: int = 1) -> float:
+        """GPU seconds per replay of ``in_a_row`` replays one after the other (CUDA events)."""
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(in_a_row):
             self()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1000.0)
-        return float(np.median(times))
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / 1000.0 / in_a_row
 
 
 class _Ahead:
@@ -161,7 +159,10 @@ class Buffers:
         self.graphs: dict = {}
         self.dev = dev
 
-    def reset(self) -> None:
+    def reset(self, spec: dict | None = None) -> None:
+        """Every buffer back to empty; with a speculative step's buffers ``spec``
+        (:meth:`GraphDecoding._spec_steps`), at position 1 with one kept position pending,
+        a valid state to run a draft or a verify from."""
         self.cache.reset()
         if self.mtp_cache is not None:
             self.mtp_cache.reset()
@@ -170,6 +171,9 @@ class Buffers:
                 x.zero_()
         self.tok.zero_()
         self.p.zero_()
+        if spec is not None:
+            spec["pend_n"].fill_(1)
+            self.p.fill_(1)
 
 
 class GraphDecoding:
@@ -283,7 +287,7 @@ class GraphDecoding:
         B.tok.copy_(x)
         _sync(d.device)
         t1 = time.perf_counter()
-        drafting: list[float] = []  # seconds of each iteration's draft (eager steps)
+        draft_times: list[float] = []  # seconds of each iteration's draft (eager steps)
         iterations = 0
 
         def iteration():
@@ -292,7 +296,7 @@ class GraphDecoding:
                 return
             t = time.perf_counter()
             draft()
-            drafting.append(time.perf_counter() - t)
+            draft_times.append(time.perf_counter() - t)
             verify()
 
         ahead = _Ahead(iteration, st["out"])
@@ -315,9 +319,10 @@ class GraphDecoding:
         elif both is not None:
             # inside one graph the draft cannot be timed apart: its graph replayed alone here,
             # at the generation's final length (it writes only the drafter's own buffers)
-            counters.draft_s = iterations * draft.gpu_seconds()
+            alone = np.median([draft.gpu_seconds() for _ in range(3)])
+            counters.draft_s = iterations * float(alone)
         else:
-            counters.draft_s = sum(drafting[:iterations])  # (not the one past the end)
+            counters.draft_s = sum(draft_times[:iterations])  # (not the one past the end)
         return Generation(out.tokens, out.lps, np.array(out.tk_ids), np.array(out.tk_lps),
                           out.finish, t1 - t0, t2 - t1, counters, iterations)
 
@@ -390,18 +395,14 @@ class GraphDecoding:
             st["out"].copy_(torch.cat([_pack(rows, top1, top_k), m.double()]))
 
         # warm-up and capture on the empty buffers (one kept position pending), then reset
-        B.reset()
-        st["pend_n"].fill_(1)
-        B.p.fill_(1)
+        B.reset(st)
         drafting = Replay(draft, dev, f"{method} draft", d.knobs.compile)
         verifying = Replay(verify, dev, f"{method} verify", d.knobs.compile)
         both = None
         if drafting.graph is not None and verifying.graph is not None:
             # one iteration as one graph of the two (compiled) steps: one launch instead of two,
             # no gap between them (the draft's time is then measured apart: speculative())
-            B.reset()
-            st["pend_n"].fill_(1)
-            B.p.fill_(1)
+            B.reset(st)
             both = Replay(lambda: (drafting.fn(), verifying.fn()), dev, f"{method} iteration")
         B.reset()
         return drafting, verifying, both, st

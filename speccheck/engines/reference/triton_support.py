@@ -32,6 +32,13 @@ def triton_missing(device_type: str) -> str | None:
     return _MISSING[device_type]
 
 
+def unavailable(device_type: str, form: str) -> str | None:
+    """Why ``form`` (a kernel form of the engine, e.g. "GDN form fused") cannot run on this
+    device type (None: it can)."""
+    why = triton_missing(device_type)
+    return why and f"{form} is {why}"
+
+
 def kernel(name: str, define):
     """``define()`` (which builds the ``@triton.jit`` kernels) once per process."""
     if name not in _KERNELS:
