@@ -137,3 +137,68 @@ def test_a_cpu_verify_runs_the_gdn_chunk_kernel_close_to_the_pytorch_form(monkey
     assert all(c_kinds.values()) and len(c_kinds) == 6 and not any(t_kinds.values())
     assert torch.allclose(c_logits, t_logits, rtol=1e-4, atol=1e-4)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(c_states, t_states))
+
+
+_ISA_PRODUCTS = """
+import sys, torch
+from speccheck.engines.reference import cpu_kernels as ck
+g = torch.Generator().manual_seed(7)
+outs = {"isa": ck.isa()}
+for m, n, k in [(1, 70, 256), (3, 9, 40), (5, 33, 72), (6, 1032, 256), (7, 20, 300), (100, 24, 512)]:
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    outs[(m, n, k)] = (ck.rowinv_linear(x, w), ck.rowinv_linear(x, w, torch.float32))
+x = torch.randn(9, 200, generator=g)
+outs["norm"] = ck.rms_norm(x, 1 + 0.1 * torch.randn(200, generator=g), 1e-6, torch.float32)
+qkv, s0 = torch.randn(2, 6, 3 * 2 * 16, generator=g), torch.randn(2, 2, 16, 16, generator=g)
+gate, beta = -torch.rand(2, 6, 2, generator=g), torch.rand(2, 6, 2, generator=g)
+outs["gdn"] = ck.gdn_chunk(qkv, gate, beta, s0, 2, 16, 16)[0]
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_every_instruction_set_this_cpu_has_gives_the_same_bits(tmp_path):
+    """The kernels built for each vector instruction set this CPU can run (AVX-512 tiles, AVX2,
+    generic C; ``SPECCHECK_CPU_ISA``) give the same bits for decode-, verify- and prefill-sized
+    products, RMSNorm and the GDN chunk: a golden recorded on one CPU holds on another."""
+    import os
+    import subprocess
+    import sys
+
+    fits = []
+    for name in cpu_kernels.ISAS:
+        try:
+            os.environ["SPECCHECK_CPU_ISA"] = name
+            cpu_kernels.isa()
+            fits.append(name)
+        except ValueError:
+            pass
+        finally:
+            del os.environ["SPECCHECK_CPU_ISA"]
+    assert fits[0] == cpu_kernels.isa() and fits[-1] == "generic"
+    results = {}
+    for name in fits:
+        path = tmp_path / f"{name}.pt"
+        subprocess.run([sys.executable, "-c", _ISA_PRODUCTS, str(path)], check=True,
+                       env={**os.environ, "SPECCHECK_CPU_ISA": name})
+        results[name] = torch.load(path)
+        assert results[name].pop("isa") == name
+    first = results[fits[0]]
+    for name in fits[1:]:
+        for key, got in results[name].items():
+            got, want = (got, first[key]) if isinstance(got, tuple) else ((got,), (first[key],))
+            for a, b in zip(got, want):
+                assert torch.equal(bits(a), bits(b)), (name, key)
+
+
+def test_an_instruction_set_the_cpu_lacks_is_refused_clearly(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"sse2"})
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv("SPECCHECK_CPU_ISA", "avx2")
+    with pytest.raises(ValueError, match="lacks.*avx2.*it can run.*generic"):
+        cpu_kernels.isa()
+    monkeypatch.setenv("SPECCHECK_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="choose one of"):
+        cpu_kernels.isa()
+    monkeypatch.delenv("SPECCHECK_CPU_ISA")
+    assert cpu_kernels.isa() == "generic"

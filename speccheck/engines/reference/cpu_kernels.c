@@ -14,7 +14,12 @@
  * and the next weight rows are prefetched (a decode step's weights come from L3 or memory: 1.9x
  * faster cold on the AVX2 EPYC); from 5 rows on (a verify, a prefill, a batch) a column block
  * of weights is converted to fp32 once and up to six rows run over each weight row (1.2-1.7x
- * faster). Those change speed, not any element's arithmetic.
+ * faster), the next block's rows prefetched meanwhile (a verify's products 1.3x faster in the
+ * decode loop). With AVX-512 (USE_AVX512) one register holds a sum's 16 lanes and tiles of up
+ * to 6 rows x 4 weight rows serve every row count (a verify's products 1.7x faster in the
+ * decode loop on the AVX-512 EPYC, a decode step's no slower). Those change speed, not any
+ * element's arithmetic: cpu_kernels.py builds the widest the CPU has (SPECCHECK_CPU_ISA asks
+ * for a narrower one), and the tests check that every build gives the same bits.
  */
 #include <stdint.h>
 #include <string.h>
@@ -131,8 +136,12 @@ TILE(4, 1)
 #define WIDE 6
 #define WIDE_ROWS(R)                                                                            \
     static void wide##R(const float *xf, int64_t Kp, const float *wf, int64_t N, void *out,    \
-                        int64_t m0, int out_fp32, int64_t n0, int64_t n1) {                     \
+                        int64_t m0, int out_fp32, int64_t n0, int64_t n1, const char *next,     \
+                        int64_t rb) {                                                           \
         for (int64_t n = n0; n < n1; n++) {                                                     \
+            if (next) /* row n - n0 of the next column block, ahead of its widening */           \
+                for (int64_t off = 0; off < rb; off += 64)                                      \
+                    __builtin_prefetch(next + (n - n0) * rb + off, 0, 3);                       \
             const float *wr = wf + (n - n0) * Kp;                                               \
             v8f a[R], b[R];                                                                     \
             for (int r = 0; r < R; r++) { a[r] = (v8f){0}; b[r] = (v8f){0}; }                   \
@@ -160,14 +169,14 @@ WIDE_ROWS(5)
 WIDE_ROWS(6)
 
 static void wide_rows(const float *xf, int64_t Kp, const float *wf, int R, int64_t N, void *out,
-                      int64_t m0, int out_fp32, int64_t n0, int64_t n1) {
+                      int64_t m0, int out_fp32, int64_t n0, int64_t n1, const char *next, int64_t rb) {
     switch (R) {
-    case 1: wide1(xf, Kp, wf, N, out, m0, out_fp32, n0, n1); break;
-    case 2: wide2(xf, Kp, wf, N, out, m0, out_fp32, n0, n1); break;
-    case 3: wide3(xf, Kp, wf, N, out, m0, out_fp32, n0, n1); break;
-    case 4: wide4(xf, Kp, wf, N, out, m0, out_fp32, n0, n1); break;
-    case 5: wide5(xf, Kp, wf, N, out, m0, out_fp32, n0, n1); break;
-    default: wide6(xf, Kp, wf, N, out, m0, out_fp32, n0, n1); break;
+    case 1: wide1(xf, Kp, wf, N, out, m0, out_fp32, n0, n1, next, rb); break;
+    case 2: wide2(xf, Kp, wf, N, out, m0, out_fp32, n0, n1, next, rb); break;
+    case 3: wide3(xf, Kp, wf, N, out, m0, out_fp32, n0, n1, next, rb); break;
+    case 4: wide4(xf, Kp, wf, N, out, m0, out_fp32, n0, n1, next, rb); break;
+    case 5: wide5(xf, Kp, wf, N, out, m0, out_fp32, n0, n1, next, rb); break;
+    default: wide6(xf, Kp, wf, N, out, m0, out_fp32, n0, n1, next, rb); break;
     }
 }
 
@@ -179,8 +188,103 @@ static void wide_rows(const float *xf, int64_t Kp, const float *wf, int R, int64
 /* x [M, K] bf16, w [N, K] bf16, out [M, N] bf16 or fp32; xbuf >= M * Kp floats, wbuf
  * >= 16 * Kp floats, Kp = K rounded up to a multiple of 16. Columns in blocks of 16 weight rows
  * (8 KB at K = 256, in L1), every row block of x over each: a weight row comes from memory once. */
+#ifdef USE_AVX512
+/* With AVX-512 one zmm register holds a sum's 16 lanes: tiles of up to 6 rows x 4 weight rows
+ * keep 24 sums in registers, the weights are widened in registers (no fp32 copy), and the next
+ * 4 weight rows are prefetched while these are used, for any number of rows. The same lanes in
+ * the same order and the same tree: the same bits as the paths above. */
+#define ZB 4 /* weight rows per tile */
+
+static inline __m512 load16_bf16(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline float reduce_zmm(__m512 v) { /* lanes 0-7 and 8-15 as reduce16's two halves */
+    __m256 lo = _mm512_castps512_ps256(v);
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    v8f a, b;
+    memcpy(&a, &lo, sizeof a);
+    memcpy(&b, &hi, sizeof b);
+    return reduce16(a, b);
+}
+
+/* R rows of xf over weight rows n..n+nb-1 (nb <= ZB); ahead: prefetch rows n+ZB.. meanwhile */
+#define ZTILE(R)                                                                                 \
+    static void ztile##R(const float *xf, int64_t Kp, const uint16_t *w, int64_t K,             \
+                         uint16_t *wbuf, int64_t N, void *out, int64_t m0, int out_fp32,         \
+                         int64_t n, int nb, int ahead) {                                         \
+        const uint16_t *wr[ZB];                                                                  \
+        for (int j = 0; j < ZB; j++) {                                                           \
+            wr[j] = w + (n + (j < nb ? j : 0)) * K;                                              \
+            if (Kp != K) {                                                                       \
+                memcpy(wbuf + j * Kp, wr[j], K * 2);                                             \
+                memset(wbuf + j * Kp + K, 0, (size_t)(Kp - K) * 2);                              \
+                wr[j] = wbuf + j * Kp;                                                           \
+            }                                                                                    \
+        }                                                                                        \
+        const char *next = (const char *)(w + (n + ZB) * K); /* ZB rows: 8 bytes per k */       \
+        __m512 acc[R][ZB];                                                                       \
+        for (int r = 0; r < R; r++)                                                              \
+            for (int j = 0; j < ZB; j++) acc[r][j] = _mm512_setzero_ps();                        \
+        for (int64_t k = 0; k < Kp; k += 16) {                                                   \
+            if (ahead) {                                                                         \
+                __builtin_prefetch(next + k * 8, 0, 3);                                          \
+                __builtin_prefetch(next + k * 8 + 64, 0, 3);                                     \
+            }                                                                                    \
+            __m512 wv[ZB];                                                                       \
+            for (int j = 0; j < ZB; j++) wv[j] = load16_bf16(wr[j] + k);                         \
+            for (int r = 0; r < R; r++) {                                                        \
+                __m512 xv = _mm512_loadu_ps(xf + r * Kp + k);                                    \
+                for (int j = 0; j < ZB; j++) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]); \
+            }                                                                                    \
+        }                                                                                        \
+        for (int r = 0; r < R; r++)                                                              \
+            for (int j = 0; j < nb; j++)                                                         \
+                store(out, out_fp32, (m0 + r) * N + n + j, reduce_zmm(acc[r][j]));               \
+    }
+ZTILE(1)
+ZTILE(2)
+ZTILE(3)
+ZTILE(4)
+ZTILE(5)
+ZTILE(6)
+
+static void rowinv_linear_zmm(const uint16_t *x, const uint16_t *w, void *out, int64_t M,
+                              int64_t N, int64_t K, int out_fp32, float *xbuf, uint16_t *wbuf) {
+    int64_t Kp = (K + 15) / 16 * 16;
+    for (int64_t m = 0; m < M; m++) widen_row(x + m * K, xbuf + m * Kp, K, Kp);
+    for (int64_t mb = 0; mb < M; mb += M_BLOCK) { /* blocks of M_BLOCK rows (in L2) */
+        int64_t rows = M - mb < M_BLOCK ? M - mb : M_BLOCK, groups = (rows + WIDE - 1) / WIDE;
+        for (int64_t n = 0; n < N; n += ZB) {
+            int nb = N - n < ZB ? (int)(N - n) : ZB;
+            int ahead = n + 2 * ZB <= N && Kp == K;
+            for (int64_t g = 0, m0 = mb; g < groups; g++) { /* groups as even as can be */
+                int R = (int)(rows / groups + (g < rows % groups));
+                const float *xf = xbuf + m0 * Kp;
+                int a = ahead && g == 0;
+                switch (R) {
+                case 1: ztile1(xf, Kp, w, K, wbuf, N, out, m0, out_fp32, n, nb, a); break;
+                case 2: ztile2(xf, Kp, w, K, wbuf, N, out, m0, out_fp32, n, nb, a); break;
+                case 3: ztile3(xf, Kp, w, K, wbuf, N, out, m0, out_fp32, n, nb, a); break;
+                case 4: ztile4(xf, Kp, w, K, wbuf, N, out, m0, out_fp32, n, nb, a); break;
+                case 5: ztile5(xf, Kp, w, K, wbuf, N, out, m0, out_fp32, n, nb, a); break;
+                default: ztile6(xf, Kp, w, K, wbuf, N, out, m0, out_fp32, n, nb, a); break;
+                }
+                m0 += R;
+            }
+        }
+    }
+}
+#endif
+
+
 void rowinv_linear(const uint16_t *x, const uint16_t *w, void *out, int64_t M, int64_t N,
                    int64_t K, int out_fp32, float *xbuf, void *wbuf) {
+#ifdef USE_AVX512
+    rowinv_linear_zmm(x, w, out, M, N, K, out_fp32, xbuf, (uint16_t *)wbuf);
+    return;
+#endif
     int64_t Kp = (K + 15) / 16 * 16;
     uint16_t *wb16 = (uint16_t *)wbuf;
     float *wf = (float *)wbuf;
@@ -198,7 +302,8 @@ void rowinv_linear(const uint16_t *x, const uint16_t *w, void *out, int64_t M, i
                 int64_t rows = me - mb, groups = (rows + WIDE - 1) / WIDE;
                 for (int64_t g = 0, m0 = mb; g < groups; g++) {
                     int R = (int)(rows / groups + (g < rows % groups));
-                    wide_rows(xbuf + m0 * Kp, Kp, wf, R, N, out, m0, out_fp32, n0, n1);
+                    wide_rows(xbuf + m0 * Kp, Kp, wf, R, N, out, m0, out_fp32, n0, n1,
+                              g == 0 && n1 + 16 <= N ? (const char *)(w + n1 * K) : 0, K * 2);
                     m0 += R;
                 }
             }

@@ -2,7 +2,9 @@
 row-invariant and fast, and the verify's GDN chunk.
 
 A decode step (1 row), a verify (K+1 rows) and a batch all get the same bits for a row, on any
-CPU; the C kernels are compiled with the machine's C compiler at first use and cached. Without a
+CPU; the C kernels are compiled with the machine's C compiler at first use and cached, for the
+widest vector instructions the CPU has (:func:`isa`: AVX-512, AVX2 or generic C, the same bits
+from each). Without a
 compiler, :func:`rowinv_linear_torch` and :func:`rms_norm_torch` compute the same sums with
 PyTorch ops (slower, same bits); ``SPECCHECK_CPU_LINEAR=torch`` forces them. The GDN chunk
 (:func:`gdn_chunk`) has no such twin: without the compiled kernel a verify runs the chunked form
@@ -48,15 +50,42 @@ def _cache_dir() -> Path:
     return Path(base)
 
 
+#: vector instruction sets the kernels are built for, widest first; all give the same bits
+ISAS = ("avx512", "avx2", "generic")
+_ISA_NEEDS = {"avx512": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}, "avx2": {"avx2", "fma"},
+              "generic": set()}
+
+
+def isa() -> str:
+    """The widest of :data:`ISAS` this CPU has, or a narrower one that ``SPECCHECK_CPU_ISA``
+    asks for (to compare them, or to rule one out)."""
+    have = _cpu_flags() if platform.machine() in ("x86_64", "AMD64") else set()
+    fits = [name for name in ISAS if _ISA_NEEDS[name] <= have]
+    asked = os.environ.get("SPECCHECK_CPU_ISA")
+    if asked:
+        if asked not in ISAS:
+            raise ValueError(f"SPECCHECK_CPU_ISA={asked!r}: choose one of {ISAS}")
+        if asked not in fits:
+            raise ValueError(f"SPECCHECK_CPU_ISA={asked!r}: this CPU lacks "
+                             f"{sorted(_ISA_NEEDS[asked] - have)}; it can run {fits}")
+        return asked
+    return fits[0]
+
+
+def _isa_flags() -> list[str]:
+    return {"avx512": ["-mavx2", "-mfma", "-DUSE_FMA",  # a sum's 16 lanes in one zmm register
+                       "-mavx512f", "-mavx512bw", "-mavx512vl", "-DUSE_AVX512"],
+            "avx2": ["-mavx2", "-mfma", "-DUSE_FMA"],  # the lanes in two ymm registers; fused adds
+            "generic": []}[isa()]
+
+
 def _build() -> ctypes.CDLL | None:
     """Compile (once per source, flags and machine; an atomic rename makes racing processes
     safe) and load the kernel; None where no C compiler works."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
-    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags():
-        flags += ["-mavx2", "-mfma", "-DUSE_FMA"]  # the lanes in ymm registers; fused adds
+    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"] + _isa_flags()
     src = _SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"cpu_kernels-{key}.so"
