@@ -367,7 +367,8 @@ def test_triton_selector_drafts_as_the_ops():
         from speccheck.engines.reference.dflash2_fused import dflash2_select_fused, slot_pass
         rnd = random.Random(0)
         for case in range(60):
-            n, l, v, r = rnd.randint(1, 3), rnd.randint(1, 7), rnd.randint(8, 40), rnd.randint(1, 6)
+            n, l, r = rnd.randint(1, 3), rnd.randint(1, 7), rnd.randint(1, 6)
+            v = rnd.randint(8, 40) if case % 4 else rnd.randint(100, 300)  # (many groups)
             k, bf16 = rnd.randint(1, min(8, v)), rnd.random() < 0.5
             g = torch.Generator().manual_seed(case)
             ints = lambda lo, hi, *shape: torch.randint(lo, hi + 1, shape, generator=g).float()

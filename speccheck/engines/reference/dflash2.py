@@ -295,9 +295,11 @@ def load_dflash2(path: Path, cfg: ReferenceConfig) -> DFlash2Drafter:
 
 
 def select_drafts(d2: DFlash2Drafter, target, hs: torch.Tensor, anchor: torch.Tensor,
-                  knobs: SelectorKnobs) -> torch.Tensor:
+                  knobs: SelectorKnobs, out: torch.Tensor | None = None) -> torch.Tensor:
     """Draft tokens [N, L] from the slots' hidden states hs [N, L, H] after ``anchor`` [N]:
-    the selector's walk, or (selector off) the per-slot argmax of the same LM-head scores."""
+    the selector's walk, or (selector off) the per-slot argmax of the same LM-head scores.
+    ``out`` (int64 [N, L]): where the GPU's fused selector may write them (a CUDA graph's
+    buffer; one copy fewer), which it then returns."""
     unary_full = target.rough_logits(hs)  # [N, L, V] fp32 from the target's (bf16) LM head
     if not knobs.selector:
         return unary_full.argmax(-1)
@@ -311,7 +313,8 @@ def select_drafts(d2: DFlash2Drafter, target, hs: torch.Tensor, anchor: torch.Te
     if knobs.walk == "fp32" and not torch.is_grad_enabled() and fused_unavailable(hs.device) is None:
         # on a GPU: the same rule in two Triton launches instead of ~20 ops
         return dflash2_select_fused(unary_full, hs, sel.hidden_projection.weight,
-                                    sel.predecessor_codebook, sel.successor_codebook, anchor, k)
+                                    sel.predecessor_codebook, sel.successor_codebook, anchor, k,
+                                    out=out)
     ids, vals = candidates(unary_full, k)
     scores = sel.edge_scores(ids, vals, hs, anchor, WALK_DTYPES[knobs.walk])
     return ids.gather(-1, walk(scores)[..., None])[..., 0]

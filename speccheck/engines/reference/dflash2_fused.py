@@ -91,17 +91,21 @@ def _define_kernel():
 
 def dflash2_select_fused(unary: torch.Tensor, hidden: torch.Tensor, proj: torch.Tensor,
                          pred_book: torch.Tensor, succ_book: torch.Tensor, anchor: torch.Tensor,
-                         k: int) -> torch.Tensor:
+                         k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """As ``cpu_kernels.dflash2_select`` with the projection inside (unary [N, L, V] fp32
     LM-head scores, hidden [N, L, H] the slots' hidden states, proj [R, H] the
-    ``hidden_projection`` weight, codebooks [V, R], anchor [N] -> drafts [N, L] int64): a
-    launch over the slots (:func:`slot_pass`), then one over the sequences (the walk)."""
+    ``hidden_projection`` weight, codebooks [V, R], anchor [N] -> drafts [N, L] int64, in
+    ``out`` where given): a launch over the slots (:func:`slot_pass`), then one over the
+    sequences (the walk)."""
     import triton
 
     N, L, _ = unary.shape
     R = proj.shape[0]
     h, ids, vals = slot_pass(unary, hidden, proj, k)
-    out = torch.empty(N, L, dtype=torch.int64, device=unary.device)
+    if out is None:
+        out = torch.empty(N, L, dtype=torch.int64, device=unary.device)
+    elif out.shape != (N, L) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"dflash2_select_fused: out must be contiguous int64 {(N, L)}")
     _kernel()[1][(N,)](ids, vals, h, pred_book.contiguous(), succ_book.contiguous(),
                        anchor.to(torch.int64).contiguous(), out, L=L, K=k, R=R,
                        BK=triton.next_power_of_2(k), BR=triton.next_power_of_2(R))

@@ -334,7 +334,11 @@ class GraphDecoding:
         dev, H = B.dev, d.cfg.hidden_size
         width = H * (len(aux_ids) or 1)
         w = d.target.embed_tokens.weight
-        st = {"pend": torch.zeros(1, k + 1, width, dtype=torch.float32, device=dev),
+        # pend in the dtype the drafter rounds it to (MTP: the target's; DFlash: its fc's), so
+        # the verify's copy rounds it and the draft reads it as it is
+        net = {"mtp": None, "dflash": d.drafter, "dflash2": d.dflash2}[method]
+        pend_dtype = w.dtype if net is None else net.fc.weight.dtype
+        st = {"pend": torch.zeros(1, k + 1, width, dtype=pend_dtype, device=dev),
               "pend_n": torch.zeros(1, dtype=torch.long, device=dev),
               "pend_tok": torch.zeros(1, k + 1, dtype=torch.long, device=dev),
               "drafts": torch.zeros(1, k, dtype=torch.long, device=dev),
@@ -349,7 +353,7 @@ class GraphDecoding:
                 # lie past every query that counts and are overwritten by the recursion)
                 mc.lengths.copy_(B.p - st["pend_n"])
                 emb = d.target.embed_tokens(st["pend_tok"])
-                mh = d.mtp(emb, st["pend"].to(w.dtype).float(), mc)
+                mh = d.mtp(emb, st["pend"].float(), mc)
                 last = (st["pend_n"] - 1).view(1, 1, 1).expand(1, 1, H)
                 mh = mh.gather(1, last)[:, 0]  # [1, H]
                 mc.lengths.copy_(B.p)
@@ -359,7 +363,6 @@ class GraphDecoding:
                     toks.append(d.target.rough_logits(mh).argmax(-1))
                 st["drafts"].copy_(torch.stack(toks, 1))
         else:
-            net = d.drafter if method == "dflash" else d.dflash2
             ks, vs = B.ctx[id(net)]
             block_tail = torch.full((1, k), d.cfg.mask_token_id, dtype=torch.long, device=dev)
 
@@ -373,11 +376,13 @@ class GraphDecoding:
                 block = torch.cat([B.tok, block_tail], 1)
                 hb = net(d.target.embed_tokens(block), B.p[:, None] + ar, list(zip(ks, vs)),
                          ctx_len=B.p, keys=B.cap, attn_form=d.knobs.attn_draft)
-                if method == "dflash2":
-                    toks = _dflash2.select_drafts(net, d.target, hb[:, 1:], block[:, 0], d.selector)
+                if method == "dflash2":  # (the anchor is B.tok: block[:, 0] would be a copy)
+                    toks = _dflash2.select_drafts(net, d.target, hb[:, 1:], B.tok[:, 0],
+                                                  d.selector, out=st["drafts"])
                 else:
                     toks = d.target.rough_logits(hb[:, 1:]).argmax(-1)
-                st["drafts"].copy_(toks)
+                if toks is not st["drafts"]:
+                    st["drafts"].copy_(toks)
 
         def verify():
             feed = torch.cat([B.tok, st["drafts"]], 1)  # the anchor at p, the drafts after it

@@ -941,8 +941,8 @@ class DFlashAttention(nn.Module):
         k = self.k_norm(k.view(B, T, self.nkv, self.d)).transpose(1, 2)
         return apply_rope(k, cos, sin), v.view(B, T, self.nkv, self.d).transpose(1, 2)
 
-    def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
-        kv = linear(x, fused_weight(self, "kv", [self.k_proj, self.v_proj]))
+    def kv_heads(self, kv: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """[B,T,2*Hkv*D] K and V projections side by side -> normed, rotated K and V."""
         return self._kv_heads(*kv.split(self.nkv * self.d, dim=-1), *self._rope(positions, kv.dtype))
 
     def forward(self, x, positions, ctx_k, ctx_v, mask=None, ctx_len=None, keys=None,
@@ -1021,9 +1021,15 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
 
     def context_kv(self, aux: torch.Tensor, positions: torch.Tensor) -> list[tuple]:
-        """aux: [B,L,n*H] concatenated target layer outputs -> per-layer (K, V)."""
+        """aux: [B,L,n*H] concatenated target layer outputs -> per-layer (K, V); every
+        layer's K and V projections of the context in one GEMM (a draft's cost is its
+        launches on a GPU)."""
         ctx = self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
-        return [layer.self_attn.kv(ctx, positions) for layer in self.layers]
+        attns = [layer.self_attn for layer in self.layers]
+        kv = linear(ctx, fused_weight(self, "context_kv",
+                                      [p for a in attns for p in (a.k_proj, a.v_proj)]))
+        width = 2 * attns[0].nkv * attns[0].d
+        return [a.kv_heads(part, positions) for a, part in zip(attns, kv.split(width, dim=-1))]
 
     def forward(self, block_embeds, positions, ctx_kv, mask=None, ctx_len=None,
                 keys=None, attn_form: str = "multi") -> torch.Tensor:
