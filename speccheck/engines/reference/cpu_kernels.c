@@ -185,9 +185,6 @@ static void wide_rows(const float *xf, int64_t Kp, const float *wf, int R, int64
 #define M_WIDE 5
 #define M_BLOCK 96
 
-/* x [M, K] bf16, w [N, K] bf16, out [M, N] bf16 or fp32; xbuf >= M * Kp floats, wbuf
- * >= 16 * Kp floats, Kp = K rounded up to a multiple of 16. Columns in blocks of 16 weight rows
- * (8 KB at K = 256, in L1), every row block of x over each: a weight row comes from memory once. */
 #ifdef USE_AVX512
 /* With AVX-512 one zmm register holds a sum's 16 lanes: tiles of up to 6 rows x 4 weight rows
  * keep 24 sums in registers, the weights are widened in registers (no fp32 copy), and the next
@@ -278,7 +275,9 @@ static void rowinv_linear_zmm(const uint16_t *x, const uint16_t *w, void *out, i
 }
 #endif
 
-
+/* x [M, K] bf16, w [N, K] bf16, out [M, N] bf16 or fp32; xbuf >= M * Kp floats, wbuf
+ * >= 16 * Kp floats, Kp = K rounded up to a multiple of 16. Columns in blocks of 16 weight rows
+ * (8 KB at K = 256, in L1), every row block of x over each: a weight row comes from memory once. */
 void rowinv_linear(const uint16_t *x, const uint16_t *w, void *out, int64_t M, int64_t N,
                    int64_t K, int out_fp32, float *xbuf, void *wbuf) {
 #ifdef USE_AVX512
