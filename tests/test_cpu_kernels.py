@@ -202,3 +202,23 @@ def test_an_instruction_set_the_cpu_lacks_is_refused_clearly(monkeypatch):
         cpu_kernels.isa()
     monkeypatch.delenv("SPECCHECK_CPU_ISA")
     assert cpu_kernels.isa() == "generic"
+
+
+def test_a_compiler_that_cannot_build_the_widest_falls_back_to_a_narrower_build(
+        tmp_path, monkeypatch, capfd):
+    """A compiler that fails for AVX-512 (too old, say) leaves the AVX2 build, with a line on
+    stderr, not the PyTorch ops (same bits, much slower)."""
+    import shutil
+
+    real = shutil.which("cc") or shutil.which("gcc")
+    fake = tmp_path / "cc"
+    fake.write_text(f'#!/bin/sh\ncase "$*" in *-mavx512f*) echo "no AVX-512 here" >&2; exit 1;; '
+                    f'esac\nexec {real} "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("SPECCHECK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_kernels, "_fitting", lambda: ["avx512", "avx2", "generic"])
+    assert cpu_kernels._build() is not None
+    err = capfd.readouterr().err
+    assert "for avx512" in err and "PyTorch ops" not in err
+    assert len(list((tmp_path / "cache").glob("cpu_kernels-*.so"))) == 1

@@ -56,9 +56,9 @@ _ISA_NEEDS = {"avx512": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}, "avx
               "generic": set()}
 
 
-def isa() -> str:
-    """The widest of :data:`ISAS` this CPU has, or a narrower one that ``SPECCHECK_CPU_ISA``
-    asks for (to compare them, or to rule one out)."""
+def _fitting() -> list[str]:
+    """The instruction sets to build for, widest first: those this CPU has, or only the one
+    that ``SPECCHECK_CPU_ISA`` asks for (to compare them, or to rule one out)."""
     have = _cpu_flags() if platform.machine() in ("x86_64", "AMD64") else set()
     fits = [name for name in ISAS if _ISA_NEEDS[name] <= have]
     asked = os.environ.get("SPECCHECK_CPU_ISA")
@@ -68,42 +68,56 @@ def isa() -> str:
         if asked not in fits:
             raise ValueError(f"SPECCHECK_CPU_ISA={asked!r}: this CPU lacks "
                              f"{sorted(_ISA_NEEDS[asked] - have)}; it can run {fits}")
-        return asked
-    return fits[0]
+        return [asked]
+    return fits
 
 
-def _isa_flags() -> list[str]:
-    return {"avx512": ["-mavx2", "-mfma", "-DUSE_FMA",  # a sum's 16 lanes in one zmm register
-                       "-mavx512f", "-mavx512bw", "-mavx512vl", "-DUSE_AVX512"],
-            "avx2": ["-mavx2", "-mfma", "-DUSE_FMA"],  # the lanes in two ymm registers; fused adds
-            "generic": []}[isa()]
+def isa() -> str:
+    """The widest of :data:`ISAS` this CPU has (or the one ``SPECCHECK_CPU_ISA`` asks for)."""
+    return _fitting()[0]
 
 
-def _build() -> ctypes.CDLL | None:
-    """Compile (once per source, flags and machine; an atomic rename makes racing processes
-    safe) and load the kernel; None where no C compiler works."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return None
-    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"] + _isa_flags()
+_ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-DUSE_FMA",  # a sum's 16 lanes in one zmm register
+                         "-mavx512f", "-mavx512bw", "-mavx512vl", "-DUSE_AVX512"],
+              "avx2": ["-mavx2", "-mfma", "-DUSE_FMA"],  # the lanes in two ymm registers; fused adds
+              "generic": []}
+
+
+def _compile(cc: str, name: str) -> Path | None:
+    """The library built for instruction set ``name`` (once per source, flags and machine;
+    an atomic rename makes racing processes safe), or None where the compiler fails."""
+    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"] + _ISA_FLAGS[name]
     src = _SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"cpu_kernels-{key}.so"
-    if not lib.exists():
-        tmp = None
-        try:
-            lib.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-            os.close(fd)
-            subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE)], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(tmp, lib)
-        except (OSError, subprocess.SubprocessError) as e:
-            if tmp is not None and os.path.exists(tmp):  # no half-written library left behind
-                os.unlink(tmp)
-            print(f"speccheck: could not compile {_SOURCE.name} ({e}); the reference engine's "
-                  "CPU kernels run as PyTorch ops (same bits, slower)", file=sys.stderr)
-            return None
+    if lib.exists():
+        return lib
+    tmp = None
+    try:
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+        os.close(fd)
+        subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE)], check=True, capture_output=True,
+                       timeout=120)
+        os.replace(tmp, lib)
+        return lib
+    except (OSError, subprocess.SubprocessError) as e:
+        if tmp is not None and os.path.exists(tmp):  # no half-written library left behind
+            os.unlink(tmp)
+        print(f"speccheck: could not compile {_SOURCE.name} for {name} ({e})", file=sys.stderr)
+        return None
+
+
+def _build() -> ctypes.CDLL | None:
+    """Compile and load the kernels for the widest instruction set the compiler manages
+    (a narrower one where it fails: the same bits); None where no C compiler works."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    lib = None if cc is None else next(filter(None, (_compile(cc, n) for n in _fitting())), None)
+    if lib is None:
+        if cc is not None:
+            print("speccheck: the reference engine's CPU kernels run as PyTorch ops (same bits, "
+                  "slower)", file=sys.stderr)
+        return None
     dll = ctypes.CDLL(str(lib))
     fn = dll.rowinv_linear
     fn.restype = None
