@@ -985,8 +985,8 @@ class DFlashAttention(nn.Module):
         if form == "fused":  # every key before the block's end, for every slot
             base = positions[:, 0] if isinstance(ctx_len, torch.Tensor) else ctx_len
             o = attn_fused(q, ctx_k, ctx_v, base, causal=False)
-            return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.d))
-        o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.d))
 
 
