@@ -31,6 +31,7 @@ import torch
 from speccheck.corpus import load_corpus
 from speccheck.engines.reference import decode as decode_module
 from speccheck.engines.reference.engine import ReferenceEngine
+from speccheck.engines.reference import graphs
 from speccheck.engines.reference.graphs import Replay
 from speccheck.types import SpecConfig
 
@@ -53,19 +54,91 @@ def summarize(comps, wall):
     return tokens / decode, tpi, wall, [c.token_ids.tolist() for c in comps]
 
 
-def interleaved_round(cells, engines, prompts, ids, turn: int) -> dict:
+def interleaved_round(cells, engines, prompts, ids, turn: int, split: dict | None = None) -> dict:
     """One round: prompt by prompt, every cell on that prompt before the next one (starting
     at a cell that moves each prompt and round), so a drift in the machine's speed over the
-    round hits every config alike instead of the ones that ran while it was slow."""
+    round hits every config alike instead of the ones that ran while it was slow. ``split``
+    (cell -> list): each generation's (decode seconds, step marks) appended (--loop-split)."""
     comps = {cell: [] for cell in cells}
     walls = {cell: 0.0 for cell in cells}
     for j, (p, i) in enumerate(zip(prompts, ids)):
         for n in range(len(cells)):
             label, cfg = cells[(n + j + turn) % len(cells)]
+            seen = len(MarkedAhead.generations)
             t = time.perf_counter()
-            comps[(label, cfg)] += engines[label].generate([p], [i], cfg, 5)
+            got = engines[label].generate([p], [i], cfg, 5)
             walls[(label, cfg)] += time.perf_counter() - t
+            comps[(label, cfg)] += got
+            if split is not None and len(MarkedAhead.generations) == seen + 1:
+                split[(label, cfg)].append((got[0].decode_s, MarkedAhead.generations[-1]))
     return {cell: summarize(comps[cell], walls[cell]) for cell in cells}
+
+
+class MarkedAhead(graphs._Ahead):
+    """The step graphs' queue (graphs._Ahead), marking on the device when each step starts and
+    ends (CUDA timing events; on the CPU, where a step runs as it is queued, the clock) and
+    whether it was queued behind a step not read yet (the device had work queued) or after
+    the host had read every step (the device waited for the host)."""
+
+    generations: list = []  # one list of (start, end, queued behind) per generation
+
+    def __init__(self, step, out):
+        super().__init__(step, out)
+        self.marks = []
+        MarkedAhead.generations.append(self.marks)
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def _queue(self) -> None:
+        behind, start = self.queued > 0, self._mark()
+        super()._queue()
+        self.marks.append((start, self._mark(), behind))
+
+
+def _seconds(a, b) -> float:
+    return b - a if isinstance(a, float) else a.elapsed_time(b) / 1000.0
+
+
+def loop_split(decode_s: float, marks: list) -> dict:
+    """One generation's decode seconds in parts that sum to it: ``steps`` (the device running
+    the queued steps, each with its output's copy to the host), ``gap behind`` (idle between a
+    step and one queued behind it: the host was late to queue), ``gap serial`` (idle before a
+    step queued after the host read every earlier one: near max_tokens, the host's reading,
+    emitting and launching) and ``outside`` (from the clock's start to the first step, and
+    from the last step's end to the clock's stop: the first launch, the last step's emit)."""
+    steps = sum(_seconds(a, b) for a, b, _ in marks)
+    gaps = {True: 0.0, False: 0.0}
+    for (_, prev_end, _), (start, _, behind) in zip(marks, marks[1:]):
+        gaps[behind] += _seconds(prev_end, start)
+    span = _seconds(marks[0][0], marks[-1][1]) if marks else 0.0
+    return {"steps": steps, "gap behind": gaps[True], "gap serial": gaps[False],
+            "outside": decode_s - span, "n": len(marks),
+            "serial": sum(not behind for _, _, behind in marks[1:])}
+
+
+def print_loop_split(split: dict) -> None:
+    """Per config: microseconds per step (a decode step, or a speculative iteration) of each
+    part of :func:`loop_split`, summed over its generations, and the serial steps per one."""
+    print("\nloop split (us per step, all rounds; serial: steps per generation the device waited "
+          "for the host to queue)")
+    print(f"{'config':<22}{'steps':>8}{'step':>9}{'gap behind':>12}{'gap serial':>12}"
+          f"{'outside':>9}{'decode':>9}{'serial':>8}")
+    for (label, cfg), gens in split.items():
+        if not gens:
+            continue
+        parts = [loop_split(d, m) for d, m in gens]
+        n = sum(p["n"] for p in parts) or 1
+        us = {k: 1e6 * sum(p[k] for p in parts) / n
+              for k in ("steps", "gap behind", "gap serial", "outside")}
+        decode = 1e6 * sum(d for d, _ in gens) / n
+        print(f"{(label + ' ' if label else '') + cfg.name:<22}{n / len(gens):>8.1f}"
+              f"{us['steps']:>9.1f}{us['gap behind']:>12.1f}{us['gap serial']:>12.1f}"
+              f"{us['outside']:>9.1f}{decode:>9.1f}{sum(p['serial'] for p in parts) / len(gens):>8.2f}")
 
 
 def main(argv=None) -> int:
@@ -87,6 +160,9 @@ def main(argv=None) -> int:
                     help="CUDA: print every kernel of one replay of these step graphs (e.g. "
                          "'decode,dflash2-k7 verify') in launch order, with its duration and "
                          "the idle gap before it")
+    ap.add_argument("--loop-split", action="store_true",
+                    help="step graphs: split each config's decode time into the device running "
+                         "steps, idle gaps (host late, or waiting near max_tokens) and the rest")
     a = ap.parse_args(argv)
     engine_args = dict(kv.split("=", 1) for kv in a.engine_arg)
     engine = ReferenceEngine(engine_args=engine_args)
@@ -117,16 +193,27 @@ def main(argv=None) -> int:
     for label, cfg in cells:
         run(engines[label], prompts, ids, cfg)  # warm-up (on CUDA: captures the step graphs)
     by_cell = {cell: [] for cell in cells}
-    for i in range(a.repeats):
-        for cell, result in interleaved_round(cells, engines, prompts, ids, i).items():
-            by_cell[cell].append(result)
-        print(f"  round {i + 1}/{a.repeats}: " + "  ".join(
-            f"{label + ' ' if label else ''}{cfg.name} {r[-1][0]:.0f}"
-            for (label, cfg), r in by_cell.items()), file=sys.stderr, flush=True)
+    split = {cell: [] for cell in cells} if a.loop_split else None
+    queue = graphs._Ahead
+    graphs._Ahead = MarkedAhead if a.loop_split else queue
+    try:
+        for i in range(a.repeats):
+            for cell, result in interleaved_round(cells, engines, prompts, ids, i, split).items():
+                by_cell[cell].append(result)
+            print(f"  round {i + 1}/{a.repeats}: " + "  ".join(
+                f"{label + ' ' if label else ''}{cfg.name} {r[-1][0]:.0f}"
+                for (label, cfg), r in by_cell.items()), file=sys.stderr, flush=True)
+    finally:
+        graphs._Ahead = queue
     for label, o in overrides.items():
         if label:
             print(f"\nvariant {label}: {o}")
         table({cfg: by_cell[(label, cfg)] for cfg in configs}, len(prompts))
+    if split is not None:
+        if any(split.values()):
+            print_loop_split(split)
+        else:
+            print("\nloop split: no step graphs ran (CUDA with cuda_graphs on)")
     for label, eng in engines.items():
         times = graph_step_times(eng, a.kernels, [t for t in a.timeline.split(",") if t])
         if times:

@@ -77,3 +77,36 @@ def test_bench_verify_builds_a_tiny_store_and_times_both_commands(tmp_path, caps
     assert re.findall(r"^(PASS|FAIL)  (\S+)$", gate, re.M) == [
         ("PASS", "baseline"), ("PASS", "dflash-k7"), ("FAIL", "dflash2-k7"), ("PASS", "mtp-k3")], gate
     assert "divergences_are_low_confidence failed for config dflash2-k7: 2 high-confidence" in gate, gate
+
+
+def test_loop_split_accounts_for_every_step_of_the_graph_loops(monkeypatch):
+    """--loop-split's parts of the step-graph loops (run eagerly on the CPU): one mark per
+    step the loop queued, as many as the generation's iterations (nothing past max_tokens),
+    a baseline that never waits for the host (one token a step: the end is known ahead), the
+    parts summing to the decode time, none negative."""
+    from speccheck.corpus import load_corpus
+    from speccheck.engines.reference import graphs
+    from speccheck.engines.reference.engine import ReferenceEngine
+    from speccheck.types import Prompt, SpecConfig
+
+    bench = _load("bench_reference")
+    monkeypatch.setattr(graphs, "_Ahead", bench.MarkedAhead)
+    monkeypatch.setattr(bench.MarkedAhead, "generations", [])
+    e = ReferenceEngine(engine_args={"threads": "1"})
+    e.decoder.graphs = graphs.GraphDecoding(e.decoder)
+    p = load_corpus("smoke").prompts[0]
+    p = Prompt(p.id, p.category, 24, p.text, p.messages)
+    ids = e.tokenize(p)
+    for config in (SpecConfig(), SpecConfig("dflash2", 3), SpecConfig("mtp", 2)):
+        got = e.generate([p], [ids], config, 5)[0]
+        assert got.finish_reason == "length"
+        marks = bench.MarkedAhead.generations[-1]
+        parts = bench.loop_split(got.decode_s, marks)
+        steps = got.n_tokens - 1 if config.is_baseline else got.spec.drafts
+        assert parts["n"] == steps == len(marks), config.name
+        assert min(parts[k] for k in ("steps", "gap behind", "gap serial", "outside")) >= 0
+        total = parts["steps"] + parts["gap behind"] + parts["gap serial"] + parts["outside"]
+        assert abs(total - got.decode_s) < 1e-6
+        if config.is_baseline:
+            assert parts["serial"] == 0 and parts["gap serial"] == 0.0
+    assert len(bench.MarkedAhead.generations) == 3
