@@ -110,7 +110,9 @@ def loop_split(decode_s: float, marks: list) -> dict:
     step and one queued behind it: the host was late to queue), ``gap serial`` (idle before a
     step queued after the host read every earlier one: near max_tokens, the host's reading,
     emitting and launching) and ``outside`` (from the clock's start to the first step, and
-    from the last step's end to the clock's stop: the first launch, the last step's emit)."""
+    from the last step's end to the clock's stop: the first launch, the last step's emit);
+    ``first``: the first step's own seconds (a step graph that runs slower right after
+    another config's shows here, not in a back-to-back replay)."""
     steps = sum(_seconds(a, b) for a, b, _ in marks)
     gaps = {True: 0.0, False: 0.0}
     for (_, prev_end, _), (start, _, behind) in zip(marks, marks[1:]):
@@ -118,16 +120,17 @@ def loop_split(decode_s: float, marks: list) -> dict:
     span = _seconds(marks[0][0], marks[-1][1]) if marks else 0.0
     return {"steps": steps, "gap behind": gaps[True], "gap serial": gaps[False],
             "outside": decode_s - span, "n": len(marks),
+            "first": _seconds(*marks[0][:2]) if marks else 0.0,
             "serial": sum(not behind for _, _, behind in marks[1:])}
 
 
 def print_loop_split(split: dict) -> None:
     """Per config: microseconds per step (a decode step, or a speculative iteration) of each
     part of :func:`loop_split`, summed over its generations, and the serial steps per one."""
-    print("\nloop split (us per step, all rounds; serial: steps per generation the device waited "
-          "for the host to queue)")
+    print("\nloop split (us per step, all rounds; first: a generation's first step alone; "
+          "serial: steps per generation the device waited for the host to queue)")
     print(f"{'config':<22}{'steps':>8}{'step':>9}{'gap behind':>12}{'gap serial':>12}"
-          f"{'outside':>9}{'decode':>9}{'serial':>8}")
+          f"{'outside':>9}{'decode':>9}{'first':>9}{'serial':>8}")
     for (label, cfg), gens in split.items():
         if not gens:
             continue
@@ -138,7 +141,8 @@ def print_loop_split(split: dict) -> None:
         decode = 1e6 * sum(d for d, _ in gens) / n
         print(f"{(label + ' ' if label else '') + cfg.name:<22}{n / len(gens):>8.1f}"
               f"{us['steps']:>9.1f}{us['gap behind']:>12.1f}{us['gap serial']:>12.1f}"
-              f"{us['outside']:>9.1f}{decode:>9.1f}{sum(p['serial'] for p in parts) / len(gens):>8.2f}")
+              f"{us['outside']:>9.1f}{decode:>9.1f}{1e6 * sum(p['first'] for p in parts) / len(gens):>9.1f}"
+              f"{sum(p['serial'] for p in parts) / len(gens):>8.2f}")
 
 
 def main(argv=None) -> int:
