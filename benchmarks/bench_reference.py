@@ -58,7 +58,7 @@ def interleaved_round(cells, engines, prompts, ids, turn: int, split: dict | Non
     """One round: prompt by prompt, every cell on that prompt before the next one (starting
     at a cell that moves each prompt and round), so a drift in the machine's speed over the
     round hits every config alike instead of the ones that ran while it was slow. ``split``
-    (cell -> list): each generation's (decode seconds, step marks) appended (--loop-split)."""
+    (cell -> list): each generation's (decode seconds, MarkedAhead) appended (--loop-split)."""
     comps = {cell: [] for cell in cells}
     walls = {cell: 0.0 for cell in cells}
     for j, (p, i) in enumerate(zip(prompts, ids)):
@@ -75,17 +75,19 @@ def interleaved_round(cells, engines, prompts, ids, turn: int, split: dict | Non
 
 
 class MarkedAhead(graphs._Ahead):
-    """The step graphs' queue (graphs._Ahead), marking on the device when each step starts and
-    ends (CUDA timing events; on the CPU, where a step runs as it is queued, the clock) and
-    whether it was queued behind a step not read yet (the device had work queued) or after
-    the host had read every step (the device waited for the host)."""
+    """The step graphs' queue (graphs._Ahead), marking on the device when it was made and when
+    each step starts and ends (CUDA timing events; on the CPU, where a step runs as it is
+    queued, the clock), and whether a step was queued behind one not read yet (the device had
+    work queued) or after the host had read every step (the device waited for the host)."""
 
-    generations: list = []  # one list of (start, end, queued behind) per generation
+    generations: list = []  # every queue made, in order: one per generation
 
     def __init__(self, step, out):
+        self.cuda = out.device.type == "cuda"
+        self.made = self._mark()  # before its host buffers are allocated
         super().__init__(step, out)
-        self.marks = []
-        MarkedAhead.generations.append(self.marks)
+        self.marks = []  # (start, end, queued behind) per step
+        MarkedAhead.generations.append(self)
 
     def _mark(self):
         if not self.cuda:
@@ -104,45 +106,50 @@ def _seconds(a, b) -> float:
     return b - a if isinstance(a, float) else a.elapsed_time(b) / 1000.0
 
 
-def loop_split(decode_s: float, marks: list) -> dict:
+def loop_split(decode_s: float, ahead: MarkedAhead) -> dict:
     """One generation's decode seconds in parts that sum to it: ``steps`` (the device running
     the queued steps, each with its output's copy to the host), ``gap behind`` (idle between a
     step and one queued behind it: the host was late to queue), ``gap serial`` (idle before a
     step queued after the host read every earlier one: near max_tokens, the host's reading,
-    emitting and launching) and ``outside`` (from the clock's start to the first step, and
-    from the last step's end to the clock's stop: the first launch, the last step's emit);
-    ``first``: the first step's own seconds (a step graph that runs slower right after
-    another config's shows here, not in a back-to-back replay)."""
+    emitting and launching), ``to first`` (from the queue's making to the first step: its
+    buffers' allocation and the first launch) and ``after`` (the rest: mainly from the last
+    step's end to the clock's stop, the host's reading and emitting it). ``first``: the first
+    step's own seconds (a step graph slower right after another config's shows there, not in
+    a back-to-back replay)."""
+    marks = ahead.marks
     steps = sum(_seconds(a, b) for a, b, _ in marks)
     gaps = {True: 0.0, False: 0.0}
     for (_, prev_end, _), (start, _, behind) in zip(marks, marks[1:]):
         gaps[behind] += _seconds(prev_end, start)
-    span = _seconds(marks[0][0], marks[-1][1]) if marks else 0.0
+    to_first = _seconds(ahead.made, marks[0][0]) if marks else 0.0
+    span = _seconds(ahead.made, marks[-1][1]) if marks else 0.0
     return {"steps": steps, "gap behind": gaps[True], "gap serial": gaps[False],
-            "outside": decode_s - span, "n": len(marks),
+            "to first": to_first, "after": decode_s - span, "n": len(marks),
             "first": _seconds(*marks[0][:2]) if marks else 0.0,
             "serial": sum(not behind for _, _, behind in marks[1:])}
 
 
 def print_loop_split(split: dict) -> None:
-    """Per config: microseconds per step (a decode step, or a speculative iteration) of each
-    part of :func:`loop_split`, summed over its generations, and the serial steps per one."""
-    print("\nloop split (us per step, all rounds; first: a generation's first step alone; "
-          "serial: steps per generation the device waited for the host to queue)")
-    print(f"{'config':<22}{'steps':>8}{'step':>9}{'gap behind':>12}{'gap serial':>12}"
-          f"{'outside':>9}{'decode':>9}{'first':>9}{'serial':>8}")
+    """Per config, over all its generations: the steps per generation, the device's time per
+    step and the idle gaps per step (:func:`loop_split`), then per generation its first step,
+    the time to it and the time after the last, and the serial steps."""
+    print("\nloop split, all rounds: per step (us): the device running it, idle gaps (the host "
+          "late behind a queued step; serial, near max_tokens) and the decode time; per "
+          "generation (us): its first step alone, from the queue's making to it, after the "
+          "last step; serial steps")
+    print(f"{'config':<22}{'steps':>7}{'step':>8}{'behind':>8}{'serial':>8}{'decode':>8}"
+          f"{'| first':>9}{'to first':>9}{'after':>8}{'serial':>7}")
     for (label, cfg), gens in split.items():
         if not gens:
             continue
-        parts = [loop_split(d, m) for d, m in gens]
-        n = sum(p["n"] for p in parts) or 1
-        us = {k: 1e6 * sum(p[k] for p in parts) / n
-              for k in ("steps", "gap behind", "gap serial", "outside")}
-        decode = 1e6 * sum(d for d, _ in gens) / n
-        print(f"{(label + ' ' if label else '') + cfg.name:<22}{n / len(gens):>8.1f}"
-              f"{us['steps']:>9.1f}{us['gap behind']:>12.1f}{us['gap serial']:>12.1f}"
-              f"{us['outside']:>9.1f}{decode:>9.1f}{1e6 * sum(p['first'] for p in parts) / len(gens):>9.1f}"
-              f"{sum(p['serial'] for p in parts) / len(gens):>8.2f}")
+        parts = [loop_split(d, a) for d, a in gens]
+        n, g = sum(p["n"] for p in parts) or 1, len(gens)
+        step = {k: 1e6 * sum(p[k] for p in parts) / n for k in ("steps", "gap behind", "gap serial")}
+        gen = {k: 1e6 * sum(p[k] for p in parts) / g for k in ("first", "to first", "after")}
+        print(f"{(label + ' ' if label else '') + cfg.name:<22}{n / g:>7.1f}{step['steps']:>8.1f}"
+              f"{step['gap behind']:>8.1f}{step['gap serial']:>8.1f}"
+              f"{1e6 * sum(d for d, _ in gens) / n:>8.1f}  {gen['first']:>7.1f}"
+              f"{gen['to first']:>9.1f}{gen['after']:>8.1f}{sum(p['serial'] for p in parts) / g:>7.2f}")
 
 
 def main(argv=None) -> int:

@@ -100,13 +100,14 @@ def test_loop_split_accounts_for_every_step_of_the_graph_loops(monkeypatch):
     for config in (SpecConfig(), SpecConfig("dflash2", 3), SpecConfig("mtp", 2)):
         got = e.generate([p], [ids], config, 5)[0]
         assert got.finish_reason == "length"
-        marks = bench.MarkedAhead.generations[-1]
-        parts = bench.loop_split(got.decode_s, marks)
+        ahead = bench.MarkedAhead.generations[-1]
+        parts = bench.loop_split(got.decode_s, ahead)
         steps = got.n_tokens - 1 if config.is_baseline else got.spec.drafts
-        assert parts["n"] == steps == len(marks), config.name
-        assert min(parts[k] for k in ("steps", "gap behind", "gap serial", "outside")) >= 0
-        total = parts["steps"] + parts["gap behind"] + parts["gap serial"] + parts["outside"]
-        assert abs(total - got.decode_s) < 1e-6
+        assert parts["n"] == steps == len(ahead.marks), config.name
+        names = ("steps", "gap behind", "gap serial", "to first", "after")
+        assert min(parts[k] for k in names) >= 0
+        assert abs(sum(parts[k] for k in names) - got.decode_s) < 1e-6
+        assert parts["first"] <= parts["steps"]
         if config.is_baseline:
             assert parts["serial"] == 0 and parts["gap serial"] == 0.0
     assert len(bench.MarkedAhead.generations) == 3
