@@ -530,6 +530,30 @@ def test_worker_protocol_with_fake_vllm(fake_vllm, worker, tmp_path, monkeypatch
     assert completion_from_dict("a", cap["row"], cap["top_k"], spec=True).spec.drafts > 0
 
 
+def test_engine_leaves_no_temporary_folder(fake_vllm, monkeypatch):
+    """An engine that only checks its arguments makes no folder; one that ran a call (the fake
+    vLLM, a test double) has its requests' folder removed by close(), or when it is dropped
+    without close()."""
+    import gc
+    import tempfile
+
+    target, _ = fake_vllm
+    mine = Path(tempfile.mkdtemp())
+    monkeypatch.setattr(tempfile, "tempdir", str(mine))
+    VllmEngine(model=str(target)).identity()
+    assert list(mine.iterdir()) == []
+    prompts, ids = [Prompt("a", "x", 4, text="a")], [[3, 4]]
+    closed, dropped = VllmEngine(model=str(target)), VllmEngine(model=str(target))
+    for eng in (closed, dropped):
+        eng.generate(prompts, ids, SpecConfig(), 5)
+    assert len(list(mine.iterdir())) == 2
+    closed.close()
+    del dropped, eng
+    gc.collect()
+    assert list(mine.iterdir()) == []
+    mine.rmdir()
+
+
 def test_zero_drafts_from_fake_vllm_fail_the_config(fake_vllm, monkeypatch):
     """The fake vLLM (test double) reports no drafts for ngram: the engine must refuse it."""
     target, _ = fake_vllm

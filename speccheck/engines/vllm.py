@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Sequence
@@ -773,10 +774,20 @@ class VllmEngine(Engine):
         self._worker: subprocess.Popen | None = None
         self._worker_key: str | None = None
         self._parked: tuple | None = None  # (process, key, log) of an idle baseline worker
-        self._tmp = Path(tempfile.mkdtemp(prefix="speccheck-vllm-"))
+        self._tmp_dir: Path | None = None  # made at the first call (_tmp)
         self._calls = 0
         self.last_call_fresh_process = True
         self._static_identity: dict | None = None
+
+    @property
+    def _tmp(self) -> Path:
+        """The folder of the requests and worker logs, made at the first call (an engine that
+        only checks its arguments or names itself leaves nothing) and removed by close(), or,
+        for one never closed, when it is collected or the process exits."""
+        if self._tmp_dir is None:
+            self._tmp_dir = Path(tempfile.mkdtemp(prefix="speccheck-vllm-"))
+            self._tmp_removal = weakref.finalize(self, shutil.rmtree, self._tmp_dir, True)
+        return self._tmp_dir
 
     def _world_size(self) -> int:
         """TP x PP as asked (parallel_problem has checked they are positive ints, or will)."""
@@ -1200,7 +1211,9 @@ class VllmEngine(Engine):
     def close(self) -> None:
         self._stop_worker()
         self._stop_parked()
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._tmp_dir is not None:
+            self._tmp_removal()
+            self._tmp_dir = None
 
 
 def check_speculated(config: SpecConfig, comps: list[Completion]) -> None:
