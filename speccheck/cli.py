@@ -18,7 +18,8 @@ import click
 from speccheck.config import MatrixError, build_matrix
 from speccheck.corpus import CorpusError, list_corpora, load_corpus
 from speccheck.engines import EngineError, EngineUsageError, engine_class
-from speccheck.gate import (EXIT_ENGINE, EXIT_FAIL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PASS, EXIT_USAGE,
+from speccheck.gate import (EXIT_ENGINE, EXIT_FAIL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PASS,
+                            EXIT_PIPE_CLOSED, EXIT_USAGE,
                             exit_code, gate_text, plan_note,
                             write_junit)
 from speccheck.policy import PolicyError, load_policy
@@ -28,7 +29,8 @@ USAGE_ERRORS = (CorpusError, MatrixError, PolicyError, StoreError, EngineUsageEr
 
 
 EXIT_CODES_HELP = ("Exit codes: 0 pass, 1 gate failed, 2 bad input or usage, 3 engine failure, "
-                   "4 internal error (traceback saved to a file the message names), 130 interrupted.")
+                   "4 internal error (traceback saved to a file the message names), 130 interrupted, "
+                   "141 output pipe closed (`| head`).")
 
 #: OS errors that are the user's environment, not a bug: a read-only or full disk, a
 #: permission, a path that is not a directory. They name the path and exit 2.
@@ -70,6 +72,11 @@ class SpeccheckGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("\nspeccheck: interrupted; runs already stored are kept (a re-run resumes).", err=True)
             sys.exit(EXIT_INTERRUPTED)
+        except BrokenPipeError:
+            # the reader left (`speccheck ... | head`): stop quietly, as other tools do; stdout
+            # now goes nowhere, so that the interpreter's last flush does not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(EXIT_PIPE_CLOSED)
         except ValueError as e:
             if "embedded null" not in str(e):  # what os.* says of a path with a NUL in it
                 self._internal_error(e)

@@ -9,6 +9,7 @@ from speccheck.evaluate import SuiteResult
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ENGINE, EXIT_INTERNAL = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130  # Ctrl-C, the shell convention (128 + SIGINT)
+EXIT_PIPE_CLOSED = 141  # the reader of the output left (`| head`): 128 + SIGPIPE
 
 
 def exit_code(result: SuiteResult) -> int:

@@ -1,6 +1,7 @@
 """The command line as a user meets it: bad input gets one clear paragraph and exit 2, and
 loses nothing already stored; a small real run on the reference engine goes end to end."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -125,3 +126,28 @@ def test_runs_made_with_other_weights_are_redone(tmp_path):
     again = CliRunner().invoke(main, args)
     assert "1 to run" in again.output
     assert json.loads(manifest.read_text())["identity"]["model_hash"] != "weights-of-last-week"
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
+    """`speccheck ... | head`: once the reader has gone, the command stops with 141 (128 +
+    SIGPIPE, as other tools), says nothing and saves no crash report (it did: exit 4 and a
+    traceback file for a BrokenPipeError). A command of speccheck's group that prints 1 MB."""
+    code = (
+        "import click\n"
+        "from speccheck.cli import SpeccheckGroup\n"
+        "@click.group(cls=SpeccheckGroup)\n"
+        "def cli(): pass\n"
+        "@cli.command()\n"
+        "def lines():\n"
+        "    for i in range(20000):\n"
+        "        click.echo('x' * 50)\n"
+        "cli(['lines'])\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "TMPDIR": str(tmp_path)},
+                            cwd=tmp_path)
+    assert proc.stdout.readline().strip() == b"x" * 50
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141, err
+    assert err == b""
+    assert not list(tmp_path.glob("speccheck-crash-*"))
