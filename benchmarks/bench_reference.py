@@ -54,23 +54,27 @@ def summarize(comps, wall):
     return tokens / decode, tpi, wall, [c.token_ids.tolist() for c in comps]
 
 
-def interleaved_round(cells, engines, prompts, ids, turn: int, split: dict | None = None) -> dict:
+def interleaved_round(cells, engines, prompts, ids, turn: int, split: dict | None = None,
+                      by_config: bool = False) -> dict:
     """One round: prompt by prompt, every cell on that prompt before the next one (starting
     at a cell that moves each prompt and round), so a drift in the machine's speed over the
-    round hits every config alike instead of the ones that ran while it was slow. ``split``
-    (cell -> list): each generation's (decode seconds, MarkedAhead) appended (--loop-split)."""
+    round hits every config alike instead of the ones that ran while it was slow. With
+    ``by_config``, each cell over the whole corpus in turn instead (as a user's run of one
+    config: what switching configs between requests costs shows as the difference).
+    ``split`` (cell -> list): each generation's (decode seconds, MarkedAhead) appended."""
     comps = {cell: [] for cell in cells}
     walls = {cell: 0.0 for cell in cells}
-    for j, (p, i) in enumerate(zip(prompts, ids)):
-        for n in range(len(cells)):
-            label, cfg = cells[(n + j + turn) % len(cells)]
-            seen = len(MarkedAhead.generations)
-            t = time.perf_counter()
-            got = engines[label].generate([p], [i], cfg, 5)
-            walls[(label, cfg)] += time.perf_counter() - t
-            comps[(label, cfg)] += got
-            if split is not None and len(MarkedAhead.generations) == seen + 1:
-                split[(label, cfg)].append((got[0].decode_s, MarkedAhead.generations[-1]))
+    order = [(j, n) for n in range(len(cells)) for j in range(len(prompts))] if by_config \
+        else [(j, n) for j in range(len(prompts)) for n in range(len(cells))]
+    for j, n in order:
+        label, cfg = cells[(n + (0 if by_config else j) + turn) % len(cells)]
+        seen = len(MarkedAhead.generations)
+        t = time.perf_counter()
+        got = engines[label].generate([prompts[j]], [ids[j]], cfg, 5)
+        walls[(label, cfg)] += time.perf_counter() - t
+        comps[(label, cfg)] += got
+        if split is not None and len(MarkedAhead.generations) == seen + 1:
+            split[(label, cfg)].append((got[0].decode_s, MarkedAhead.generations[-1]))
     return {cell: summarize(comps[cell], walls[cell]) for cell in cells}
 
 
@@ -171,6 +175,10 @@ def main(argv=None) -> int:
                     help="CUDA: print every kernel of one replay of these step graphs (e.g. "
                          "'decode,dflash2-k7 verify') in launch order, with its duration and "
                          "the idle gap before it")
+    ap.add_argument("--order", choices=("prompt", "config", "both"), default="prompt",
+                    help="each round prompt by prompt (every config on a prompt before the next), "
+                         "config by config (each over the whole corpus), or both in turn, a "
+                         "table each")
     ap.add_argument("--loop-split", action="store_true",
                     help="step graphs: split each config's decode time into the device running "
                          "steps, idle gaps (host late, or waiting near max_tokens) and the rest")
@@ -203,28 +211,35 @@ def main(argv=None) -> int:
     cells = [(label, cfg) for label in engines for cfg in configs]
     for label, cfg in cells:
         run(engines[label], prompts, ids, cfg)  # warm-up (on CUDA: captures the step graphs)
-    by_cell = {cell: [] for cell in cells}
-    split = {cell: [] for cell in cells} if a.loop_split else None
+    orders = ("prompt", "config") if a.order == "both" else (a.order,)
+    by_cell = {o: {cell: [] for cell in cells} for o in orders}
+    split = {o: {cell: [] for cell in cells} for o in orders} if a.loop_split else None
     queue = graphs._Ahead
     graphs._Ahead = MarkedAhead if a.loop_split else queue
     try:
         for i in range(a.repeats):
-            for cell, result in interleaved_round(cells, engines, prompts, ids, i, split).items():
-                by_cell[cell].append(result)
-            print(f"  round {i + 1}/{a.repeats}: " + "  ".join(
-                f"{label + ' ' if label else ''}{cfg.name} {r[-1][0]:.0f}"
-                for (label, cfg), r in by_cell.items()), file=sys.stderr, flush=True)
+            for o in orders:
+                for cell, result in interleaved_round(cells, engines, prompts, ids, i,
+                                                      split and split[o], o == "config").items():
+                    by_cell[o][cell].append(result)
+                print(f"  round {i + 1}/{a.repeats}{'' if len(orders) == 1 else ' by ' + o}: "
+                      + "  ".join(f"{label + ' ' if label else ''}{cfg.name} {r[-1][0]:.0f}"
+                                  for (label, cfg), r in by_cell[o].items()),
+                      file=sys.stderr, flush=True)
     finally:
         graphs._Ahead = queue
-    for label, o in overrides.items():
-        if label:
-            print(f"\nvariant {label}: {o}")
-        table({cfg: by_cell[(label, cfg)] for cfg in configs}, len(prompts))
-    if split is not None:
-        if any(split.values()):
-            print_loop_split(split)
-        else:
-            print("\nloop split: no step graphs ran (CUDA with cuda_graphs on)")
+    for o in orders:
+        if len(orders) > 1:
+            print(f"\n=== rounds {'prompt by prompt' if o == 'prompt' else 'config by config'}")
+        for label, kv in overrides.items():
+            if label:
+                print(f"\nvariant {label}: {kv}")
+            table({cfg: by_cell[o][(label, cfg)] for cfg in configs}, len(prompts))
+        if split is not None:
+            if any(split[o].values()):
+                print_loop_split(split[o])
+            else:
+                print("\nloop split: no step graphs ran (CUDA with cuda_graphs on)")
     for label, eng in engines.items():
         times = graph_step_times(eng, a.kernels, [t for t in a.timeline.split(",") if t])
         if times:
