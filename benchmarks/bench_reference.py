@@ -2,7 +2,7 @@
 
     python benchmarks/bench_reference.py [--corpus code] [--repeats 3] [--mtp-k 1,2,3,5,7]
         [--dflash-k 3,5,7,10] [--dflash2-k 7] [--engine-arg key=value ...]
-        [--variant LABEL:key=value,key=value ...]
+        [--variant LABEL:key=value,key=value ...] [--order prompt|config|both] [--loop-split]
 
 Every config first runs once to warm up; then ``--repeats`` rounds each run every config once,
 interleaved prompt by prompt (every config on a prompt before the next prompt), so that a
