@@ -30,8 +30,8 @@ import torch
 
 from speccheck.corpus import load_corpus
 from speccheck.engines.reference import decode as decode_module
-from speccheck.engines.reference.engine import ReferenceEngine
 from speccheck.engines.reference import graphs
+from speccheck.engines.reference.engine import ReferenceEngine
 from speccheck.engines.reference.graphs import Replay
 from speccheck.types import SpecConfig
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import select
 import sys
 import tempfile
 import time
@@ -52,6 +53,16 @@ def save_traceback() -> Path | None:
     return None
 
 
+def _output_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports an error on it)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here, or no real stdout
+        return False
+
+
 class SpeccheckGroup(click.Group):
     """Turns every known error into a one-paragraph message and the documented exit code;
     anything else is a bug in speccheck: one line, the traceback in a file, exit 4."""
@@ -72,7 +83,9 @@ class SpeccheckGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("\nspeccheck: interrupted; runs already stored are kept (a re-run resumes).", err=True)
             sys.exit(EXIT_INTERRUPTED)
-        except BrokenPipeError:
+        except BrokenPipeError as e:
+            if not _output_reader_gone():  # a pipe of speccheck's own broke: a bug
+                self._internal_error(e)
             # the reader left (`speccheck ... | head`): stop quietly, as other tools do; stdout
             # now goes nowhere, so that the interpreter's last flush does not fail again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -151,3 +151,21 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
     assert proc.wait(timeout=60) == 141, err
     assert err == b""
     assert not list(tmp_path.glob("speccheck-crash-*"))
+
+
+def test_a_broken_pipe_of_speccheck_own_is_still_an_internal_error(tmp_path):
+    """A BrokenPipeError while stdout is fine (a pipe to a process speccheck started broke)
+    is a bug to report (exit 4, traceback saved), not a reader that left."""
+    code = (
+        "import click\n"
+        "from speccheck.cli import SpeccheckGroup\n"
+        "@click.group(cls=SpeccheckGroup)\n"
+        "def cli(): pass\n"
+        "@cli.command()\n"
+        "def broken():\n"
+        "    raise BrokenPipeError(32, 'Broken pipe')\n"
+        "cli(['broken'])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=tmp_path, timeout=60)
+    assert r.returncode == 4 and "internal error (BrokenPipeError" in r.stderr, r.stderr
+    assert len(list(tmp_path.glob("speccheck-crash-*"))) == 1
