@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 from click.testing import CliRunner
@@ -128,23 +129,22 @@ def test_runs_made_with_other_weights_are_redone(tmp_path):
     assert json.loads(manifest.read_text())["identity"]["model_hash"] != "weights-of-last-week"
 
 
+def _command_of_speccheck_group(body: str) -> list[str]:
+    """A Python command line running one command, ``body``, in speccheck's CLI group."""
+    code = ("import click\nfrom speccheck.cli import SpeccheckGroup\n"
+            "@click.group(cls=SpeccheckGroup)\ndef cli(): pass\n"
+            "@cli.command()\ndef one():\n" + textwrap.indent(body, "    ") + "\ncli(['one'])\n")
+    return [sys.executable, "-c", code]
+
+
 def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
     """`speccheck ... | head`: once the reader has gone, the command stops with 141 (128 +
     SIGPIPE, as other tools), says nothing and saves no crash report (it did: exit 4 and a
     traceback file for a BrokenPipeError). A command of speccheck's group that prints 1 MB."""
-    code = (
-        "import click\n"
-        "from speccheck.cli import SpeccheckGroup\n"
-        "@click.group(cls=SpeccheckGroup)\n"
-        "def cli(): pass\n"
-        "@cli.command()\n"
-        "def lines():\n"
-        "    for i in range(20000):\n"
-        "        click.echo('x' * 50)\n"
-        "cli(['lines'])\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, "TMPDIR": str(tmp_path)},
-                            cwd=tmp_path)
+    proc = subprocess.Popen(_command_of_speccheck_group("for i in range(20000):\n"
+                                                        "    click.echo('x' * 50)"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=tmp_path)
     assert proc.stdout.readline().strip() == b"x" * 50
     proc.stdout.close()
     err = proc.stderr.read()
@@ -156,16 +156,8 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
 def test_a_broken_pipe_of_speccheck_own_is_still_an_internal_error(tmp_path):
     """A BrokenPipeError while stdout is fine (a pipe to a process speccheck started broke)
     is a bug to report (exit 4, traceback saved), not a reader that left."""
-    code = (
-        "import click\n"
-        "from speccheck.cli import SpeccheckGroup\n"
-        "@click.group(cls=SpeccheckGroup)\n"
-        "def cli(): pass\n"
-        "@cli.command()\n"
-        "def broken():\n"
-        "    raise BrokenPipeError(32, 'Broken pipe')\n"
-        "cli(['broken'])\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=tmp_path, timeout=60)
+    r = subprocess.run(_command_of_speccheck_group("raise BrokenPipeError(32, 'Broken pipe')"),
+                       capture_output=True, text=True, env={**os.environ, "TMPDIR": str(tmp_path)},
+                       cwd=tmp_path, timeout=60)
     assert r.returncode == 4 and "internal error (BrokenPipeError" in r.stderr, r.stderr
     assert len(list(tmp_path.glob("speccheck-crash-*"))) == 1
