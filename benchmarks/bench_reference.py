@@ -61,7 +61,7 @@ def interleaved_round(cells, engines, prompts, ids, turn: int, split: dict | Non
     round hits every config alike instead of the ones that ran while it was slow. With
     ``by_config``, each cell over the whole corpus in turn instead (as a user's run of one
     config: what switching configs between requests costs shows as the difference).
-    ``split`` (cell -> list): each generation's (decode seconds, MarkedAhead) appended."""
+    ``split`` (cell -> list): each generation's (decode seconds, Marks) appended."""
     comps = {cell: [] for cell in cells}
     walls = {cell: 0.0 for cell in cells}
     order = [(j, n) for n in range(len(cells)) for j in range(len(prompts))] if by_config \
@@ -78,20 +78,27 @@ def interleaved_round(cells, engines, prompts, ids, turn: int, split: dict | Non
     return {cell: summarize(comps[cell], walls[cell]) for cell in cells}
 
 
+class Marks(types.SimpleNamespace):
+    """One generation's marks: ``made`` (its queue made) and ``steps``, (start, end, queued
+    behind) per step."""
+
+
 class MarkedAhead(graphs._Ahead):
     """The step graphs' queue (graphs._Ahead), marking on the device when it was made and when
     each step starts and ends (CUDA timing events; on the CPU, where a step runs as it is
     queued, the clock), and whether a step was queued behind one not read yet (the device had
-    work queued) or after the host had read every step (the device waited for the host)."""
+    work queued) or after the host had read every step (the device waited for the host). Only
+    the marks outlive the generation: a queue kept would keep its pinned host buffers, and
+    every later generation would pin new ones."""
 
-    generations: list = []  # every queue made, in order: one per generation
+    generations: list = []  # every queue's Marks, in order: one per generation
 
     def __init__(self, step, out):
         self.cuda = out.device.type == "cuda"
-        self.made = self._mark()  # before its host buffers are allocated
+        made = self._mark()  # before its host buffers are allocated
         super().__init__(step, out)
-        self.marks = []  # (start, end, queued behind) per step
-        MarkedAhead.generations.append(self)
+        self.marks = Marks(made=made, steps=[])
+        MarkedAhead.generations.append(self.marks)
 
     def _mark(self):
         if not self.cuda:
@@ -103,14 +110,14 @@ class MarkedAhead(graphs._Ahead):
     def _queue(self) -> None:
         behind, start = self.queued > 0, self._mark()
         super()._queue()
-        self.marks.append((start, self._mark(), behind))
+        self.marks.steps.append((start, self._mark(), behind))
 
 
 def _seconds(a, b) -> float:
     return b - a if isinstance(a, float) else a.elapsed_time(b) / 1000.0
 
 
-def loop_split(decode_s: float, ahead: MarkedAhead) -> dict:
+def loop_split(decode_s: float, marked: Marks) -> dict:
     """One generation's decode seconds in parts that sum to it: ``steps`` (the device running
     the queued steps, each with its output's copy to the host), ``gap behind`` (idle between a
     step and one queued behind it: the host was late to queue), ``gap serial`` (idle before a
@@ -120,13 +127,13 @@ def loop_split(decode_s: float, ahead: MarkedAhead) -> dict:
     step's end to the clock's stop, the host's reading and emitting it). ``first``: the first
     step's own seconds (a step graph slower right after another config's shows there, not in
     a back-to-back replay)."""
-    marks = ahead.marks
+    marks = marked.steps
     steps = sum(_seconds(a, b) for a, b, _ in marks)
     gaps = {True: 0.0, False: 0.0}
     for (_, prev_end, _), (start, _, behind) in zip(marks, marks[1:]):
         gaps[behind] += _seconds(prev_end, start)
-    to_first = _seconds(ahead.made, marks[0][0]) if marks else 0.0
-    span = _seconds(ahead.made, marks[-1][1]) if marks else 0.0
+    to_first = _seconds(marked.made, marks[0][0]) if marks else 0.0
+    span = _seconds(marked.made, marks[-1][1]) if marks else 0.0
     return {"steps": steps, "gap behind": gaps[True], "gap serial": gaps[False],
             "to first": to_first, "after": decode_s - span, "n": len(marks),
             "first": _seconds(*marks[0][:2]) if marks else 0.0,

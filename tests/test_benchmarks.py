@@ -84,6 +84,7 @@ def test_loop_split_accounts_for_every_step_of_the_graph_loops(monkeypatch):
     step the loop queued, as many as the generation's iterations (nothing past max_tokens),
     a baseline that never waits for the host (one token a step: the end is known ahead), the
     parts summing to the decode time, none negative."""
+    import gc
     from speccheck.corpus import load_corpus
     from speccheck.engines.reference import graphs
     from speccheck.engines.reference.engine import ReferenceEngine
@@ -100,10 +101,10 @@ def test_loop_split_accounts_for_every_step_of_the_graph_loops(monkeypatch):
     for config in (SpecConfig(), SpecConfig("dflash2", 3), SpecConfig("mtp", 2)):
         got = e.generate([p], [ids], config, 5)[0]
         assert got.finish_reason == "length"
-        ahead = bench.MarkedAhead.generations[-1]
-        parts = bench.loop_split(got.decode_s, ahead)
+        marked = bench.MarkedAhead.generations[-1]
+        parts = bench.loop_split(got.decode_s, marked)
         steps = got.n_tokens - 1 if config.is_baseline else got.spec.drafts
-        assert parts["n"] == steps == len(ahead.marks), config.name
+        assert parts["n"] == steps == len(marked.steps), config.name
         names = ("steps", "gap behind", "gap serial", "to first", "after")
         assert min(parts[k] for k in names) >= 0
         assert abs(sum(parts[k] for k in names) - got.decode_s) < 1e-6
@@ -111,3 +112,6 @@ def test_loop_split_accounts_for_every_step_of_the_graph_loops(monkeypatch):
         if config.is_baseline:
             assert parts["serial"] == 0 and parts["gap serial"] == 0.0
     assert len(bench.MarkedAhead.generations) == 3
+    # only the marks outlive a generation (a queue kept keeps its pinned host buffers)
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) is bench.MarkedAhead]
