@@ -7,8 +7,9 @@ class real engines shipped) runs on a small corpus, is stored and judged exactly
 check: a self-test whose clean run fails proves nothing.
 
 Cheap enough for CI: the weights load once (faults are code paths, ``with_args``), the clean
-baseline runs once per corpus and is shared by every fault's suite on it (no fault touches the
-baseline path's output), only the determinism fault repeats, only the batch fault runs the
+baseline runs once per corpus and is shared by every fault's suite on it (no fault changes a
+baseline request on its own; the prefix-cache one only after a speculative request of the same
+prompt), only the determinism and prefix-cache faults repeat, only the batch fault runs the
 corpus all at once, and there is no kernel attribution.
 
 The reference engine is the one engine with planted faults, so this module names it.
@@ -88,6 +89,9 @@ CASES: tuple[Case, ...] = (
     # the case runs MTP whatever --method says.
     Case("state-precision", "numeric drift: precision lost in the state carried between "
          "verify steps", "logprobs_consistent", method="mtp", corpus="code"),
+    # the first request of a prompt fills the prefix cache and is right; the repeat hits it
+    Case("prefix-cache-overreach", "prefix caching x spec decode: a prefix hit reuses hybrid "
+         "state past the prompt (vLLM #43559, #43650, #53912)", "deterministic", repeats=2),
 )
 
 

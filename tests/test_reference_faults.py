@@ -167,3 +167,25 @@ def test_batch_fault_needs_a_batch(engine, corpus, baseline):
 
 def test_every_fault_documents_the_bug_it_models():
     assert all(doc and len(doc) < 300 for doc in FAULTS.values())
+
+
+def test_prefix_cache_overreach_corrupts_the_next_request_of_the_prompt(engine, corpus, baseline):
+    """The first speculative request of a prompt decodes as the clean engine's (it filled the
+    prefix cache); its repeat, a prefix hit, starts from the state the first one ended at and
+    decodes otherwise; with the prefix cache off there is nothing to reuse, and the clean
+    engine's repeat is its first request bit for bit."""
+    ps, ids = corpus
+    mtp = SpecConfig("mtp", 3)
+    faulty = engine.with_args(fault="prefix-cache-overreach")
+    first = faulty.generate(ps, ids, mtp, 5)
+    again = faulty.generate(ps, ids, mtp, 5)
+    clean = engine.with_args()
+    want = clean.generate(ps, ids, mtp, 5)
+    assert [c.token_ids.tolist() for c in first] == [c.token_ids.tolist() for c in want]
+    assert [c.token_ids.tolist() for c in clean.generate(ps, ids, mtp, 5)] == \
+        [c.token_ids.tolist() for c in want]
+    moved = sum(a.token_ids.tolist() != b.token_ids.tolist() for a, b in zip(again, first))
+    assert moved >= len(ps) // 2, moved
+    off = faulty.with_args(prefix_cache="off")
+    runs = [off.generate(ps, ids, mtp, 5) for _ in range(2)]
+    assert [c.token_ids.tolist() for c in runs[1]] == [c.token_ids.tolist() for c in want]

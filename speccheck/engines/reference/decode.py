@@ -60,6 +60,10 @@ FAULTS = {
     "state-precision": "the GDN recurrent state carried from one verify step to the next keeps "
                        "4 mantissa bits, an fp8 (e4m3) state cache's precision, range kept "
                        "(precision loss: flips mostly near-ties, moves every logprob)",
+    "prefix-cache-overreach": "a prompt's prefill kept for reuse takes the GDN and conv state its "
+                              "speculative generation ended at: the next request for that prompt "
+                              "reuses hybrid state past the prompt (vLLM #43559, #43650, #53912; "
+                              "one request at a time, prefix_cache on)",
 }
 
 
@@ -449,7 +453,17 @@ class Decoder:
                 self._draft_select(bstate, still)
             live = [live[j] for j in still]
         t2, c2 = time.perf_counter(), time.process_time()
+        if fault == "prefix-cache-overreach" and B == 1:
+            self._keep_state_past_the_prompt(prompts[0], cache)
         return self._generations(prompts, outs, counters, iterations, t0, t1, t2, c2 - c1)
+
+    def _keep_state_past_the_prompt(self, prompt, cache: Cache) -> None:
+        """(fault prefix-cache-overreach) The prompt's kept prefill takes the GDN and conv
+        state this generation ended at; its K/V and length stay the prompt's."""
+        kept = self._prefilled.get(tuple(prompt))
+        if kept is not None:
+            kept[0].gdn = [None if s is None else s.clone() for s in cache.gdn]
+            kept[0].conv = [None if s is None else s.clone() for s in cache.conv]
 
     def _verify_step(self, cache, live, x, tokens, outs, iterations, counters, draft_all, pending,
                      verified, k, aux_ids, conv_history, top_k) -> None:
