@@ -89,6 +89,9 @@ CASES: tuple[Case, ...] = (
     # the case runs MTP whatever --method says.
     Case("state-precision", "numeric drift: precision lost in the state carried between "
          "verify steps", "logprobs_consistent", method="mtp", corpus="code"),
+    Case("conv-block-boundary", "hybrid state: conv state written token-indexed into the "
+         "wrong cache block, stale across block boundaries (vLLM #53229)",
+         "divergences_are_low_confidence"),
     # the first request of a prompt fills the prefix cache and is right; the repeat hits it
     Case("prefix-cache-overreach", "prefix caching x spec decode: a prefix hit reuses hybrid "
          "state past the prompt (vLLM #43559, #43650, #53912)", "deterministic", repeats=2),

@@ -189,3 +189,24 @@ def test_prefix_cache_overreach_corrupts_the_next_request_of_the_prompt(engine, 
     off = faulty.with_args(prefix_cache="off")
     runs = [off.generate(ps, ids, mtp, 5) for _ in range(2)]
     assert [c.token_ids.tolist() for c in runs[1]] == [c.token_ids.tolist() for c in want]
+
+
+def test_conv_block_boundary_acts_only_across_a_block(engine, corpus, baseline):
+    """In equal numerics the faulted speculative output is the baseline's until a verify step
+    has crossed a 16-position block (the stale window is read from the next step on), and it
+    departs from it on most prompts after that."""
+    from speccheck.engines.reference.decode import CONV_BLOCK
+
+    ps, ids = corpus
+    got = engine.with_args(fault="conv-block-boundary").generate(ps, ids, SpecConfig("mtp", 3), 5)
+    departed = 0
+    for p_ids, g, b in zip(ids, got, baseline):
+        g, b = g.token_ids.tolist(), b.token_ids.tolist()
+        first = next((i for i, (x, y) in enumerate(zip(g, b)) if x != y), None)
+        if first is None:
+            continue
+        departed += 1
+        # the cache holds the prompt and all generated tokens but the last: position of token i
+        # is len(prompt) + i; a crossing step's own tokens are still right
+        assert len(p_ids) + first > (len(p_ids) // CONV_BLOCK + 1) * CONV_BLOCK - 1, (first, len(p_ids))
+    assert departed >= len(ps) // 2
