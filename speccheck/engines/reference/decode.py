@@ -62,7 +62,7 @@ FAULTS = {
                        "(precision loss: flips mostly near-ties, moves every logprob)",
     "conv-block-boundary": "a verify step whose kept positions cross a 16-position cache block "
                            "keeps the conv state from before the step (written token-indexed "
-                           "into the wrong block: vLLM #53229; rare and position-dependent)",
+                           "into the wrong block: vLLM #53229; only steps across a block)",
     "prefix-cache-overreach": "a prompt's prefill kept for reuse takes the GDN and conv state its "
                               "speculative generation ended at: the next request for that prompt "
                               "reuses hybrid state past the prompt (vLLM #43559, #43650, #53912; "
@@ -521,15 +521,15 @@ class Decoder:
         state_keep = ([min(n, conv_history) for n in kept]
                       if fault == "accepted-clamped-to-conv" else None)
         one_kernel = fault == "decode-kernel-verify"  # it wrote only the final state
-        conv_before = list(cache.conv)
+        conv_before = list(cache.conv) if fault == "conv-block-boundary" else None
         cache.commit(kept if cache.lengths is not None else kept[0],  # a batch: per sequence
                      roll_back_gdn=fault != "stale-state" and not one_kernel,
                      roll_back_conv=fault != "conv-not-rolled-back" and not one_kernel,
                      state_keep=state_keep, alias_first=fault == "batch-aliases-seq0")
         if fault == "state-precision":  # planted: the carried state loses precision
             cache.gdn = [None if s is None else round_mantissa(s, 4) for s in cache.gdn]
-        if fault == "conv-block-boundary":  # planted: a step across a block keeps a stale window
-            crossed = [j for j, b in enumerate(live)
+        if conv_before is not None:  # planted: a step across a block keeps a stale window
+            crossed = [j for j, b in enumerate(live)  # (cache length before vs after the step)
                        if (len(tokens[b]) - kept[j] - 1) // CONV_BLOCK
                        != (len(tokens[b]) - 1) // CONV_BLOCK]
             for i, old in enumerate(conv_before):
