@@ -6,7 +6,8 @@
 #       steps): baseline, MTP K=3, DFlash K=7, DFlash2 K=6,7, 3 rounds, prompt by prompt and
 #       config by config (--order both), with the loop split (where each config's decode time
 #       goes: the steps, the gaps between them, per generation) and each step graph's GPU time.
-#       About 4 minutes. BENCH_ARGS replaces the config list.
+#       About 4 minutes. BENCH_ARGS replaces the config list; SPLIT=0 leaves the split's timing
+#       events out (the run to quote: they add a few µs of host work a step).
 #   bash scripts/h200_speed.sh train   the DFlash2 drafter trained further against the frozen
 #       target (warm start from the shipped one, every weight, MINUTES of steps, default 5), its
 #       acceptance probe, then dflash2.safetensors to $OUT; with BENCH=1 also the bench of
@@ -26,7 +27,9 @@ FAST=${FAST:-"--engine-arg device=cuda --engine-arg gdn_decode=fused --engine-ar
 bench() {  # bench LOG [config args]
   local log=$1; shift
   # shellcheck disable=SC2086
-  timeout 560 python3 benchmarks/bench_reference.py $FAST --repeats 3 --order both --loop-split \
+  local split=--loop-split
+  [ "${SPLIT:-1}" = 0 ] && split=
+  timeout 560 python3 benchmarks/bench_reference.py $FAST --repeats 3 --order both $split \
     "$@" > "$OUT/$log" 2>&1 || echo "bench exit $?" >> "$OUT/$log"
   grep -v "^    \|[Ww]arn" "$OUT/$log" | tail -60 || true
 }
