@@ -614,6 +614,10 @@ def _golden_check_print(s, result, golden_dir, policy_file, settings) -> bool:
         if r.acceptance is not None and r.config in chk.acceptance:
             click.echo(f"    {r.config}: {r.acceptance.tokens_per_iter:.2f} tokens/iter "
                        f"(golden {chk.acceptance[r.config]:.2f})")
+    if chk.checks is not None:
+        changed = g.check_changes(chk.checks, result)
+        click.echo(f"    checks against the golden's: {len(changed)} changed state"
+                   + "".join(f"\n      {line}" for line in changed))
     return chk.passed
 
 
@@ -652,7 +656,8 @@ def compare(config_names, suite, store_dir, other_store, other_suite, policy_fil
     suites, compared stream by stream, classified like any divergence, and attributed to what
     differs between the suites' identities (TP size, GPU model, engine version, ...) where each
     side's stored rescoring reproduces its own token (exit 1 on high-confidence)."""
-    from speccheck.evaluate import changes_str, compare_suites
+    from speccheck.compare import compare_suites
+    from speccheck.identity import changes_str
     from speccheck.report import divergence_line
 
     a, b = _suite(store_dir, suite), _suite(other_store, other_suite)

@@ -5,7 +5,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Sequence
 
-from speccheck.evaluate import SuiteResult
+from speccheck.checks import get
+from speccheck.results import SuiteResult
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_ENGINE, EXIT_INTERNAL = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130  # Ctrl-C, the shell convention (128 + SIGINT)
@@ -46,6 +47,13 @@ def gate_text(result: SuiteResult, unmet: Sequence[str] = ()) -> str:
     return "\n".join(lines)
 
 
+def _spec(name: str):
+    try:
+        return get(name)
+    except KeyError:
+        return None
+
+
 def write_junit(result: SuiteResult, path: Path) -> None:
     """One testsuite per suite, one testcase per (config, check): CI systems render it."""
     cases = [(r.config, c) for r in result.configs for c in r.checks]
@@ -54,6 +62,11 @@ def write_junit(result: SuiteResult, path: Path) -> None:
                        skipped=str(sum(1 for _, c in cases if c.skipped)))
     for config, c in cases:
         case = ET.SubElement(suite, "testcase", classname=f"speccheck.{config}", name=f"{c.name}[{config}]")
+        spec = _spec(c.name)
+        if spec is not None:  # what the check means and guards, as pytest's record_property writes it
+            props = ET.SubElement(case, "properties")
+            ET.SubElement(props, "property", name="description", value=spec.description)
+            ET.SubElement(props, "property", name="guards", value=spec.guards)
         if c.skipped:
             ET.SubElement(case, "skipped", message=c.message.splitlines()[0])
         elif not c.passed:

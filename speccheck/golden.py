@@ -12,8 +12,11 @@ from pathlib import Path
 import numpy as np
 
 from speccheck.engines import RUN_ONLY_ARGS
-from speccheck.evaluate import (Comparison, SuiteResult, compare_runs, kernel_noise_sample,
-                                per_prompt_acceptance, spec_delta_sample)
+from speccheck.checks import get as get_check
+from speccheck.compare import Comparison, compare_runs
+from speccheck.evaluate import per_prompt_acceptance
+from speccheck.evidence import kernel_noise_sample, spec_delta_sample
+from speccheck.results import SuiteResult
 from speccheck.store import Suite, read_run
 from speccheck.types import RunRecord
 from speccheck.verify import DriftTest, calibrate_thresholds, drift_test, summarize
@@ -116,12 +119,39 @@ def record(suite: Suite, result: SuiteResult, root: Path, force: bool = False) -
             "identity": base.identity, "fingerprint": _fingerprint(base.identity, base.corpus_hash),
             "numerics": _numerics(base.identity),
             "noise": result.noise, "acceptance": acceptance,
+            "checks": check_states(result),
             "logprob_noise": {k: summarize(v).to_dict() for k, v in samples.items()}}
     (tmp / "golden.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
     if target.exists():
         shutil.rmtree(target)
     tmp.rename(target)
     return target
+
+
+def _state(c) -> str:
+    return "skip" if c.skipped else ("pass" if c.passed else "fail")
+
+
+def check_states(result: SuiteResult) -> dict[str, dict[str, str]]:
+    """Per config, every registered check's state (pass / fail / skip): what the golden keeps
+    so that a later check shows what changed against the run it was recorded from."""
+    return {r.config: {c.name: _state(c) for c in r.checks} for r in result.configs}
+
+
+def check_changes(recorded: dict[str, dict[str, str]], result: SuiteResult) -> list[str]:
+    """One line per (config, check) whose state differs from the golden's, with what the check
+    guards; a check the golden predates is named as new."""
+    out = []
+    for r in result.configs:
+        then = recorded.get(r.config)
+        if then is None:
+            continue
+        for c in r.checks:
+            now, was = _state(c), then.get(c.name, "new")
+            if now != was:
+                out.append(f"{r.config} {c.name}: {was} in the golden, {now} today "
+                           f"({get_check(c.name).description})")
+    return out
 
 
 @dataclass
@@ -133,6 +163,8 @@ class GoldenCheck:
     platform_changes: tuple[str, ...] = ()
     #: today's kernel-path noise against the golden's (None: the golden has no noise sample)
     noise_drift: DriftTest | None = None
+    #: per config, each check's state when the golden was recorded (empty: recorded before)
+    checks: dict[str, dict[str, str]] | None = None
 
     @property
     def passed(self) -> bool:
@@ -185,7 +217,8 @@ def check(suite: Suite, root: Path, noise: float, policy, detok=None) -> GoldenC
     drift = (drift_test(kernel_noise_sample(suite), samples[KERNEL_PATH], policy.max_logprob_drift,
                         policy.logprob_drift_alpha) if KERNEL_PATH in samples else None)
     return GoldenCheck(path, compare_runs(gold, today, tau_tie, tau_low, noise, detok), acceptance,
-                       tuple(identity_changes(gold.identity, today.identity, PLATFORM_KEYS)), drift)
+                       tuple(identity_changes(gold.identity, today.identity, PLATFORM_KEYS)), drift,
+                       meta.get("checks"))
 
 
 def _noise_samples(path: Path) -> dict[str, np.ndarray]:

@@ -1,4 +1,5 @@
-"""pytest plugin: the gate as tests, one per (check, config), e.g. ``test_deterministic[mtp-k7]``.
+"""pytest plugin: the gate as tests, one per (check, config), e.g. ``test_deterministic[mtp-k7]``,
+generated from the check registry (speccheck/checks/): a new check is a new test.
 
 Registered through the ``pytest11`` entry point (and loaded by the repo's conftest.py). It adds
 the ``spec`` marker and ``--spec-*`` options; the matrix runs once per session into the store
@@ -15,13 +16,8 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["test_deterministic", "test_batch_invariant", "test_concurrent_identical",
-           "test_agrees_with_baseline", "test_divergences_are_low_confidence", "test_logprobs_consistent",
-           "test_same_stopping", "test_counters_consistent", "test_acceptance_deterministic",
-           "test_acceptance_not_regressed", "test_baseline_matches_golden"]
+from speccheck.checks import registry
 
-#: generated for the baseline too (the others compare a spec config with the baseline)
-_ALL_CONFIGS = ("test_deterministic", "test_batch_invariant", "test_concurrent_identical")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -90,7 +86,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "spec_config" not in metafunc.fixturenames:
         return
     names = _config_names(metafunc.config)
-    if metafunc.function.__name__ not in _ALL_CONFIGS:
+    if not getattr(metafunc.function, "applies_to_baseline", False):
         names = [n for n in names if n != "baseline"]
     metafunc.parametrize("spec_config", names, ids=names)
 
@@ -135,68 +131,21 @@ def _assert_check(spec_result, config: str, check: str) -> None:
     assert c.passed, f"{check} failed for {config}: {c.message}"
 
 
-@pytest.mark.spec
-def test_deterministic(spec_result, spec_config):
-    """Every repeat of the config (in-process and fresh-process) is identical token for token."""
-    _assert_check(spec_result, spec_config, "ran")
-    _assert_check(spec_result, spec_config, "deterministic")
+def _check_test(spec):
+    """``test_<check>[<config>]``: one registered check on one config, its description as docs."""
+    @pytest.mark.spec
+    def test(spec_result, spec_config):
+        _assert_check(spec_result, spec_config, spec.name)
+
+    test.__name__ = test.__qualname__ = f"test_{spec.name}"
+    test.__doc__ = spec.description
+    test.applies_to_baseline = spec.baseline
+    return test
 
 
-@pytest.mark.spec
-def test_batch_invariant(spec_result, spec_config):
-    """Each prompt inside a batch of all the others gives its tokens alone (up to classified
-    near-ties, unless the policy asks for exact batch invariance); --spec-concurrent 0 skips."""
-    _assert_check(spec_result, spec_config, "batch_invariant")
-
-
-@pytest.mark.spec
-def test_concurrent_identical(spec_result, spec_config):
-    """N identical requests in flight together get one completion; --spec-concurrent 0 skips."""
-    _assert_check(spec_result, spec_config, "concurrent_identical")
-
-
-@pytest.mark.spec
-def test_agrees_with_baseline(spec_result, spec_config):
-    """Teacher-forced token agreement (and any other agreement floor the policy sets)."""
-    _assert_check(spec_result, spec_config, "agrees_with_baseline")
-
-
-@pytest.mark.spec
-def test_divergences_are_low_confidence(spec_result, spec_config):
-    """Every disagreement with the baseline is a classified near-tie or low-confidence flip."""
-    _assert_check(spec_result, spec_config, "divergences_are_low_confidence")
-
-
-@pytest.mark.spec
-def test_logprobs_consistent(spec_result, spec_config):
-    """Where spec and baseline chose the same token, the reported logprobs match up to path
-    noise: one by one, as a distribution, and in the flips they cause."""
-    _assert_check(spec_result, spec_config, "logprobs_consistent")
-
-
-@pytest.mark.spec
-def test_same_stopping(spec_result, spec_config):
-    """Each output stops where the baseline's does (nothing past max_tokens or end-of-sequence),
-    unless a tolerated flip earlier in that prompt moved the stop."""
-    _assert_check(spec_result, spec_config, "same_stopping")
-
-
-@pytest.mark.spec
-def test_counters_consistent(spec_result, spec_config):
-    """The spec counters agree with each other and with the tokens emitted per iteration."""
-    _assert_check(spec_result, spec_config, "counters_consistent")
-
-
-@pytest.mark.spec
-def test_acceptance_deterministic(spec_result, spec_config):
-    """The spec counters repeat run to run (skipped unless require_deterministic_acceptance)."""
-    _assert_check(spec_result, spec_config, "acceptance_deterministic")
-
-
-@pytest.mark.spec
-def test_acceptance_not_regressed(spec_result, spec_config):
-    """The config really speculates and its tokens per iteration hold up (vs golden, if any)."""
-    _assert_check(spec_result, spec_config, "acceptance_not_regressed")
+for _spec in registry():
+    globals()[f"test_{_spec.name}"] = _check_test(_spec)
+__all__ = [f"test_{s.name}" for s in registry()] + ["test_baseline_matches_golden"]
 
 
 @pytest.mark.spec

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from speccheck.evaluate import ConfigResult, SuiteResult
+from speccheck.checks import registry
+from speccheck.results import ConfigResult, SuiteResult
 from speccheck.types import SpecConfig
 from speccheck.verify import END, Divergence, SpeedupModel
 
@@ -90,13 +91,23 @@ def noise_str(result: SuiteResult) -> str:
     return f"path noise {result.noise:.4f} nats -> {taus}"
 
 
-def counters_str(r: ConfigResult) -> str:
-    """The counters_consistent and acceptance_deterministic figures on one line."""
-    text = r.check("counters_consistent").message.splitlines()[0]
-    if r.acceptance_identical is not None:
-        text += (" · acceptance identical run to run" if r.acceptance_identical else
-                 f" · acceptance DIFFERS run to run ({len(r.acceptance_nondeterminism)} prompt(s))")
-    return text
+def check_rows(r: ConfigResult, detok=None) -> list[str]:
+    """One row per check that has a diff label, in registry order: ``label   figures``."""
+    out = []
+    for spec in registry():
+        if spec.label is None or not spec.applies_to(r.config):
+            continue
+        c = r.check(spec.name)
+        lines = spec.diff_row(r, c).splitlines() or [""]
+        out.append(f"  {spec.label:<13} {lines[0]}" if spec.label else f"{'':15} {lines[0]}")
+        out += [f"{'':15} {x}" for x in lines[1:]]
+        if spec.name == "divergences_are_low_confidence":
+            attr = {(a["prompt_id"], a["position"]): a for a in r.attribution}
+            out += ["    " + divergence_line(d, detok, attr.get((d.prompt_id, d.position)))
+                    for d in r.divergences]
+        elif spec.name == "same_stopping":
+            out += ["    " + b.describe() for b in r.boundaries]
+    return out
 
 
 def diff_text(result: SuiteResult, detok=None) -> str:
@@ -106,34 +117,7 @@ def diff_text(result: SuiteResult, detok=None) -> str:
         out.append(f"{r.config}  —  {r.verdict.upper()}")
         if r.failed_runs:
             out.append("  engine failure  " + "; ".join(r.failed_runs))
-        out.append(f"  determinism   {r.check('deterministic').message}")
-        if r.together is not None:
-            out.append(f"  all at once   {r.check('batch_invariant').message}")
-            out.append(f"                {r.check('concurrent_identical').message}")
-        if r.config != "baseline":
-            out.append(f"  agreement     {r.prompts_exact}/{r.prompts} prompts exact · prefix "
-                       f"{_pct(r.prefix_agreement)} · teacher-forced {_pct(r.token_agreement)} · "
-                       f"text {_pct(r.text_similarity)}")
-            agree = r.check("agrees_with_baseline")
-            if agree.passed and "within chance" in agree.message:
-                out.append(f"                {agree.message.split('; ', 1)[1]}")
-            cc = r.class_counts
-            out.append(f"  divergences   {len(r.divergences)} first, {len(r.tf_divergences)} teacher-forced "
-                       f"(near_tie {cc.get('near_tie', 0)}, low_confidence {cc.get('low_confidence', 0)}, "
-                       f"high_confidence {cc.get('high_confidence', 0)})")
-            attr = {(a["prompt_id"], a["position"]): a for a in r.attribution}
-            for d in r.divergences:
-                out.append("    " + divergence_line(d, detok, attr.get((d.prompt_id, d.position))))
-            out.append(f"  stopping      {r.check('same_stopping').message.splitlines()[0]}")
-            for b in r.boundaries:
-                out.append("    " + b.describe())
-            out.append(f"  counters      {counters_str(r)}")
-            if r.logprobs is not None:
-                out.append(f"  logprobs      {r.check('logprobs_consistent').message.splitlines()[0]}")
-            if r.acceptance is not None:
-                out.append(f"  acceptance    {r.acceptance.tokens_per_iter:.2f} tokens/iter · "
-                           f"rate {_pct(r.acceptance.acceptance_rate, 1)} · per position {acceptance_str(r, 16)}"
-                           + (f" · golden {r.golden_tokens_per_iter:.2f}" if r.golden_tokens_per_iter else ""))
+        out += check_rows(r, detok)
         sp = r.speed
         out.append(f"  speed         warm {_num(sp.warm_tok_s)} tok/s"
                    + (f" ({sp.speedup:.2f}x baseline)" if sp.speedup else "")

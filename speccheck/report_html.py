@@ -13,7 +13,9 @@ import re
 from html import escape
 from pathlib import Path
 
-from speccheck.evaluate import ConfigResult, SuiteResult
+from speccheck.checks import get as get_check
+from speccheck.checks import registry
+from speccheck.results import ConfigResult, SuiteResult
 from speccheck.report import (acceptance_str, attribution_str, best_configs, determinism_str,
                               recommendation_line, speedup_table)
 from speccheck.svgplot import PALETTE, StripPoint, heat_grid, line_plot, log_strip
@@ -377,13 +379,28 @@ def checks_section(result: SuiteResult) -> str:
             cfg = (f"<td rowspan='{len(checks)}'><b>{_e(r.config)}</b><br>{_chip(r.verdict)}</td>"
                    if i == 0 else "")
             out.append(f"<tr class='check' data-config='{_e(r.config)}' data-check='{_e(c.name)}'>{cfg}"
-                       f"<td>{_e(c.name)}</td><td>{_chip(_check_state(c))}</td>"
+                       f"<td title='{_e(_description(c.name))}'>{_e(c.name)}</td><td>{_chip(_check_state(c))}</td>"
                        f"<td><pre class='msg'>{_e(c.message)}</pre></td></tr>")
         if not checks:
             out.append(f"<tr class='check' data-config='{_e(r.config)}'><td><b>{_e(r.config)}</b></td>"
                        f"<td colspan='3'>no checks evaluated</td></tr>")
     out.append("</table>")
-    return "\n".join(out)
+    return "\n".join(out) + checks_legend()
+
+
+def _description(name: str) -> str:
+    try:
+        return get_check(name).description
+    except KeyError:
+        return ""
+
+
+def checks_legend() -> str:
+    """What each registered check means and which bug class it guards."""
+    rows = "".join(f"<tr><td><code>{_e(s.name)}</code></td><td>{_e(s.description)}</td>"
+                   f"<td>{_e(s.guards)}</td></tr>" for s in registry())
+    return ("<details class='legend'><summary>what each check means</summary><table class='checks'>"
+            f"<tr><th>check</th><th>passes when</th><th>guards against</th></tr>{rows}</table></details>")
 
 
 def _flat(items, prefix: str = ""):

@@ -4,7 +4,8 @@ fail; strict mode fails any split; where the baseline splits too, the report say
 not batch-invariant at ties and a spec config is judged against that."""
 import numpy as np
 
-from speccheck.evaluate import NOT_INVARIANT, evaluate_suite
+from speccheck.checks._text import NOT_INVARIANT
+from speccheck.evaluate import evaluate_suite
 from speccheck.gate import exit_code
 from speccheck.policy import Policy
 from speccheck.report import diff_text, markdown_report

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from speccheck.cli import main
-from speccheck.evaluate import Check, ConfigResult, Speed, SuiteResult, Together
+from speccheck.results import Check, ConfigResult, Speed, SuiteResult, Together
 from speccheck.report_html import html_report, method_and_k, ordered
 from speccheck.store import Store
 from speccheck.svgplot import StripPoint, heat_grid, line_plot, log_strip, nice_ticks

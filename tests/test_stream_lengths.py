@@ -10,8 +10,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speccheck.evaluate import (compare_runs, decoded_context, evaluate_config, measure_noise,
-                                together_result)
+from speccheck.compare import compare_runs, decoded_context, together_result
+from speccheck.evaluate import evaluate_config
+from speccheck.evidence import measure_noise
 from speccheck.policy import Policy
 from speccheck.store import Store
 from speccheck.types import Completion, RunRecord, Scored, SpecConfig, SpecCounters

@@ -31,7 +31,8 @@ from speccheck.engines.base import EngineUsageError
 from speccheck.engines.vllm import (VllmEngine, completion_from_dict, model_heads, parallel_problem,
                                     tp_fits)
 from speccheck.engines.vllm_worker import format_nccl_version, gpu_links, parallel_facts
-from speccheck.evaluate import (attribute_across, changes_cause, compare_suites, identity_changes)
+from speccheck.compare import attribute_across, compare_suites
+from speccheck.identity import changes_cause, identity_changes
 from speccheck.policy import Policy
 from speccheck.runner import RunPlan, plan_suite_id
 from speccheck.store import Store

@@ -1,0 +1,68 @@
+"""agrees_with_baseline: the spec config's tokens are the baseline's, as a sample."""
+from __future__ import annotations
+
+from speccheck.checks._evidence import COMPARED, RESCORED
+from speccheck.checks._text import pct
+from speccheck.checks.registry import CheckSpec, PolicyKey
+from speccheck.results import Check, ConfigResult
+from speccheck.verify import below_floor_p
+
+POLICY = (
+    PolicyKey("min_token_agreement", 0.98,
+              "share of spec tokens equal to the baseline's teacher-forced argmax (the '99.6 %' "
+              "figure)", hi=1.0),
+    PolicyKey("agreement_alpha", 0.05,
+              "... judged as a sample: a share below the floor fails when a rate at the floor would "
+              "give so few agreements with one-sided binomial p < this (1 = a plain floor). Two "
+              "near-tie flips in the 61 tokens of `smoke` (96.7 %) are within chance of a 98 % rate "
+              "(p 0.35); 96.7 % over 1000 tokens is not (p 4e-3)."),
+    PolicyKey("min_prefix_agreement", 0.0,
+              "share of tokens matched before the first divergence, summed over prompts "
+              "(0 = report only)", hi=1.0),
+    PolicyKey("min_text_similarity", 0.0,
+              "mean text similarity of spec vs baseline outputs (0 = report only)", hi=1.0),
+)
+
+
+def judge(r: ConfigResult, p) -> Check:
+    fail, within_chance = [], ""
+    if r.token_agreement is not None and r.token_agreement < p.min_token_agreement:
+        n = r.token_agreement_n
+        pval = below_floor_p(round(r.token_agreement * n), n, p.min_token_agreement) if n else 0.0
+        if pval < p.agreement_alpha:
+            fail.append(f"teacher-forced token agreement {r.token_agreement:.2%} < "
+                        f"{p.min_token_agreement:.2%} over {n} tokens (binomial p {pval:.2g})")
+        else:
+            within_chance = (f"; {r.token_agreement:.2%} is below {p.min_token_agreement:.2%} but "
+                             f"within chance of it over {n} tokens (binomial p {pval:.2g} >= "
+                             f"{p.agreement_alpha:g})")
+    if r.prefix_agreement is not None and r.prefix_agreement < p.min_prefix_agreement:
+        fail.append(f"prefix agreement {r.prefix_agreement:.2%} < {p.min_prefix_agreement:.2%}")
+    if r.text_similarity is not None and r.text_similarity < p.min_text_similarity:
+        fail.append(f"text similarity {r.text_similarity:.2%} < {p.min_text_similarity:.2%}")
+    figures = (f"{r.prompts_exact}/{r.prompts} prompts exact, prefix "
+               f"{pct(r.prefix_agreement)}, teacher-forced {pct(r.token_agreement)}, "
+               f"text {pct(r.text_similarity)}")
+    return Check("agrees_with_baseline", not fail,
+                 figures + within_chance if not fail else "; ".join(fail) + f" ({figures})")
+
+
+def row(r: ConfigResult, c: Check) -> str:
+    text = (f"{r.prompts_exact}/{r.prompts} prompts exact · prefix {_pct2(r.prefix_agreement)} · "
+            f"teacher-forced {_pct2(r.token_agreement)} · text {_pct2(r.text_similarity)}")
+    if c.passed and "within chance" in c.message:
+        text += "\n" + c.message.split("; ", 1)[1]
+    return text
+
+
+def _pct2(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f} %"
+
+
+CHECK = CheckSpec(
+    name="agrees_with_baseline", label="agreement", order=50, judge=judge, row=row, policy=POLICY,
+    needs=(COMPARED, RESCORED),
+    guards="any bug that changes outputs often: a wrong verify, a wrong state after rejection",
+    description="Teacher-forced, the spec tokens are the baseline's argmax on at least "
+                "min_token_agreement of positions (judged as a binomial sample), and the prefix "
+                "and text floors the policy sets hold.")
