@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speccheck.engines import RUN_ONLY_ARGS
+from speccheck.config import RUN_ONLY_ARGS
 from speccheck.checks import get as get_check
 from speccheck.compare import Comparison, compare_runs
 from speccheck.evaluate import per_prompt_acceptance
@@ -140,17 +140,18 @@ def check_states(result: SuiteResult) -> dict[str, dict[str, str]]:
 
 def check_changes(recorded: dict[str, dict[str, str]], result: SuiteResult) -> list[str]:
     """One line per (config, check) whose state differs from the golden's, with what the check
-    guards; a check the golden predates is named as new."""
+    means; a check the golden predates is named only where it fails."""
     out = []
     for r in result.configs:
         then = recorded.get(r.config)
         if then is None:
             continue
         for c in r.checks:
-            now, was = _state(c), then.get(c.name, "new")
-            if now != was:
-                out.append(f"{r.config} {c.name}: {was} in the golden, {now} today "
-                           f"({get_check(c.name).description})")
+            now, was = _state(c), then.get(c.name)
+            if now == was or (was is None and now != "fail"):  # a newer check that passes: news to no one
+                continue
+            then_text = "not in the golden (a newer check)" if was is None else f"{was} in the golden"
+            out.append(f"{r.config} {c.name}: {then_text}, {now} today ({get_check(c.name).description})")
     return out
 
 

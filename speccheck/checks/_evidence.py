@@ -1,7 +1,7 @@
 """Evidence several checks need, each with the one message its absence fails with."""
 from __future__ import annotations
 
-from speccheck.checks.registry import Evidence
+from speccheck.checks import Evidence
 from speccheck.evidence import RESUME
 
 COMPARED = Evidence(

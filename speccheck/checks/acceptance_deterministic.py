@@ -1,7 +1,7 @@
 """acceptance_deterministic: the spec counters repeat run to run."""
 from __future__ import annotations
 
-from speccheck.checks.registry import CheckSpec, PolicyKey
+from speccheck.checks import CheckSpec, PolicyKey
 from speccheck.results import Check, ConfigResult
 
 POLICY = (

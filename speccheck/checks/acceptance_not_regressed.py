@@ -1,7 +1,7 @@
 """acceptance_not_regressed: the config really speculates, and its acceptance holds up."""
 from __future__ import annotations
 
-from speccheck.checks.registry import CheckSpec, PolicyKey
+from speccheck.checks import CheckSpec, PolicyKey
 from speccheck.results import Check, ConfigResult
 
 POLICY = (

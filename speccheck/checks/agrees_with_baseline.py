@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from speccheck.checks._evidence import COMPARED, RESCORED
 from speccheck.checks._text import pct
-from speccheck.checks.registry import CheckSpec, PolicyKey
+from speccheck.checks import CheckSpec, PolicyKey
 from speccheck.results import Check, ConfigResult
 from speccheck.verify import below_floor_p
 

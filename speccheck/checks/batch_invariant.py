@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from speccheck.checks._text import NOT_INVARIANT, fmt_div, pct, untrusted_tau
-from speccheck.checks.registry import CheckSpec, PolicyKey
+from speccheck.checks import CheckSpec, PolicyKey
 from speccheck.results import Check, ConfigResult
 
 POLICY = (

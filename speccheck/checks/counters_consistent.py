@@ -1,7 +1,7 @@
 """counters_consistent: the spec counters agree with each other and with the tokens emitted."""
 from __future__ import annotations
 
-from speccheck.checks.registry import CheckSpec
+from speccheck.checks import CheckSpec
 from speccheck.results import Check, ConfigResult
 
 

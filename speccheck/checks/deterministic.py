@@ -1,7 +1,7 @@
 """deterministic: every repeat of a config gives the first repeat's tokens (and logprobs)."""
 from __future__ import annotations
 
-from speccheck.checks.registry import CheckSpec, PolicyKey
+from speccheck.checks import CheckSpec, PolicyKey
 from speccheck.results import Check, ConfigResult
 
 POLICY = (

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from speccheck.checks._evidence import COMPARED, RESCORED
 from speccheck.checks._text import fmt_div, untrusted_tau
-from speccheck.checks.registry import CheckSpec, PolicyKey
+from speccheck.checks import CheckSpec, PolicyKey
 from speccheck.compare import token_divergences
 from speccheck.results import Check, ConfigResult
 

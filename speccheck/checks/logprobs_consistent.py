@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from speccheck.checks._evidence import LOGPROB_PAIRS, PATH_NOISE
 from speccheck.checks._text import drift_str, paired_str
-from speccheck.checks.registry import CheckSpec, PolicyKey, first_line
+from speccheck.checks import CheckSpec, PolicyKey, first_line
 from speccheck.results import Check, ConfigResult
 
 POLICY = (

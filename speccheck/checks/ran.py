@@ -1,7 +1,7 @@
 """ran: every planned run of the config is stored and completed."""
 from __future__ import annotations
 
-from speccheck.checks.registry import CheckSpec
+from speccheck.checks import CheckSpec
 from speccheck.results import Check, ConfigResult
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from speccheck.checks._evidence import COMPARED
 from speccheck.checks._text import untrusted_tau
-from speccheck.checks.registry import CheckSpec, first_line
+from speccheck.checks import CheckSpec, first_line
 from speccheck.results import Check, ConfigResult
 
 

@@ -115,7 +115,7 @@ def registry() -> tuple[CheckSpec, ...]:
 
     specs: list[CheckSpec] = []
     for info in pkgutil.iter_modules(package.__path__):
-        if info.name.startswith("_") or info.name == "registry":
+        if info.name.startswith("_"):
             continue
         module = importlib.import_module(f"{package.__name__}.{info.name}")
         spec = getattr(module, "CHECK", None)
