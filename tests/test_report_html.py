@@ -15,9 +15,9 @@ from click.testing import CliRunner
 
 from speccheck.cli import main
 from speccheck.results import Check, ConfigResult, Speed, SuiteResult, Together
-from speccheck.report_html import html_report, method_and_k, ordered
+from speccheck.report.html import html_report, method_and_k, ordered
 from speccheck.store import Store
-from speccheck.svgplot import StripPoint, heat_grid, line_plot, log_strip, nice_ticks
+from speccheck.report.svgplot import StripPoint, heat_grid, line_plot, log_strip, nice_ticks
 from speccheck.types import Completion, RunRecord, Scored, SpecConfig, SpecCounters
 from speccheck.verify import Acceptance, Divergence
 from speccheck.verify.margins import Classification

@@ -238,7 +238,7 @@ def test_a_store_sweep_gets_a_model_on_the_cpu_clock(tmp_path):
     text = markdown_report(res)
     assert "## Which K: mtp" in text and "validation: K=2,3 predicted from K=1,4" in text
     assert res.to_dict()["speedup"]["mtp"]["clock"] == "cpu"
-    from speccheck.report_html import html_report
+    from speccheck.report.html import html_report
     assert "recommended mtp K: none — no K passes the gate" in html_report(res)  # not rescored
 
 

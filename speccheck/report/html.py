@@ -16,9 +16,9 @@ from pathlib import Path
 from speccheck.checks import get as get_check
 from speccheck.checks import registry
 from speccheck.results import ConfigResult, SuiteResult
-from speccheck.report import (acceptance_str, attribution_str, best_configs, determinism_str,
+from speccheck.report.text import (acceptance_str, attribution_str, best_configs, determinism_str,
                               recommendation_line, speedup_table)
-from speccheck.svgplot import PALETTE, StripPoint, heat_grid, line_plot, log_strip
+from speccheck.report.svgplot import PALETTE, StripPoint, heat_grid, line_plot, log_strip
 from speccheck.verify import END, Divergence
 
 CLASS_COLORS = {"near_tie": "#2a9d8f", "low_confidence": "#e09f3e", "high_confidence": "#d62828"}

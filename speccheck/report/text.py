@@ -1,10 +1,8 @@
 """Human-readable output of a SuiteResult: the `diff` text and the Markdown report with the
 seed article's tables (K, warm tok/s, tokens per iteration, acceptance p0.., agreement,
-determinism), plus the JSON summary."""
+determinism)."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 from speccheck.checks import registry
 from speccheck.results import ConfigResult, SuiteResult
@@ -331,14 +329,3 @@ def split_lines(result: SuiteResult, detok=None) -> list[str]:
         out += ["- " + divergence_line(d, detok).replace("\n", "  \n") for d in t.split_divergences]
         out.append("")
     return (["## Concurrent splits", ""] + out) if out else []
-
-
-def write_report(result: SuiteResult, out_dir: Path, detok=None, html: Path | None = None) -> tuple[Path, ...]:
-    """report.md, report.json and the HTML report (``html``, default report.html beside them)."""
-    from speccheck.report_html import write_html
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    md, js = out_dir / "report.md", out_dir / "report.json"
-    md.write_text(markdown_report(result, detok))
-    js.write_text(json.dumps(result.to_dict(), indent=1, default=str, ensure_ascii=False))
-    return md, js, write_html(result, html or out_dir / "report.html", detok)
