@@ -806,43 +806,47 @@ class Store:
 
     @contextlib.contextmanager
     def lock(self, wait: bool = True, notify: Callable[[str], None] | None = None):
-        """Exclusive writer lock on the store: ``<store>/lock`` holds the holder's pid and is
-        flock()ed, so the kernel releases it when the holder dies (a stale lock is recovered by
-        the next writer). A second writer waits (``wait``) or refuses at once. On a store this
-        process cannot write, nothing is locked: nothing can be written there either."""
-        import fcntl
+        """Exclusive writer lock on the store: ``<store>/lock`` (a :class:`filelock.FileLock`,
+        flock()ed, so the kernel releases it when the holder dies and a stale lock is recovered
+        by the next writer) holds the holder's pid. A second writer waits (``wait``) or refuses
+        at once. On a store this process cannot write, nothing is locked: nothing can be
+        written there either."""
+        from filelock import FileLock, Timeout
 
         path = self.root / "lock"
+        held = FileLock(path, poll_interval=0.2)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
-        except OSError as e:
+            try:
+                held.acquire(blocking=False)
+            except Timeout:
+                try:
+                    holder = path.read_bytes()[:64].decode(errors="replace").strip() or "?"
+                except OSError:
+                    holder = "?"
+                if not wait:
+                    raise StoreError(f"store {self.root} is in use by another speccheck (pid {holder}); "
+                                     "wait for it to finish or use another --store.") from None
+                if notify:
+                    notify(f"store {self.root} is in use by another speccheck (pid {holder}); waiting "
+                           "for it to finish (Ctrl-C to stop)")
+                held.acquire()
+        except OSError as e:  # (a Timeout is an OSError too, but only a non-blocking try raises one)
             if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and self.root.is_dir():
                 yield
                 return
             raise StoreError(f"--store {self.root}: cannot create the store there ({e.strerror or e}); "
                              "give a writable directory with --store.") from None
         try:
-            told = False
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-                    if not wait:
-                        raise StoreError(f"store {self.root} is in use by another speccheck (pid {holder}); "
-                                         "wait for it to finish or use another --store.") from None
-                    if notify and not told:
-                        notify(f"store {self.root} is in use by another speccheck (pid {holder}); waiting "
-                               "for it to finish (Ctrl-C to stop)")
-                        told = True
-                    time.sleep(0.2)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            fd = os.open(path, os.O_WRONLY)  # the file held: the lock keeps it in place while held
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            finally:
+                os.close(fd)
             yield
         finally:
-            os.close(fd)  # closing releases the flock
+            held.release()
 
     def merge(self, source: "Store") -> list[str]:
         """Copy into this store what ``source`` holds and it lacks: whole suites, and of a suite
