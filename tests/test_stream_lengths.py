@@ -21,8 +21,9 @@ from speccheck.verify import (END, acceptance_mismatches, boundary_divergence, c
                               stop_tokens, teacher_forced_agreement, teacher_forced_divergences,
                               text_similarity, unique_completions)
 
-settings.register_profile("lengths", max_examples=60, deadline=None)
-settings.load_profile("lengths")
+#: this module's example count, on top of the session's profile (conftest.py: ci or dev) -- a
+#: profile loaded here would replace that one for every test collected after this module
+EXAMPLES = settings(max_examples=60)
 
 V, EOS, K = 8, 7, 3
 small = st.lists(st.integers(0, V - 1), max_size=10)
@@ -85,6 +86,7 @@ def counters_for(tokens, k=K):
     return SpecCounters(steps, steps * k, acc, per, steps)
 
 
+@EXAMPLES
 @given(small, small)
 def test_stream_functions_take_any_two_lengths(a, b):
     a, b = np.array(a, np.int32), np.array(b, np.int32)
@@ -98,6 +100,7 @@ def test_stream_functions_take_any_two_lengths(a, b):
     assert 0.0 <= text_similarity(" ".join(map(str, a)), " ".join(map(str, b))) <= 1.0
 
 
+@EXAMPLES
 @given(small, small, st.floats(0, 1), st.floats(0, 2))
 def test_divergences_and_boundaries_take_any_two_lengths(base, spec, tau_tie, extra):
     tau_low = tau_tie + extra
@@ -131,6 +134,7 @@ def test_divergences_and_boundaries_take_any_two_lengths(base, spec, tau_tie, ex
         assert bd is None
 
 
+@EXAMPLES
 @given(small, st.integers(-2, 14))
 def test_decoded_context_at_any_position(tokens, pos):
     c = completion("p", tokens)
@@ -138,6 +142,7 @@ def test_decoded_context_at_any_position(tokens, pos):
     assert ("⟨end⟩" in text) == (not 0 <= pos < len(tokens))
 
 
+@EXAMPLES
 @given(st.lists(small, min_size=1, max_size=4))
 def test_honest_counters_are_consistent_for_any_length(streams):
     for t in streams:
@@ -148,6 +153,7 @@ def test_honest_counters_are_consistent_for_any_length(streams):
     assert acceptance_mismatches([[(x.drafts, x.accepted_tokens) for x in r] for r in runs]) == []
 
 
+@EXAMPLES
 @given(corpora(), st.booleans(), st.booleans())
 def test_evaluate_takes_any_lengths(corpus, rescored, with_noise):
     """compare_runs, together_result and evaluate_config on a store of such streams: no

@@ -11,8 +11,9 @@ from speccheck.verify import (acceptance_summary, calibrate_thresholds, classify
                               teacher_forced_agreement,
                               teacher_forced_divergences, text_similarity, unique_completions)
 
-settings.register_profile("verify", max_examples=150, deadline=None)
-settings.load_profile("verify")
+#: this module's example count, on top of the session's profile (conftest.py: ci or dev) -- a
+#: profile loaded here would replace that one for every test collected after this module
+EXAMPLES = settings(max_examples=150)
 
 VOCAB = 12
 tokens = st.lists(st.integers(0, 5), max_size=24).map(lambda xs: np.array(xs, dtype=np.int32))
@@ -53,6 +54,7 @@ def _stream_with_topk(draw, n):
     return ids[:, 0].copy(), ids, lp
 
 
+@EXAMPLES
 @given(tokens)
 def test_a_stream_agrees_fully_with_itself(a):
     assert first_divergence(a, a.copy()) is None
@@ -62,6 +64,7 @@ def test_a_stream_agrees_fully_with_itself(a):
     assert determinism([[a], [a.copy()], [a.copy()]]).identical
 
 
+@EXAMPLES
 @given(tokens, tokens, tokens, st.integers(0, 5), st.integers(0, 5))
 def test_first_divergence_is_exact_on_constructed_streams(prefix, tail_a, tail_b, x, y):
     assume(x != y)
@@ -72,6 +75,7 @@ def test_first_divergence_is_exact_on_constructed_streams(prefix, tail_a, tail_b
     assert prefix_agreement(a, b).matched == len(prefix)
 
 
+@EXAMPLES
 @given(tokens, st.lists(st.integers(0, 5), min_size=1, max_size=8))
 def test_first_divergence_when_one_stream_runs_on(prefix, more):
     longer = np.concatenate([prefix, more])
@@ -79,6 +83,7 @@ def test_first_divergence_when_one_stream_runs_on(prefix, more):
     assert prefix_agreement(longer, prefix) == (len(prefix), len(longer))
 
 
+@EXAMPLES
 @given(tokens, tokens)
 def test_prefix_agreement_at_most_one_and_one_iff_equal(a, b):
     pa = prefix_agreement(a, b)
@@ -88,6 +93,7 @@ def test_prefix_agreement_at_most_one_and_one_iff_equal(a, b):
     assert pa == prefix_agreement(b, a)
 
 
+@EXAMPLES
 @given(divergent_pair(), taus, taus, gaps)
 def test_classification_is_symmetric_under_swapping_sides(pair, tau_tie, tau_low, max_gap):
     bt, stok, b_ids, b_lp, s_ids, s_lp = pair
@@ -98,6 +104,7 @@ def test_classification_is_symmetric_under_swapping_sides(pair, tau_tie, tau_low
     assert (c.spec_rank_in_base, c.base_rank_in_spec) == (r.base_rank_in_spec, r.spec_rank_in_base)
 
 
+@EXAMPLES
 @given(divergent_pair(), taus, taus, gaps)
 def test_a_token_outside_the_other_top_k_is_always_high_confidence(pair, tau_tie, tau_low, max_gap):
     bt, stok, b_ids, b_lp, s_ids, s_lp = pair
@@ -108,6 +115,7 @@ def test_a_token_outside_the_other_top_k_is_always_high_confidence(pair, tau_tie
         assert c.spec_rank_in_base is not None and c.base_rank_in_spec is not None
 
 
+@EXAMPLES
 @given(divergent_pair(), taus, taus, st.floats(0, 6), st.floats(0, 6), gaps, st.floats(0, 6))
 def test_raising_tau_never_makes_a_divergence_worse(pair, tau_tie, tau_low, d_tie, d_low,
                                                     max_gap, d_gap):
@@ -121,6 +129,7 @@ def test_raising_tau_never_makes_a_divergence_worse(pair, tau_tie, tau_low, d_ti
         assert after.severity <= before.severity
 
 
+@EXAMPLES
 @given(topk_rows(), topk_rows(), st.integers(0, 4), taus, taus)
 def test_small_base_margin_second_choice_flip_is_a_near_tie(base, spec, where, tau_tie, tau_low):
     """The spec token is the baseline's runner-up within tau_tie (and the baseline token is
@@ -154,6 +163,7 @@ def base_spec_scored(draw):
     return base, b_ids, b_lp, spec, s_ids, s_lp, sc_ids, sc_lp
 
 
+@EXAMPLES
 @given(base_spec_scored())
 def test_teacher_forced_agreement_at_least_prefix_agreement(data):
     base, b_ids, b_lp, spec, s_ids, s_lp, sc_ids, sc_lp = data
@@ -165,6 +175,7 @@ def test_teacher_forced_agreement_at_least_prefix_agreement(data):
     assert all(d.base_token == sc_ids[d.position, 0] != d.spec_token for d in divs)
 
 
+@EXAMPLES
 @given(base_spec_scored())
 def test_find_divergences_reports_the_first_divergence_only(data):
     base, b_ids, b_lp, spec, s_ids, s_lp, _, _ = data
@@ -174,6 +185,7 @@ def test_find_divergences_reports_the_first_divergence_only(data):
     assert find_divergences("p", base, b_ids, b_lp, base, b_ids, b_lp, 0.1, 0.5, 0.01) == []
 
 
+@EXAMPLES
 @given(st.lists(tokens, min_size=1, max_size=6))
 def test_unique_completions_is_one_iff_all_equal(streams):
     all_equal = all(np.array_equal(streams[0], s) for s in streams)
@@ -193,6 +205,7 @@ def valid_counters(draw):
     return k, drafts, draft_tokens, accepted, per_pos
 
 
+@EXAMPLES
 @given(valid_counters())
 def test_tokens_per_iteration_within_one_and_one_plus_k(counters):
     k, drafts, draft_tokens, accepted, per_pos = counters
@@ -209,6 +222,7 @@ per_prompt = st.dictionaries(st.sampled_from("abcdefgh"), st.tuples(
     lambda d: {p: (n, min(a, 7 * n), o) for p, (n, a, o) in d.items()})  # accepted <= K x drafts
 
 
+@EXAMPLES
 @given(per_prompt, per_prompt)
 def test_same_output_acceptance_reads_only_prompts_whose_output_matches(today, golden):
     """Changing any prompt whose output differs (or is missing on one side) changes nothing;
@@ -228,6 +242,7 @@ def test_same_output_acceptance_reads_only_prompts_whose_output_matches(today, g
 finite_lp = st.floats(-30, 0, allow_nan=False)
 
 
+@EXAMPLES
 @given(st.lists(st.one_of(finite_lp, st.just(float("nan")), st.just(float("-inf"))), max_size=40),
        st.floats(0, 1))
 def test_path_noise_of_identical_arrays_is_zero(xs, q):
@@ -235,6 +250,7 @@ def test_path_noise_of_identical_arrays_is_zero(xs, q):
     assert path_noise(x, x.copy(), q) == 0.0
 
 
+@EXAMPLES
 @given(st.lists(st.tuples(finite_lp, finite_lp), min_size=1, max_size=40), st.floats(0, 1))
 def test_path_noise_is_symmetric_and_bounded_by_max_difference(pairs, q):
     a, b = (np.array(x) for x in zip(*pairs))
@@ -243,6 +259,7 @@ def test_path_noise_is_symmetric_and_bounded_by_max_difference(pairs, q):
     assert 0.0 <= n <= np.abs(a - b).max() + 1e-12
 
 
+@EXAMPLES
 @given(st.floats(0, 1), st.floats(0, 1), st.floats(0, 50), st.floats(0, 50), st.floats(0, 1), st.floats(0, 1))
 def test_thresholds_grow_with_noise_and_respect_floors(n1, n2, m_tie, m_low, f_tie, f_low):
     lo, hi = sorted((n1, n2))
@@ -252,6 +269,7 @@ def test_thresholds_grow_with_noise_and_respect_floors(n1, n2, m_tie, m_low, f_t
     assert t_lo[0] >= f_tie and t_lo[1] >= f_low and t_lo[1] >= t_lo[0]
 
 
+@EXAMPLES
 @given(st.text(max_size=30), st.text(max_size=30))
 def test_text_similarity_symmetric_bounded_and_one_for_equal(a, b):
     s = text_similarity(a, b)
@@ -262,6 +280,7 @@ def test_text_similarity_symmetric_bounded_and_one_for_equal(a, b):
         assert s < 1.0
 
 
+@EXAMPLES
 @given(total=st.integers(1, 400), floor=st.floats(0.5, 0.999), data=st.data())
 def test_below_floor_p_is_the_binomial_tail_and_falls_with_fewer_agreements(total, floor, data):
     """The agreement floor's p-value: 1 at or above the floor, else P(X <= agree) for
