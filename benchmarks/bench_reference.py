@@ -29,10 +29,10 @@ import types
 import torch
 
 from speccheck.corpus import load_corpus
-from speccheck.engines.reference import decode as decode_module
-from speccheck.engines.reference import graphs
-from speccheck.engines.reference.engine import ReferenceEngine
-from speccheck.engines.reference.graphs import Replay
+from speccheck.reference import decode as decode_module
+from speccheck.reference import graphs
+from speccheck.reference.engine import ReferenceEngine
+from speccheck.reference.graphs import Replay
 from speccheck.types import SpecConfig
 
 

@@ -20,14 +20,16 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from speccheck.corpus import load_corpus
-from speccheck.engines.reference import decode as decode_module
-from speccheck.engines.reference.engine import ReferenceEngine
-from speccheck.engines.reference.model import Cache
+from speccheck.reference import decode as decode_module
+from speccheck.reference import steps as steps_module
+from speccheck.reference.engine import ReferenceEngine
+from speccheck.reference.model import Cache
 
 #: the phases of Decoder's loops, timed in :func:`loop_phases` (object, attribute, label)
 PHASES = (("target", "forward", "target forward"), ("target", "logits", "lm head"),
           ("decoder", "_draft_mtp", "MTP drafting"), ("decoder", "_draft_dflash", "DFlash draft"),
-          ("cache", "commit", "commit/rollback"), ("decode", "emitted_rows", "emit (top-k to host)"))
+          ("cache", "commit", "commit/rollback"), ("decode", "emitted_rows", "emit (top-k to host)"),
+          ("steps", "emitted_rows", "emit (top-k to host)"))  # (decode's batch, and _Out.add's)
 
 
 def loop_phases(eng, corpus: str, max_prompts: int, runs) -> None:
@@ -37,7 +39,8 @@ def loop_phases(eng, corpus: str, max_prompts: int, runs) -> None:
     sync = torch.cuda.synchronize if d.device.type == "cuda" else (lambda: None)
     prompts = list(load_corpus(corpus).prompts)[:max_prompts]
     ids = [eng.tokenize(p) for p in prompts]
-    owners = {"target": d.target, "decoder": d, "cache": Cache, "decode": decode_module}
+    owners = {"target": d.target, "decoder": d, "cache": Cache, "decode": decode_module,
+              "steps": steps_module}
     spent: dict[str, float] = {}
     originals = []
 

@@ -11,7 +11,7 @@
 #   bash scripts/h200_speed.sh train   the DFlash2 drafter trained further against the frozen
 #       target (warm start from the shipped one, every weight, MINUTES of steps, default 5), its
 #       acceptance probe, then dflash2.safetensors to $OUT; with BENCH=1 also the bench of
-#       DFlash2 K=6,7 with it. Copy the file over speccheck/engines/reference/weights/ only if
+#       DFlash2 K=6,7 with it. Copy the file over speccheck/reference/weights/ only if
 #       the probe's dflash2-k7 tokens/iteration beat the shipped drafter's, then re-record the
 #       goldens (`speccheck golden record --force`, on the CPU).
 set -euo pipefail
@@ -40,13 +40,13 @@ case "${1:-}" in
     bench bench.log ${BENCH_ARGS:---mtp-k 3 --dflash-k 7 --dflash2-k 6,7} ;;
   train)
     rm -rf /tmp/d2
-    timeout 560 python3 -m speccheck.engines.reference.train --drafter dflash2 --warm --train all \
-      --init speccheck/engines/reference/weights --out /tmp/d2 --device cuda --seq 288 \
+    PYTHONPATH=tools timeout 560 python3 -m train_reference.train --drafter dflash2 --warm --train all \
+      --init speccheck/reference/weights --out /tmp/d2 --device cuda --seq 288 \
       --gen-batch 1024 --gen-seconds 75 --batch 256 --anchors 32 --lr 1e-3 \
       --minutes "${MINUTES:-5}" --probe 6 2>&1 | tee "$OUT/train.log" | grep -v "^step " || true
     cp /tmp/d2/dflash2.safetensors "$OUT/"
     if [ "${BENCH:-0}" = 1 ]; then
-      cp /tmp/d2/dflash2.safetensors speccheck/engines/reference/weights/dflash2.safetensors
+      cp /tmp/d2/dflash2.safetensors speccheck/reference/weights/dflash2.safetensors
       bench bench-trained.log --mtp-k "" --dflash-k "" --dflash2-k 6,7
     fi ;;
   *) sed -n 2,16p "$0"; exit 2 ;;

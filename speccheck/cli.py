@@ -842,7 +842,7 @@ def doctor(engine, model, k, tp, base_url, api_key_env):
                    "speccheck key of its config.json.")
 def export_reference_cmd(out_dir, model, linear_head_dim):
     """Write the reference checkpoint in the Hugging Face layouts vLLM loads (target + drafter)."""
-    from speccheck.engines.reference.export import ExportError, export_reference
+    from speccheck.reference.export import ExportError, export_reference
 
     try:
         info = export_reference(out_dir, model, linear_head_dim)

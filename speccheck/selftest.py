@@ -165,7 +165,7 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
                  faults: list[str] | None = None,
                  log: Callable[[str], None] = lambda m: None) -> SelftestResult:
     """Run the clean engine and every planted fault (or those named) and judge each."""
-    from speccheck.engines.reference.decode import FAULTS
+    from speccheck.reference.decode import FAULTS
 
     t0 = time.perf_counter()
     engine = make_engine("reference")

@@ -86,8 +86,8 @@ def test_loop_split_accounts_for_every_step_of_the_graph_loops(monkeypatch):
     parts summing to the decode time, none negative."""
     import gc
     from speccheck.corpus import load_corpus
-    from speccheck.engines.reference import graphs
-    from speccheck.engines.reference.engine import ReferenceEngine
+    from speccheck.reference import graphs
+    from speccheck.reference.engine import ReferenceEngine
     from speccheck.types import Prompt, SpecConfig
 
     bench = _load("bench_reference")

@@ -9,6 +9,8 @@ import pytest
 
 from speccheck.corpus import CorpusError, corpus_hash, list_corpora, load_corpus
 
+from training_code import train_reference
+
 CATEGORIES = {"ocr_ja", "code", "chat", "math", "summarization", "translation", "near_tie"}
 GOOD = {"id": "a", "category": "chat", "max_tokens": 8, "text": "hello"}
 
@@ -204,7 +206,7 @@ def test_hash_matches_helper():
 # --- the reference engine's training text and tokenizer, which are built from the corpora ---
 
 def test_held_out_split_is_deterministic_and_order_free():
-    from speccheck.engines.reference.data import held_out_split
+    held_out_split = train_reference("data").held_out_split
 
     texts = [f"text number {i}" for i in range(400)]
     train, held = held_out_split(texts, 0.1)
@@ -217,7 +219,8 @@ def test_held_out_split_is_deterministic_and_order_free():
 
 
 def test_training_text_contains_every_corpus_prompt():
-    from speccheck.engines.reference.data import corpus_texts, stdlib_texts
+    data = train_reference("data")
+    corpus_texts, stdlib_texts = data.corpus_texts, data.stdlib_texts
 
     prompts = corpus_texts()
     for name in list_corpora():
@@ -232,7 +235,7 @@ def test_tokenizer_special_ids_and_round_trip():
 
     from tokenizers import Tokenizer
 
-    import speccheck.engines.reference as ref
+    import speccheck.reference as ref
 
     tok = Tokenizer.from_file(str(Path(ref.__file__).parent / "weights" / "tokenizer.json"))
     assert tok.get_vocab_size() == 4096

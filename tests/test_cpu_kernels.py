@@ -1,4 +1,4 @@
-"""The reference engine's CPU kernels (engines/reference/cpu_kernels.c), the bf16 linear and
+"""The reference engine's CPU kernels (reference/kernels/cpu_kernels.c), the bf16 linear and
 RMSNorm: each compiled kernel gives the bits its PyTorch specification gives, and a row's output
 does not depend on how many rows are computed with it (decode, verify and a batch agree bit for
 bit); the verify's GDN chunk computes the delta rule and is the same for a sequence alone."""
@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speccheck.engines.reference import cpu_kernels
-from speccheck.engines.reference.cpu_kernels import (rms_norm, rms_norm_torch, rowinv_linear,
-                                                    rowinv_linear_torch)
+from speccheck.reference.kernels import cpu as cpu_kernels
+from speccheck.reference.kernels.cpu import (rms_norm, rms_norm_torch, rowinv_linear,
+                                             rowinv_linear_torch)
 
 pytestmark = pytest.mark.skipif(cpu_kernels._kernel() is None, reason="no C compiler here")
 
@@ -114,8 +114,8 @@ def test_gdn_chunk_is_the_delta_rule_and_each_sequence_alone(b, t, h, d, seed):
 def test_a_cpu_verify_runs_the_gdn_chunk_kernel_close_to_the_pytorch_form(monkeypatch):
     """The reference target's verify forward takes the C chunk for every GDN layer, and its
     logits stay within fp32-level noise of the same form as PyTorch ops."""
-    from speccheck.engines.reference import model
-    from speccheck.engines.reference.engine import ReferenceEngine
+    from speccheck.reference import model
+    from speccheck.reference.engine import ReferenceEngine
 
     eng = ReferenceEngine(engine_args={"dtype": "fp32"})
     d = eng.decoder
@@ -141,7 +141,7 @@ def test_a_cpu_verify_runs_the_gdn_chunk_kernel_close_to_the_pytorch_form(monkey
 
 _ISA_PRODUCTS = """
 import sys, torch
-from speccheck.engines.reference import cpu_kernels as ck
+from speccheck.reference.kernels import cpu as ck
 g = torch.Generator().manual_seed(7)
 outs = {"isa": ck.isa()}
 for m, n, k in [(1, 70, 256), (3, 9, 40), (5, 33, 72), (6, 1032, 256), (7, 20, 300), (100, 24, 512)]:

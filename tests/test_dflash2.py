@@ -13,10 +13,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from speccheck.engines.base import EngineUsageError
-from speccheck.engines.reference.dflash2 import (DFLASH2_FILE, DFlash2Drafter, DFlashGroupedConv,
-                                                 block_reach, block_slots, candidates,
-                                                 init_from_dflash, load_dflash2, save_dflash2, walk)
-from speccheck.engines.reference.engine import WEIGHTS_DIR, ReferenceEngine, load_networks
+from speccheck.reference.dflash2 import (DFLASH2_FILE, DFlash2Drafter, DFlashGroupedConv,
+                                         block_reach, block_slots, candidates,
+                                         init_from_dflash, load_dflash2, save_dflash2, walk)
+from speccheck.reference.engine import WEIGHTS_DIR, ReferenceEngine, load_networks
 from speccheck.types import SpecConfig
 
 from test_reference_decode import EQUAL, _prompts, _total
@@ -54,7 +54,8 @@ def test_grouped_conv_matches_its_formula():
 def test_grouped_conv_kernel_has_the_bits_of_the_ops(b, t, block, taps, side, bf16, seed):
     """The CPU's C convolution (cpu_kernels.grouped_conv) against the same ops in PyTorch,
     bit for bit, in bf16 and fp32, with zeros of both signs among the inputs."""
-    from speccheck.engines.reference import cpu_kernels, dflash2
+    from speccheck.reference import dflash2
+    from speccheck.reference.kernels import cpu as cpu_kernels
 
     if cpu_kernels._kernel() is None:
         pytest.skip("no C compiler here")
@@ -89,8 +90,8 @@ def test_selector_kernel_drafts_as_the_ops(n, l, v, k, r, bf16, seed):
     walk reads, the walk) against candidates + CandidateSelector.edge_scores + walk. Small
     integers everywhere: every sum is exact in any order, and ties are everywhere (equal
     unary scores go to the lower token id, equal edge scores to the lower candidate)."""
-    from speccheck.engines.reference import cpu_kernels
-    from speccheck.engines.reference.dflash2 import CandidateSelector
+    from speccheck.reference.kernels import cpu as cpu_kernels
+    from speccheck.reference.dflash2 import CandidateSelector
 
     if cpu_kernels._kernel() is None:
         pytest.skip("no C compiler here")
@@ -269,8 +270,8 @@ def test_export_follows_the_dflash2_contract_and_reloads(tmp_path, prompts):
     tensors, loaded back into the reference engine, draft exactly as before."""
     import json
 
-    from speccheck.engines.reference import dflash2 as d2mod
-    from speccheck.engines.reference.export import export_reference, read_dflash2_dir
+    from speccheck.reference import dflash2 as d2mod
+    from speccheck.reference.export import export_reference, read_dflash2_dir
 
     (tmp_path / "w").mkdir()
     src = _weights_dir(tmp_path / "w", _active)
@@ -363,8 +364,8 @@ def test_triton_selector_drafts_as_the_ops():
         pytest.skip("Triton is not installed")
     code = textwrap.dedent("""
         import random, torch
-        from speccheck.engines.reference.dflash2 import CandidateSelector, candidates, walk
-        from speccheck.engines.reference.dflash2_fused import dflash2_select_fused, slot_pass
+        from speccheck.reference.dflash2 import CandidateSelector, candidates, walk
+        from speccheck.reference.kernels.dflash2_fused import dflash2_select_fused, slot_pass
         rnd = random.Random(0)
         for case in range(60):
             n, l, r = rnd.randint(1, 3), rnd.randint(1, 7), rnd.randint(1, 6)

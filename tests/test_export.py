@@ -14,9 +14,11 @@ import os
 import pytest
 import torch
 
-from speccheck.engines.reference import export as ex
-from speccheck.engines.reference.model import (Cache, DFlashDrafter, MTPModule, Qwen3_5TextModel,
-                                               ReferenceConfig, init_weights)
+from speccheck.reference import export as ex
+from speccheck.reference.model import (Cache, DFlashDrafter, MTPModule, Qwen3_5TextModel,
+                                       ReferenceConfig, init_weights)
+
+from training_code import train_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,7 +46,7 @@ def _random_reference():
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """(cfg, target, mtp, drafter, tokenizer_json), fp32 — the shipped trained weights when present."""
-    from speccheck.engines.reference.engine import load_networks
+    from speccheck.reference.engine import load_networks
 
     weights = ex.default_weights_dir()
     if (weights / "model.safetensors").is_file():
@@ -53,7 +55,7 @@ def reference(tmp_path_factory):
         cfg, target, mtp, drafter = _random_reference()
     tok = weights / "tokenizer.json"
     if not tok.is_file():
-        from speccheck.engines.reference.tokenizer_train import build_tokenizer
+        build_tokenizer = train_reference("tokenizer_train").build_tokenizer
         tok = tmp_path_factory.mktemp("tok") / "tokenizer.json"
         build_tokenizer(TEXTS * 5, vocab_size=300).save(str(tok))
     return cfg, target.eval(), mtp.eval(), drafter, tok
@@ -435,7 +437,7 @@ def test_padded_prefill_logits_fp32(reference, exported, exported_padded):
     change is exactly compensated by them); (2) the padded export vs the unpadded one and vs the
     reference engine (both GDN forms): the epsilon change alone; (3) the reference engine runs
     the padded checkpoint too (its GDN at head dim 128) and matches transformers on it."""
-    from speccheck.engines.reference.model import ReferenceConfig
+    from speccheck.reference.model import ReferenceConfig
 
     cfg, target, *_, tok = reference
     out, _ = exported

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 import speccheck.selftest as st
 from speccheck.cli import main
-from speccheck.engines.reference.decode import FAULTS
+from speccheck.reference.decode import FAULTS
 
 CAUGHT_BY = {
     "stale-state": "divergences_are_low_confidence",

@@ -1,4 +1,4 @@
-"""The CUDA-graph step loops (engines/reference/graphs.py), run eagerly on the CPU: the same
+"""The CUDA-graph step loops (reference/graphs.py), run eagerly on the CPU: the same
 tokens and acceptance as Decoder's eager loops, exact losslessness with equal numerics, the
 capacity buffers reused across prompts; the fused Triton GDN kernel (through Triton's
 interpreter, where Triton is installed) against the PyTorch recurrence. On a GPU the same
@@ -17,9 +17,9 @@ import torch
 
 from speccheck.corpus import load_corpus
 from speccheck.engines.base import EngineUsageError
-from speccheck.engines.reference.engine import ReferenceEngine
-from speccheck.engines.reference.graphs import CAPACITY_STEP, GraphDecoding, capacity
-from speccheck.engines.reference.model import gdn_recurrent
+from speccheck.reference.engine import ReferenceEngine
+from speccheck.reference.graphs import CAPACITY_STEP, GraphDecoding, capacity
+from speccheck.reference.model import gdn_recurrent
 from speccheck.types import Prompt, SpecConfig
 
 EQUAL = {"dtype": "fp32", "gdn_decode": "recurrent", "gdn_verify": "recurrent",
@@ -98,7 +98,7 @@ def test_no_step_runs_past_max_tokens(engine, config, monkeypatch):
     """A generation that ends by length runs no step past its end: the steps queued equal
     the steps read (one queued ahead and dropped cost a whole iteration, ~3 % of a spec
     generation of 96 tokens on the H200)."""
-    from speccheck.engines.reference import graphs
+    from speccheck.reference import graphs
 
     queued = []
     queue = graphs._Ahead._queue
@@ -156,8 +156,8 @@ def _interpreted(code: str) -> None:
 def test_fused_gdn_kernel_matches_the_recurrence():
     _interpreted("""
         import torch
-        from speccheck.engines.reference.gdn_fused import gdn_fused
-        from speccheck.engines.reference.model import gdn_recurrent
+        from speccheck.reference.kernels.gdn_fused import gdn_fused
+        from speccheck.reference.model import gdn_recurrent
 
         gen = torch.Generator().manual_seed(1)
         B, T, H, D = 2, 5, 4, 64
@@ -186,7 +186,7 @@ def test_fused_attention_kernel_matches_sdpa():
     not bf16's; on the H200 bf16 agrees to bf16 rounding, benchmarks/README)."""
     _interpreted("""
         import torch, torch.nn.functional as F
-        from speccheck.engines.reference.attn_fused import attn_fused
+        from speccheck.reference.kernels.attn_fused import attn_fused
 
         g = torch.Generator().manual_seed(0)
         for B, H, HKV, T, L, causal in [(1, 4, 2, 8, 300, True), (1, 4, 2, 1, 77, True),
@@ -212,8 +212,8 @@ def test_fused_form_is_lossless_in_the_graph_steps():
     graph steps, fp32: every speculative method's output is the baseline's, with rejections."""
     _interpreted("""
         from speccheck.corpus import load_corpus
-        from speccheck.engines.reference.engine import ReferenceEngine
-        from speccheck.engines.reference.graphs import GraphDecoding
+        from speccheck.reference.engine import ReferenceEngine
+        from speccheck.reference.graphs import GraphDecoding
         from speccheck.types import Prompt, SpecConfig
 
         e = ReferenceEngine(engine_args={"dtype": "fp32", "gdn_decode": "fused",

@@ -9,8 +9,8 @@ import pytest
 
 from speccheck.corpus import load_corpus
 from speccheck.engines.base import EngineUsageError
-from speccheck.engines.reference.decode import FAULTS
-from speccheck.engines.reference.engine import ReferenceEngine
+from speccheck.reference.decode import FAULTS
+from speccheck.reference.engine import ReferenceEngine
 from speccheck.types import Prompt, SpecConfig
 from speccheck.verify import counter_problems
 
@@ -70,7 +70,7 @@ def test_lossless_with_equal_numerics(equal_engine, prompts, baseline, method, k
 
 @pytest.mark.parametrize("method,k", [("mtp", 3), ("dflash", 7)])
 def test_bf16_is_lossless_bit_for_bit_with_equal_forms_on_the_cpu(prompts, method, k):
-    """On the CPU every bf16 linear is row-invariant (engines/reference/cpu_kernels.c), so with
+    """On the CPU every bf16 linear is row-invariant (reference/kernels/cpu_kernels.c), so with
     the same GDN and attention forms in decode and verify a bf16 spec run is the baseline token
     for token and logprob for logprob: what remains of decode-vs-verify flips is the forms."""
     eng = ReferenceEngine(engine_args={**EQUAL, "dtype": "bf16"})
@@ -284,7 +284,7 @@ def test_prefix_cache_gives_the_bits_of_a_fresh_prefill(prompts, batch):
 
 def test_prefix_cache_keeps_a_bounded_number_of_tokens(prompts, monkeypatch):
     """The least recently used prefills go first."""
-    from speccheck.engines.reference import decode
+    from speccheck.reference import decode
 
     ps, ids = prompts
     monkeypatch.setattr(decode, "PREFIX_CACHE_TOKENS", len(ids[-1]) + len(ids[-2]))

@@ -8,9 +8,9 @@ import torch
 
 from speccheck.corpus import load_corpus
 from speccheck.engines.base import EngineUsageError
-from speccheck.engines.reference.decode import FAULTS
-from speccheck.engines.reference.engine import ReferenceEngine
-from speccheck.engines.reference.model import Cache
+from speccheck.reference.decode import FAULTS
+from speccheck.reference.engine import ReferenceEngine
+from speccheck.reference.model import Cache
 from speccheck.types import SpecConfig
 from speccheck.verify import counter_problems
 
@@ -195,7 +195,7 @@ def test_conv_block_boundary_acts_only_across_a_block(engine, corpus, baseline):
     """In equal numerics the faulted speculative output is the baseline's until a verify step
     has crossed a 16-position block (the stale window is read from the next step on), and it
     departs from it on most prompts after that."""
-    from speccheck.engines.reference.decode import CONV_BLOCK
+    from speccheck.reference.decode import CONV_BLOCK
 
     ps, ids = corpus
     got = engine.with_args(fault="conv-block-boundary").generate(ps, ids, SpecConfig("mtp", 3), 5)

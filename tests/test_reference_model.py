@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from speccheck.engines.reference.engine import WEIGHTS_DIR, load_networks
-from speccheck.engines.reference.model import (Cache, DFlashDrafter, MTPModule, Qwen3_5TextModel,
-                                               ReferenceConfig, gdn_chunked, gdn_recurrent,
-                                               init_weights)
+from speccheck.reference.engine import WEIGHTS_DIR, load_networks
+from speccheck.reference.model import (Cache, DFlashDrafter, MTPModule, Qwen3_5TextModel,
+                                       ReferenceConfig, gdn_chunked, gdn_recurrent,
+                                       init_weights)
 
 
 def _gdn_inputs(T, seed=0, B=1, H=4, D=64):
@@ -185,7 +185,7 @@ def test_prefill_attention_is_the_masked_form_bit_for_bit(T):
     skips the keys above the diagonal; it must give the bits of the explicit causal mask it
     replaced, or every prefill and teacher-forced rescoring (the same square call) would move
     against the stored runs and goldens."""
-    from speccheck.engines.reference.model import _attend
+    from speccheck.reference.model import _attend
 
     g = torch.Generator().manual_seed(T)
     q = torch.randn(1, 4, T, 64, generator=g).bfloat16()

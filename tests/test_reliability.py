@@ -581,7 +581,7 @@ def test_every_option_has_help_and_engine_args_are_listed():
 
 
 def test_serve_help_names_the_reference_engine_s_keys_only():
-    from speccheck.engines.reference.engine import ENGINE_ARGS
+    from speccheck.reference.engine import ENGINE_ARGS
 
     text = "".join(invoke("serve", "--help").output.split())
     assert all(key in text for key in ENGINE_ARGS) and "score_base_url" not in text
@@ -593,7 +593,7 @@ def test_engine_arg_help_names_every_key_each_engine_takes(command):
     --spec-engine-arg), from the engines' own lists, so the two cannot drift apart; and the
     help does not offer a key an engine refuses (vllm's speculative_config)."""
     from speccheck.engines.openai import ARGS as OPENAI_ARGS
-    from speccheck.engines.reference.engine import ENGINE_ARGS
+    from speccheck.reference.engine import ENGINE_ARGS
     from speccheck.engines.vllm import OWN_OPTIONS
 
     text = "".join(invoke(*command, "--help").output.split())

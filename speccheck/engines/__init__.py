@@ -16,7 +16,7 @@ RUN_ONLY_ARGS: dict[str, frozenset[str]] = {
 }
 
 ENGINES = {
-    "reference": "speccheck.engines.reference.engine:ReferenceEngine",
+    "reference": "speccheck.reference.engine:ReferenceEngine",
     "vllm": "speccheck.engines.vllm:VllmEngine",
     "openai": "speccheck.engines.openai:OpenAIEngine",
 }

@@ -104,7 +104,7 @@ def fp64_recurrence(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor
 def _reference(form: str) -> Kernel:
     """The reference engine's form; its fp32 output rounded to the inputs' dtype, as the
     layer rounds it before the gated norm (FLA's kernels return that dtype themselves)."""
-    from speccheck.engines.reference.model import gdn_chunked, gdn_fused, gdn_recurrent
+    from speccheck.reference.model import gdn_chunked, gdn_fused, gdn_recurrent
 
     fn = {"chunked": gdn_chunked, "recurrent": gdn_recurrent, "fused": gdn_fused}[form]
 
@@ -364,7 +364,7 @@ def kernels(device: str, missing: list[str] | None = None, head_dim: int = 64,
                                 "reference chunked": _reference("chunked")}
     if not device.startswith("cuda"):
         return found
-    from speccheck.engines.reference.gdn_fused import unavailable
+    from speccheck.reference.kernels.gdn_fused import unavailable
 
     why = unavailable(torch.device(device))
     if why:

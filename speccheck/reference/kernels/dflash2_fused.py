@@ -5,7 +5,7 @@ Why: on a GPU the selector's ops (an fp32 projection that cuBLAS runs at ~50 µs
 int64 top-k over the vocabulary, a batched fp32 einsum for all K x K edge scores, one
 gather-argmax launch per slot) cost more than the drafter's whole network (~140 of a ~240 µs
 draft on the H200, compiled); its work is tiny. The same
-rule as :func:`.dflash2.select_drafts` and the CPU kernel (``cpu_kernels.dflash2_select``):
+rule as :func:`speccheck.reference.dflash2.select_drafts` and the CPU kernel (``kernels.cpu.dflash2_select``):
 candidates by descending score with ties to the lower token id, the walk's ties to the
 better-ranked candidate; the sum over the rank is the kernel's own tree, so at near-ties its
 drafts can differ from the ops' (drafts only: the target's verify decides every token).
@@ -92,7 +92,7 @@ def _define_kernel():
 def dflash2_select_fused(unary: torch.Tensor, hidden: torch.Tensor, proj: torch.Tensor,
                          pred_book: torch.Tensor, succ_book: torch.Tensor, anchor: torch.Tensor,
                          k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """As ``cpu_kernels.dflash2_select`` with the projection inside (unary [N, L, V] fp32
+    """As ``kernels.cpu.dflash2_select`` with the projection inside (unary [N, L, V] fp32
     LM-head scores, hidden [N, L, H] the slots' hidden states, proj [R, H] the
     ``hidden_projection`` weight, codebooks [V, R], anchor [N] -> drafts [N, L] int64, in
     ``out`` where given): a launch over the slots (:func:`slot_pass`), then one over the
@@ -114,7 +114,7 @@ def dflash2_select_fused(unary: torch.Tensor, hidden: torch.Tensor, proj: torch.
 
 def slot_pass(unary: torch.Tensor, hidden: torch.Tensor, proj: torch.Tensor, k: int) -> tuple:
     """Per slot, in one launch: P h [N, L, R] fp32 and the candidates (ids [N, L, k] int64,
-    scores [N, L, k]) as :func:`.dflash2.candidates` orders them."""
+    scores [N, L, k]) as :func:`speccheck.reference.dflash2.candidates` orders them."""
     import triton
 
     N, L, V = unary.shape

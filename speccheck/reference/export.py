@@ -431,7 +431,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def text_config_from_reference(cfg, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """text_config of a :class:`~speccheck.engines.reference.model.ReferenceConfig`.
+    """text_config of a :class:`~speccheck.reference.model.ReferenceConfig`.
 
     The reference tokenizer has no BOS (like Qwen's, whose bos is its end-of-text token): bos and
     eos are both ``<|endoftext|>``; no pad id (padding is the tokenizer's business).

@@ -9,7 +9,7 @@
  * of c, K zero-padded to a multiple of 16), the lanes summed by a fixed tree
  * ((l, l+8), then (l, l+4), (l, l+2), (0, 1)). Plain IEEE fp32 adds (-ffp-contract=off; a
  * fused multiply-add where the CPU has one rounds as a multiply and an add do, see MADD): the
- * same bits on any CPU, and cpu_kernels.py's PyTorch formulation of the same sums gives them
+ * same bits on any CPU, and cpu.py's PyTorch formulation of the same sums gives them
  * too. Rows are taken up to four at a time so each weight row is converted once per four rows,
  * and the next weight rows are prefetched (a decode step's weights come from L3 or memory: 1.9x
  * faster cold on the AVX2 EPYC); from 5 rows on (a verify, a prefill, a batch) a column block
@@ -18,7 +18,7 @@
  * decode loop). With AVX-512 (USE_AVX512) one register holds a sum's 16 lanes and tiles of up
  * to 6 rows x 4 weight rows serve every row count (a verify's products 1.7x faster in the
  * decode loop on the AVX-512 EPYC, a decode step's no slower). Those change speed, not any
- * element's arithmetic: cpu_kernels.py builds the widest the CPU has (SPECCHECK_CPU_ISA asks
+ * element's arithmetic: cpu.py builds the widest the CPU has (SPECCHECK_CPU_ISA asks
  * for a narrower one), and the tests check that every build gives the same bits.
  */
 #include <stdint.h>

@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attn_fused import attn_fused
-from .cpu_kernels import compiled, gdn_chunk, gdn_chunk_state, linear, rms_norm, rowinv_linear
-from .gdn_fused import gdn_fused
+from .kernels.attn_fused import attn_fused
+from .kernels.cpu import compiled, gdn_chunk, gdn_chunk_state, linear, rms_norm, rowinv_linear
+from .kernels.gdn_fused import gdn_fused
+from .state import PerPositionStates
 
 #: "fused" is one Triton kernel (CUDA; see gdn_fused.py) computing the recurrent form
 GDN_FORMS = ("chunked", "recurrent", "fused")
@@ -299,50 +300,6 @@ def _gdn_prep(q, k, v, g, beta):
     q = l2norm(q) * (q.shape[-1] ** -0.5)
     k = l2norm(k)
     return q, k, v, g, beta
-
-
-class PerPositionStates:
-    """The GDN state after each of T new positions, for exact rollback. Either stacked
-    ([B,T,H,Dk,Dv], recurrent form) or, for a single chunk, kept as the chunk's parts and
-    computed only for the one position that is asked for (the verify hot path)."""
-
-    def __init__(self, stacked=None, parts=None, kernel=None):
-        #: kernel: the parts of the CPU kernel's chunk (cpu_kernels.gdn_chunk), which forms
-        #: the state after a position in one C call
-        self.stacked, self.parts, self.kernel = stacked, parts, kernel
-
-    def __len__(self) -> int:
-        if self.kernel is not None:
-            return self.kernel[1].shape[2]
-        return self.stacked.shape[1] if self.stacked is not None else self.parts[1].shape[-1]
-
-    def at(self, i: int) -> torch.Tensor:
-        if self.kernel is not None:
-            return gdn_chunk_state(self.kernel, torch.full((self.kernel[0].shape[0],), i))
-        if self.stacked is not None:
-            return self.stacked[:, i]
-        s0, cum, decay, k, v_new = self.parts
-        # S_i = exp(cum_i) S0 + sum_{j<=i} exp(cum_i - cum_j) k_j v_new_j^T
-        dk = decay[:, :, i, : i + 1, None] * k[:, :, : i + 1]
-        return cum[:, :, i].exp()[..., None, None] * s0 + dk.transpose(-1, -2) @ v_new[:, :, : i + 1]
-
-    def at_rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """Row b's state after position idx[b] (a ragged batch keeps a count per sequence):
-        one gather instead of a state per row. The masked decay row is zero past idx[b], so
-        the sum runs over all T positions."""
-        if self.kernel is not None:
-            return gdn_chunk_state(self.kernel, idx)
-        rows = torch.arange(idx.shape[0], device=idx.device)
-        if self.stacked is not None:
-            return self.stacked[rows, idx]
-        s0, cum, decay, k, v_new = self.parts
-        dk = decay[rows, :, idx][..., None] * k  # [B,H,T,Dk]
-        return cum[rows, :, idx].exp()[..., None, None] * s0 + dk.transpose(-1, -2) @ v_new
-
-    def stack(self) -> torch.Tensor:
-        if self.stacked is None:
-            self.stacked = torch.stack([self.at(i) for i in range(len(self))], dim=1)
-        return self.stacked
 
 
 def gdn_recurrent(q, k, v, g, beta, state, per_position: bool = False):
@@ -659,7 +616,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             # a verify on the CPU: the chunk (L2 norms, WY solve, outputs) in one C call
             # instead of ~30 PyTorch ops (same form; fp32 sums in the kernel's own order)
             out, parts = gdn_chunk(conv_out, g, beta, state, self.nv, self.dk, self.dv)
-            s, per = None, PerPositionStates(kernel=parts)
+            s, per = None, PerPositionStates(kernel=parts, kernel_state=gdn_chunk_state)
         else:
             out, s, per = self._core(conv_out, g, beta, state, form, per_position)
         if cache is not None:
@@ -698,7 +655,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
 def _attend(q, K, V, start: int | torch.Tensor, form: str):
     """q: [B,H,T,D] at positions start..start+T-1; K,V: [B,Hkv,start+T,D] (all visible
     keys). ``multi`` = one SDPA with a causal mask, ``single`` = one SDPA per query,
-    ``fused`` = one Triton kernel (:mod:`.attn_fused`; few queries, CUDA). A tensor
+    ``fused`` = one Triton kernel (:mod:`.kernels.attn_fused`; few queries, CUDA). A tensor
     ``start`` [B] is a batch of sequences at their own lengths: K,V hold max(start)+T
     positions and sequence b sees keys <= start[b]+i."""
     if form == "fused":  # one Triton kernel (CUDA): the visibility follows from start alone

@@ -1,6 +1,6 @@
 """Train the reference engine's byte-level BPE tokenizer and write weights/tokenizer.json.
 
-    python -m speccheck.engines.reference.tokenizer_train [--out PATH] [--vocab-size 4096]
+    cd tools && python -m train_reference.tokenizer_train [--out PATH] [--vocab-size 4096]
 
 Deterministic for a given Python version (the training text is the stdlib, see data.py). The
 pre-tokenizer is Qwen2's split regex (digits one by one, letters runs, punctuation runs) followed
@@ -18,14 +18,16 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from speccheck.engines.reference.data import corpus_texts, stdlib_texts
+import speccheck.reference
+
+from .data import MAX_TOTAL_BYTES, corpus_texts, stdlib_texts
 
 #: fixed ids the engine relies on: 0 end of text (also padding), 1 the DFlash mask slot,
 #: 2-4 the chat role markers of ``Prompt.as_text``
 SPECIAL_TOKENS = ["<|endoftext|>", "<|mask|>", "<|system|>", "<|user|>", "<|assistant|>"]
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-DEFAULT_OUT = Path(__file__).resolve().parent / "weights" / "tokenizer.json"
+DEFAULT_OUT = Path(speccheck.reference.__file__).resolve().parent / "weights" / "tokenizer.json"
 
 
 def build_tokenizer(texts: list[str], vocab_size: int = 4096) -> Tokenizer:
@@ -53,8 +55,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--non-ascii-weight", type=int, default=20)
+    ap.add_argument("--max-bytes", type=int, default=MAX_TOTAL_BYTES,
+                    help="stdlib text cap (the shipped tokenizer: the default)")
     args = ap.parse_args(argv)
-    code = stdlib_texts()
+    code = stdlib_texts(args.max_bytes)
     prompts = corpus_texts()
     boosted = [t for t in prompts if not t.isascii()] * (args.non_ascii_weight - 1)
     tok = build_tokenizer(code + prompts + boosted, args.vocab_size)

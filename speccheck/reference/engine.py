@@ -27,10 +27,10 @@ import torch
 from speccheck.engines.base import Engine, EngineError, EngineUsageError, OnTokens
 from speccheck.types import Completion, Prompt, Scored, SpecConfig
 
-from .attn_fused import unavailable as attn_fused_unavailable
 from .decode import FAULTS, Decoder, Knobs
 from .dflash2 import DFLASH2_FILE, WALK_DTYPES, SelectorKnobs, load_dflash2
-from .gdn_fused import unavailable as gdn_fused_unavailable
+from .kernels.attn_fused import unavailable as attn_fused_unavailable
+from .kernels.gdn_fused import unavailable as gdn_fused_unavailable
 from .model import (ATTN_FORMS, DRAFT_ATTN_FORMS, GDN_FORMS, DFlashDrafter, MTPModule,
                     Qwen3_5TextModel, ReferenceConfig, init_weights)
 
@@ -282,7 +282,7 @@ class ReferenceEngine(Engine):
     # ------------------------------------------------------------------ Engine API
 
     def identity(self) -> dict:
-        from speccheck import __version__
+        from speccheck.version import __version__
 
         files = {n: _sha256(self.model_dir / n)
                  for n in ("config.json", "model.safetensors", "drafter.safetensors",

@@ -1,8 +1,8 @@
 """Train the DFlash2 drafter against the frozen target (``train --drafter dflash2``).
 
-    python -m speccheck.engines.reference.train --drafter dflash2 --init DIR --out DIR2 [...]
+    cd tools && python -m train_reference.train --drafter dflash2 --init DIR --out DIR2 [...]
 
-Same data as the DFlash drafter-only run (:func:`train.make_dataset`: the frozen target's own
+Same data as the DFlash drafter-only run (:func:`common.make_dataset`: the frozen target's own
 greedy continuations of stdlib text windows, with its layer outputs at ``target_layer_ids`` as
 context), same blocks (anchored at generated positions, randomly cut shorter so that K below
 block_size - 1 drafts what it was trained on). The drafter starts as DIR's DFlash drafter
@@ -24,8 +24,8 @@ the code prompts, selector on and off).
 
 The shipped dflash2.safetensors came from one H200 call (2026-12-01, 442 s in all)::
 
-    python3 -m speccheck.engines.reference.train --drafter dflash2 \
-        --init speccheck/engines/reference/weights --out /tmp/d2 --device cuda --seq 288 \
+    cd tools && python3 -m train_reference.train --drafter dflash2 \
+        --init ../speccheck/reference/weights --out /tmp/d2 --device cuda --seq 288 \
         --gen-batch 1024 --gen-seconds 75 --batch 256 --anchors 32 --lr 2e-3 --minutes 4 --probe 6
 
 (47,104 continuations x 288 tokens; 4,796 steps in 242 s). Its probe on the 6 code prompts:
@@ -41,9 +41,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .dflash2 import (DFLASH2_FILE, DFlash2Drafter, candidates, init_from_dflash, load_dflash2,
-                      save_dflash2, walk)
-from .train import StepSchedule, block_hidden, drafter_data, log, sample_blocks
+from speccheck.reference.dflash2 import (DFLASH2_FILE, DFlash2Drafter, candidates, init_from_dflash,
+                                         load_dflash2, save_dflash2, walk)
+
+from .common import WEIGHTS_DIR, StepSchedule, block_hidden, drafter_data, log, sample_blocks
 
 
 def dflash2_block_loss(d2: DFlash2Drafter, cfg, E, seq, aux, labels, anchors, lengths,
@@ -131,7 +132,7 @@ def param_groups(d2: DFlash2Drafter, wd: float) -> list[dict]:
 
 
 def train_dflash2(a) -> int:
-    from .engine import WEIGHTS_DIR, load_networks
+    from speccheck.reference.engine import load_networks
 
     init = a.init or WEIGHTS_DIR
     if not (init / "model.safetensors").is_file() or not (init / "drafter.safetensors").is_file():
@@ -212,7 +213,7 @@ def dflash2_probe(out, device: str, n_prompts: int, max_tokens: int) -> dict:
     """Tokens/iteration on the code prompts (bf16, greedy): dflash vs dflash2 (selector on and
     off) at K=7 and K=3; the last line is the acceptance verdict at K=7."""
     from speccheck.corpus import load_corpus
-    from speccheck.engines.reference.engine import ReferenceEngine
+    from speccheck.reference.engine import ReferenceEngine
     from speccheck.types import SpecConfig
 
     prompts = [p for p in load_corpus("code").prompts][:n_prompts]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..state import PerPositionStates
 from .triton_support import kernel
 from .triton_support import unavailable as form_unavailable
 
@@ -94,13 +95,11 @@ def _positions_tile(n: int) -> int:
 
 
 def gdn_fused(q, k, v, g, beta, state, per_position: bool = False):
-    """Same contract as :func:`.model.gdn_recurrent` (q, k [B,T,H,Dk] un-normalised; v
+    """Same contract as :func:`speccheck.reference.model.gdn_recurrent` (q, k [B,T,H,Dk] un-normalised; v
     [B,T,H,Dv]; g, beta [B,T,H]; state fp32 [B,H,Dk,Dv]; returns fp32 output [B,T,H,Dv], the
     final state, and with ``per_position`` the stacked states after each position instead),
     computed by one kernel launch. The arithmetic is the recurrence's, in fp32, with the
     kernel's own reduction order (so it agrees with the PyTorch forms to fp32 rounding)."""
-    from .model import PerPositionStates
-
     why = unavailable(q.device)
     if why:
         raise RuntimeError(why)

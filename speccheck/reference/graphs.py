@@ -34,6 +34,7 @@ from speccheck.verify.ties import canonical_rows
 
 from . import dflash2 as _dflash2
 from .model import Cache
+from .steps import Generation, _Out, _sync
 
 #: capacities (positions) are rounded up to a multiple of this, so that graphs are shared
 CAPACITY_STEP = 512
@@ -197,7 +198,6 @@ class GraphDecoding:
     # ------------------------------------------------------------------ baseline
 
     def baseline(self, prompt: list[int], max_tokens: int, top_k: int, ignore_eos: bool, emit):
-        from .decode import Generation, _Out, _sync
 
         d = self.d
         B = self._buffers(capacity(len(prompt) + max_tokens + 3))  # (+1: the step past the end)
@@ -245,7 +245,6 @@ class GraphDecoding:
 
     def speculative(self, prompt: list[int], max_tokens: int, method: str, k: int, top_k: int,
                     ignore_eos: bool, emit):
-        from .decode import Generation, _Out, _sync
 
         d = self.d
         aux_ids = tuple(d.cfg.drafter.target_layer_ids) if method != "mtp" else ()

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_kernels import compiled, dflash2_select, grouped_conv, linear
-from .dflash2_fused import dflash2_select_fused
-from .dflash2_fused import unavailable as fused_unavailable
+from .kernels.cpu import compiled, dflash2_select, grouped_conv, linear
+from .kernels.dflash2_fused import dflash2_select_fused
+from .kernels.dflash2_fused import unavailable as fused_unavailable
 from .model import DFlashDecoderLayer, DFlashDrafter, ReferenceConfig
 
 #: the DFlash2 drafter's weights file in a weights directory (config in its metadata)
@@ -118,7 +118,7 @@ class DFlashGroupedConv(nn.Module):
         """x [B,T,H], delta [B,T,2,taps,G] (both sides): out[i] = Σ_t (base[t] + δ[i,t]) x[i - t],
         taps that would reach before the block's first slot dropped (``reach``:
         :func:`block_reach`). On the CPU one C call with these ops' bits
-        (cpu_kernels.grouped_conv: 8 of them are a tenth of a DFlash2 draft as ops)."""
+        (kernels.cpu.grouped_conv: 8 of them are a tenth of a DFlash2 draft as ops)."""
         out = grouped_conv(x, self.base_kernel[side], delta, side, reach, self.groups)
         if out is not None:
             return out
