@@ -1,17 +1,31 @@
 """The reference engine's CPU kernels (reference/kernels/cpu_kernels.c), the bf16 linear and
-RMSNorm: each compiled kernel gives the bits its PyTorch specification gives, and a row's output
+RMSNorm: each built kernel gives the bits its PyTorch specification gives, and a row's output
 does not depend on how many rows are computed with it (decode, verify and a batch agree bit for
-bit); the verify's GDN chunk computes the delta rule and is the same for a sequence alone."""
+bit); the verify's GDN chunk computes the delta rule and is the same for a sequence alone. The
+libraries are built at install time (kernels/build.py, run by setup.py), one per instruction
+set; without one the PyTorch ops run, and say so once."""
+import shlex
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from speccheck.reference.kernels import build as kernel_build
 from speccheck.reference.kernels import cpu as cpu_kernels
 from speccheck.reference.kernels.cpu import (rms_norm, rms_norm_torch, rowinv_linear,
                                              rowinv_linear_torch)
 
-pytestmark = pytest.mark.skipif(cpu_kernels._kernel() is None, reason="no C compiler here")
+pytestmark = [pytest.mark.skipif(kernel_build.compiler() is None, reason="no C compiler here"),
+              pytest.mark.usefixtures("built")]
+
+
+@pytest.fixture(scope="module")
+def built():
+    """With a C compiler here, the install's libraries must be there and loaded (a checkout:
+    ``pip install -e .``, or ``python -m speccheck.reference.kernels.build``)."""
+    assert cpu_kernels.loaded() == cpu_kernels.isa(), \
+        f"no built CPU kernel library for {cpu_kernels.isa()} in {cpu_kernels._LIB_DIR}"
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -141,9 +155,12 @@ def test_a_cpu_verify_runs_the_gdn_chunk_kernel_close_to_the_pytorch_form(monkey
 
 _ISA_PRODUCTS = """
 import sys, torch
+from pathlib import Path
 from speccheck.reference.kernels import cpu as ck
+if sys.argv[2] != "-":
+    ck._LIB_DIR = Path(sys.argv[2])
 g = torch.Generator().manual_seed(7)
-outs = {"isa": ck.isa()}
+outs = {"isa": ck.loaded()}
 for m, n, k in [(1, 70, 256), (3, 9, 40), (5, 33, 72), (6, 1032, 256), (7, 20, 300), (100, 24, 512)]:
     x = torch.randn(m, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
@@ -159,28 +176,33 @@ torch.save(outs, sys.argv[1])
 
 def test_every_instruction_set_this_cpu_has_gives_the_same_bits(tmp_path, monkeypatch):
     """The kernels built for each vector instruction set this CPU can run (AVX-512 tiles, AVX2,
-    generic C; ``SPECCHECK_CPU_ISA``) give the same bits for decode-, verify- and prefill-sized
-    products, RMSNorm and the GDN chunk: a golden recorded on one CPU holds on another."""
+    generic C; ``SPECCHECK_CPU_ISA``), by the install's own build step, give the same bits for
+    decode-, verify- and prefill-sized products, RMSNorm and the GDN chunk, and so does the
+    library the install built: a golden recorded on one CPU holds on another."""
     import os
     import subprocess
     import sys
 
     monkeypatch.delenv("SPECCHECK_CPU_ISA", raising=False)
+    monkeypatch.delenv("SPECCHECK_CPU_LINEAR", raising=False)
     fits = cpu_kernels._fitting()
     assert fits[-1] == "generic"
+    assert sorted(kernel_build.build_all(tmp_path / "lib", fits)) == sorted(fits)
+    runs = [(name, str(tmp_path / "lib"), {"SPECCHECK_CPU_ISA": name}) for name in fits]
+    runs.append(("installed", "-", {}))
     results = {}
-    for name in fits:
-        path = tmp_path / f"{name}.pt"
-        subprocess.run([sys.executable, "-c", _ISA_PRODUCTS, str(path)], check=True,
-                       env={**os.environ, "SPECCHECK_CPU_ISA": name})
-        results[name] = torch.load(path)
-        assert results[name].pop("isa") == name
+    for label, lib_dir, env in runs:
+        path = tmp_path / f"{label}.pt"
+        subprocess.run([sys.executable, "-c", _ISA_PRODUCTS, str(path), lib_dir], check=True,
+                       env={**os.environ, **env})
+        results[label] = torch.load(path)
+        assert results[label].pop("isa") == (fits[0] if label == "installed" else label)
     first = results[fits[0]]
-    for name in fits[1:]:
-        for key, got in results[name].items():
+    for label in [*fits[1:], "installed"]:
+        for key, got in results[label].items():
             got, want = (got, first[key]) if isinstance(got, tuple) else ((got,), (first[key],))
             for a, b in zip(got, want):
-                assert torch.equal(bits(a), bits(b)), (name, key)
+                assert torch.equal(bits(a), bits(b)), (label, key)
 
 
 def test_an_instruction_set_the_cpu_lacks_is_refused_clearly(monkeypatch):
@@ -196,21 +218,73 @@ def test_an_instruction_set_the_cpu_lacks_is_refused_clearly(monkeypatch):
     assert cpu_kernels.isa() == "generic"
 
 
-def test_a_compiler_that_cannot_build_the_widest_falls_back_to_a_narrower_build(
-        tmp_path, monkeypatch, capfd):
-    """A compiler that fails for AVX-512 (too old, say) leaves the AVX2 build, with a line on
-    stderr, not the PyTorch ops (same bits, much slower)."""
-    import shutil
+def _fresh(monkeypatch, lib_dir, fits=None):
+    """cpu.py as at first use, looking for its libraries in ``lib_dir`` (monkeypatch puts the
+    loaded library back afterwards)."""
+    monkeypatch.setattr(cpu_kernels, "_LIB_DIR", lib_dir)
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_lib_isa", None)
+    monkeypatch.setattr(cpu_kernels, "_lib_tried", False)
+    monkeypatch.delenv("SPECCHECK_CPU_LINEAR", raising=False)
+    if fits is not None:
+        monkeypatch.setattr(cpu_kernels, "_fitting", lambda: fits)
 
-    real = shutil.which("cc") or shutil.which("gcc")
+
+def _use_kernels():
+    """A linear and an RMSNorm, checked against their specifications."""
+    x, w = torch.randn(5, 40).bfloat16(), torch.randn(24, 40).bfloat16()
+    assert torch.equal(bits(rowinv_linear(x, w)), bits(rowinv_linear_torch(x, w)))
+    assert torch.equal(bits(rms_norm(x, None, 1e-6, torch.float32)),
+                       bits(rms_norm_torch(x, None, 1e-6, torch.float32)))
+
+
+def test_a_compiler_that_cannot_build_the_widest_leaves_a_narrower_library(
+        tmp_path, monkeypatch, capfd):
+    """A compiler that fails for AVX-512 (too old, say) fails only that library at install
+    time, with a line, not the install; the engine then loads the AVX2 build (same bits) and
+    says so once, not the PyTorch ops (same bits, much slower)."""
     fake = tmp_path / "cc"
     fake.write_text(f'#!/bin/sh\ncase "$*" in *-mavx512f*) echo "no AVX-512 here" >&2; exit 1;; '
-                    f'esac\nexec {real} "$@"\n')
+                    f'esac\nexec {shlex.join(kernel_build.compiler())} "$@"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
-    monkeypatch.setenv("SPECCHECK_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_kernels, "_fitting", lambda: ["avx512", "avx2", "generic"])
-    assert cpu_kernels._build() is not None
+    assert sorted(kernel_build.build_all(tmp_path / "lib")) == ["avx2", "generic"]
     err = capfd.readouterr().err
-    assert "for avx512" in err and "PyTorch ops" not in err
-    assert len(list((tmp_path / "cache").glob("cpu_kernels-*.so"))) == 1
+    assert "for avx512 (" in err and "no AVX-512 here" in err
+    _fresh(monkeypatch, tmp_path / "lib", ["avx512", "avx2", "generic"])
+    _use_kernels()
+    _use_kernels()
+    assert cpu_kernels.loaded() == "avx2"
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 1 and "avx512: not built" in err[0] and "running the avx2 build" in err[0]
+
+
+def test_without_a_library_the_pytorch_ops_run_and_say_so_once(tmp_path, monkeypatch, capfd):
+    _fresh(monkeypatch, tmp_path / "none")
+    _use_kernels()
+    _use_kernels()
+    assert cpu_kernels.loaded() is None and not cpu_kernels.compiled()
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 1 and "not built" in err[0] and "PyTorch ops (same bits, slower)" in err[0]
+    _fresh(monkeypatch, tmp_path / "none")
+    monkeypatch.setenv("SPECCHECK_CPU_LINEAR", "torch")  # asked for: nothing to say
+    _use_kernels()
+    assert cpu_kernels.loaded() is None and capfd.readouterr().err == ""
+
+
+def test_a_failed_build_is_a_line_not_an_error(tmp_path, monkeypatch):
+    """``CC=false`` (a compiler that fails): no library, no exception (the install goes on)."""
+    lines = []
+    monkeypatch.setenv("CC", "false")
+    assert kernel_build.build_all(tmp_path, log=lines.append) == {}
+    assert len(lines) == 3 and all("exited with status 1" in ln for ln in lines)
+    assert not list(tmp_path.iterdir())  # no half-written library left behind
+
+
+def test_a_library_built_from_another_source_is_refused(tmp_path, monkeypatch, capfd):
+    """A checkout's cpu_kernels.c edited since its libraries were built: they are not loaded."""
+    kernel_build.build("generic", tmp_path / kernel_build.library_name("generic"))
+    monkeypatch.setattr(cpu_kernels, "_source_sha", lambda: "0" * 64)
+    _fresh(monkeypatch, tmp_path, ["generic"])
+    assert cpu_kernels.loaded() is None
+    assert "generic: built from another cpu_kernels.c" in capfd.readouterr().err

@@ -2,33 +2,36 @@
 row-invariant and fast, and the verify's GDN chunk.
 
 A decode step (1 row), a verify (K+1 rows) and a batch all get the same bits for a row, on any
-CPU; the C kernels are compiled with the machine's C compiler at first use and cached, for the
-widest vector instructions the CPU has (:func:`isa`: AVX-512, AVX2 or generic C, the same bits
-from each). Without a
-compiler, :func:`rowinv_linear_torch` and :func:`rms_norm_torch` compute the same sums with
-PyTorch ops (slower, same bits); ``SPECCHECK_CPU_LINEAR=torch`` forces them. The GDN chunk
-(:func:`gdn_chunk`) has no such twin: without the compiled kernel a verify runs the chunked form
-as PyTorch ops (model.gdn_chunked), the same form summed in PyTorch's order.
+CPU. The C kernels are compiled at install time (build.py, run by setup.py's build_ext), one
+library per vector instruction set (AVX-512, AVX2, generic C: the same bits from each); at
+first use the library for the widest the CPU has is loaded (:func:`isa`; ``SPECCHECK_CPU_ISA``
+asks for a narrower one). Nothing is compiled at run time: where no built library fits (the
+install found no C compiler, say), one line on stderr says why and :func:`rowinv_linear_torch`
+and :func:`rms_norm_torch` compute the same sums with PyTorch ops (slower, same bits);
+``SPECCHECK_CPU_LINEAR=torch`` asks for them. The GDN chunk (:func:`gdn_chunk`) has no such twin:
+without the library a verify runs the chunked form as PyTorch ops (model.gdn_chunked), the same
+form summed in PyTorch's order. ``python -m speccheck.reference.kernels.build`` builds the
+libraries of a checkout by hand.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+from .build import ISA_NEEDS, ISAS, SOURCE, library_name, source_sha256
+
 _LANES = 16
+#: where the built libraries are looked for (next to this file, where the install puts them)
+_LIB_DIR = Path(__file__).parent
 _lib = None
+_lib_isa: str | None = None
 _lib_tried = False
 _lock = threading.Lock()
 _local = threading.local()
@@ -44,30 +47,18 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("SPECCHECK_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "speccheck")
-    return Path(base)
-
-
-#: vector instruction sets the kernels are built for, widest first; all give the same bits
-ISAS = ("avx512", "avx2", "generic")
-_ISA_NEEDS = {"avx512": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}, "avx2": {"avx2", "fma"},
-              "generic": set()}
-
-
 def _fitting() -> list[str]:
-    """The instruction sets to build for, widest first: those this CPU has, or only the one
-    that ``SPECCHECK_CPU_ISA`` asks for (to compare them, or to rule one out)."""
+    """The instruction sets to load a library for, widest first: those this CPU has, or only
+    the one that ``SPECCHECK_CPU_ISA`` asks for (to compare them, or to rule one out)."""
     have = _cpu_flags() if platform.machine() in ("x86_64", "AMD64") else set()
-    fits = [name for name in ISAS if _ISA_NEEDS[name] <= have]
+    fits = [name for name in ISAS if ISA_NEEDS[name] <= have]
     asked = os.environ.get("SPECCHECK_CPU_ISA")
     if asked:
         if asked not in ISAS:
             raise ValueError(f"SPECCHECK_CPU_ISA={asked!r}: choose one of {ISAS}")
         if asked not in fits:
             raise ValueError(f"SPECCHECK_CPU_ISA={asked!r}: this CPU lacks "
-                             f"{sorted(_ISA_NEEDS[asked] - have)}; it can run {fits}")
+                             f"{sorted(ISA_NEEDS[asked] - have)}; it can run {fits}")
         return [asked]
     return fits
 
@@ -77,48 +68,22 @@ def isa() -> str:
     return _fitting()[0]
 
 
-_ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-DUSE_FMA",  # a sum's 16 lanes in one zmm register
-                         "-mavx512f", "-mavx512bw", "-mavx512vl", "-DUSE_AVX512"],
-              "avx2": ["-mavx2", "-mfma", "-DUSE_FMA"],  # the lanes in two ymm registers; fused adds
-              "generic": []}
-
-
-def _compile(cc: str, name: str) -> Path | None:
-    """The library built for instruction set ``name`` (once per source, flags and machine;
-    an atomic rename makes racing processes safe), or None where the compiler fails."""
-    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"] + _ISA_FLAGS[name]
-    src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"cpu_kernels-{key}.so"
-    if lib.exists():
-        return lib
-    tmp = None
+def _source_sha() -> str | None:
+    """The sha256 of the cpu_kernels.c next to this file (None where it is not there)."""
     try:
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-        os.close(fd)
-        subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE)], check=True, capture_output=True,
-                       timeout=120)
-        os.replace(tmp, lib)
-        return lib
-    except (OSError, subprocess.SubprocessError) as e:
-        if tmp is not None and os.path.exists(tmp):  # no half-written library left behind
-            os.unlink(tmp)
-        print(f"speccheck: could not compile {_SOURCE.name} for {name} ({e})", file=sys.stderr)
+        return source_sha256(SOURCE)
+    except OSError:
         return None
 
 
-def _build() -> ctypes.CDLL | None:
-    """Compile and load the kernels for the widest instruction set the compiler manages
-    (a narrower one where it fails: the same bits); None where no C compiler works."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    lib = None if cc is None else next(filter(None, (_compile(cc, n) for n in _fitting())), None)
-    if lib is None:
-        if cc is not None:
-            print("speccheck: the reference engine's CPU kernels run as PyTorch ops (same bits, "
-                  "slower)", file=sys.stderr)
-        return None
-    dll = ctypes.CDLL(str(lib))
+def _open(path: Path) -> ctypes.CDLL:
+    """Load one library and declare its functions; OSError where it cannot be used (not
+    loadable, or built from another cpu_kernels.c than the one next to it)."""
+    dll = ctypes.CDLL(str(path))
+    built_from = ctypes.c_char_p.in_dll(dll, "cpu_kernels_sha256").value.decode()
+    want = _source_sha()
+    if want is not None and built_from != want:
+        raise OSError("built from another cpu_kernels.c than this one: rebuild it")
     fn = dll.rowinv_linear
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int,
@@ -145,14 +110,51 @@ def _build() -> ctypes.CDLL | None:
     return dll
 
 
+def _announce(line: str) -> None:
+    print(f"speccheck: {line}", file=sys.stderr, flush=True)
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """The built library for the widest instruction set that fits, and its name; (None, None)
+    where none is usable. Said on stderr, once: a narrower library than the CPU could run
+    (slower, same bits), or none at all (the PyTorch ops: much slower, same bits)."""
+    fits = _fitting()
+    why = []
+    for name in fits:
+        path = _LIB_DIR / library_name(name)
+        if not path.is_file():
+            why.append(f"{name}: not built")
+            continue
+        try:
+            dll = _open(path)
+        except (OSError, ValueError) as e:
+            why.append(f"{name}: {e}")
+            continue
+        if why:
+            _announce(f"the CPU kernels for {fits[0]} are not usable ({'; '.join(why)}): "
+                      f"running the {name} build (same bits, slower)")
+        return dll, name
+    _announce(f"no built CPU kernel library fits this CPU in {_LIB_DIR} ({'; '.join(why)}): the "
+              "reference engine's CPU kernels run as PyTorch ops (same bits, slower); reinstall "
+              "speccheck with a C compiler, or run python -m speccheck.reference.kernels.build")
+    return None, None
+
+
 def _kernel():
-    global _lib, _lib_tried
+    global _lib, _lib_isa, _lib_tried
     if not _lib_tried:
         with _lock:
             if not _lib_tried:
-                _lib = None if os.environ.get("SPECCHECK_CPU_LINEAR") == "torch" else _build()
+                if os.environ.get("SPECCHECK_CPU_LINEAR") != "torch":
+                    _lib, _lib_isa = _load()
                 _lib_tried = True
     return _lib
+
+
+def loaded() -> str | None:
+    """The instruction set of the library in use (None: the PyTorch ops)."""
+    _kernel()
+    return _lib_isa
 
 
 def _scratch(rows: int, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +170,7 @@ def _scratch(rows: int, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def rowinv_linear_torch(x: torch.Tensor, w: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:
-    """The kernel's sums as PyTorch ops (its specification; the fallback without a compiler)."""
+    """The kernel's sums as PyTorch ops (its specification; the fallback without a library)."""
     K = x.shape[-1]
     pad = -K % _LANES
     xs = F.pad(x.reshape(-1, K).float(), (0, pad)).view(-1, 1, (K + pad) // _LANES, _LANES)
@@ -247,7 +249,7 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor | None, eps: float, out_dtype)
 
 
 def compiled() -> bool:
-    """Whether the C kernels are there (compiled, or cached from an earlier compile)."""
+    """Whether the C kernels are there (a built library is loaded)."""
     return _kernel() is not None
 
 
@@ -284,7 +286,7 @@ def grouped_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, side:
                  reach: torch.Tensor, groups: int) -> torch.Tensor | None:
     """DFlash2's grouped convolution (dflash2.DFlashGroupedConv._convolve) in one C call with
     the bits of its PyTorch ops, or None where it does not apply (not the CPU, not inference,
-    mixed dtypes, no compiler): the caller then runs the ops. x [B, T, H]; base [taps, H]; delta
+    mixed dtypes, no library): the caller then runs the ops. x [B, T, H]; base [taps, H]; delta
     [B, T, 2, taps, G] (both sides, as kernel_projection leaves it); reach [taps, T] 0 / 1."""
     B, T, H = x.shape
     if (x.dtype not in (torch.float32, torch.bfloat16) or base.dtype != x.dtype
@@ -305,7 +307,7 @@ def dflash2_select(unary: torch.Tensor, h: torch.Tensor, pred_book: torch.Tensor
     """DFlash2's selector with the fp32 walk in one C call (cpu_kernels.c, ``dflash2_select``):
     unary [N, L, V] fp32 LM-head scores, h [N, L, R] fp32 (hidden_projection of the slots), the
     predecessor / successor codebooks [V, R], anchor [N] -> draft tokens [N, L]; None where it
-    does not apply (not the CPU, no compiler): the caller then runs the ops."""
+    does not apply (not the CPU, no library): the caller then runs the ops."""
     if not unary.is_cpu or _kernel() is None or pred_book.dtype not in (torch.float32, torch.bfloat16) \
             or succ_book.dtype != pred_book.dtype or k > unary.shape[-1]:
         return None

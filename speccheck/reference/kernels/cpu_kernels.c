@@ -18,12 +18,20 @@
  * decode loop). With AVX-512 (USE_AVX512) one register holds a sum's 16 lanes and tiles of up
  * to 6 rows x 4 weight rows serve every row count (a verify's products 1.7x faster in the
  * decode loop on the AVX-512 EPYC, a decode step's no slower). Those change speed, not any
- * element's arithmetic: cpu.py builds the widest the CPU has (SPECCHECK_CPU_ISA asks
- * for a narrower one), and the tests check that every build gives the same bits.
+ * element's arithmetic: the install builds one library per instruction set (build.py) and
+ * cpu.py loads the widest the CPU has (SPECCHECK_CPU_ISA asks for a narrower one); the tests
+ * check that every build gives the same bits.
  */
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+
+/* The sha256 of this file as build.py compiled it: cpu.py refuses a library built from another
+ * source (a checkout edited since its last build) */
+#ifndef CPU_KERNELS_SHA256
+#define CPU_KERNELS_SHA256 ""
+#endif
+const char *const cpu_kernels_sha256 = CPU_KERNELS_SHA256;
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
