@@ -16,17 +16,17 @@ from pathlib import Path
 
 import click
 
+from speccheck import api
 from speccheck.config import MatrixError, build_matrix
 from speccheck.corpus import CorpusError, list_corpora, load_corpus
-from speccheck.engines import EngineError, EngineUsageError, engine_class
-from speccheck.gate import (EXIT_ENGINE, EXIT_FAIL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PASS,
-                            EXIT_PIPE_CLOSED, EXIT_USAGE,
-                            exit_code, gate_text, plan_note,
-                            write_junit)
+from speccheck.engines import EngineError, EngineUsageError
+from speccheck.gate import (EXIT_ENGINE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, EXIT_USAGE,
+                            plan_note)
+from speccheck.plan import ENGINE_ARG_HELP, REFERENCE_ARG_KEYS, PlanError, make_plan, parse_engine_args
 from speccheck.policy import PolicyError, load_policy
 from speccheck.store import Store, StoreError
 
-USAGE_ERRORS = (CorpusError, MatrixError, PolicyError, StoreError, EngineUsageError)
+USAGE_ERRORS = (CorpusError, MatrixError, PlanError, PolicyError, StoreError, EngineUsageError)
 
 
 EXIT_CODES_HELP = ("Exit codes: 0 pass, 1 gate failed, 2 bad input or usage, 3 engine failure, "
@@ -116,16 +116,6 @@ class SpeccheckGroup(click.Group):
         sys.exit(EXIT_INTERNAL)
 
 
-def _engine_args(items: tuple[str, ...]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{item!r}: write --engine-arg key=value", param_hint="--engine-arg")
-        out[key.strip()] = value
-    return out
-
-
 def _settings(items: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for item in items:
@@ -135,26 +125,6 @@ def _settings(items: tuple[str, ...]) -> dict[str, str]:
         out[key.strip()] = value
     return out
 
-
-REFERENCE_ARG_KEYS = (
-    "dtype=bf16|fp32, gdn_prefill/gdn_decode/gdn_verify=chunked|recurrent|fused (fused: a "
-    "Triton kernel, CUDA), attn_prefill=single|multi, attn_decode/attn_verify=single|multi|fused, "
-    "attn_draft=multi|fused (fused: a Triton kernel, CUDA), device=auto|cpu|cuda, "
-    "cuda_graphs=on|off, compile=on|off (torch.compile of the CUDA graph steps), "
-    "prefix_cache=on|off, threads=N, batch=N, no_draft_every=N, "
-    "fault=NAME (planted bug), "
-    "dflash2_selector=on|off, dflash2_top_k=N, dflash2_walk=fp32|bf16")
-ENGINE_ARG_HELP = (
-    f"Engine option key=value (repeatable). reference: {REFERENCE_ARG_KEYS}. vllm: worker=per-call|"
-    "per-config, timeout_s=N, warmup=true|false, python=PATH (the worker's interpreter), "
-    "score_path=prefill|decode|verify, score_spec=CONFIG, pad_batch=N (decode beside N copies), "
-    "attribution_jobs=N (attribution switches at once, a worker each), "
-    "env.NAME=value (worker environment), "
-    "sampling.NAME=value (SamplingParams), spec.NAME=value (extra speculative_config keys; the "
-    "config itself comes from --method/--k/--draft), any other key a keyword argument of "
-    "vllm.LLM (e.g. attention_backend, gpu_memory_utilization, max_model_len, dtype; JSON "
-    "values). openai: base_url, served_model, api_key_env, timeout, retries, backoff, "
-    "tokenizer, score_base_url.")
 
 store_option = click.option("--store", "store_dir", default=".speccheck", show_default=True,
                             type=click.Path(file_okay=False), help="Store directory.")
@@ -220,124 +190,6 @@ run_options = [
 ]
 
 
-def _attribute_with(items: tuple[str, ...], cls) -> dict[str, str]:
-    """--attribute-with LABEL=URL pairs, checked by the engine before anything runs."""
-    out: dict[str, str] = {}
-    for item in items:
-        label, sep, url = item.partition("=")
-        if not sep or not label.strip() or not url.strip():
-            raise click.BadParameter(f"{item!r}: write --attribute-with LABEL=URL, e.g. "
-                                     "eager=http://127.0.0.1:8001", param_hint="--attribute-with")
-        if label.strip() in out:
-            raise click.BadParameter(f"label {label.strip()!r} is given twice",
-                                     param_hint="--attribute-with")
-        cls.attribution_server_args(label.strip(), url.strip())  # EngineUsageError if not
-        out[label.strip()] = url.strip()
-    return out
-
-
-def _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args,
-          no_attribution=False, base_url=None, served_model=None, api_key_env=None, concurrent=0,
-          attribute_with=(), max_tokens=None, ignore_eos=False, attribution_paths=None,
-          attribution_mode="rescore"):
-    from speccheck.runner import RunPlan
-
-    from speccheck.engines import ENGINES
-
-    args = _engine_args(engine_args)
-    server = {"base_url": base_url, "served_model": served_model, "api_key_env": api_key_env}
-    args.update({key: v for key, v in server.items() if v is not None})
-    # cheap errors first, before an engine (and torch) loads: the corpus, the engine's name,
-    # the matrix's syntax
-    load_corpus(corpus)
-    if engine not in ENGINES:
-        raise EngineUsageError(f"unknown engine {engine!r} (option --engine): choose one of {', '.join(ENGINES)}")
-    build_matrix(methods, k, configs, offered=None, engine=engine)
-    cls = engine_class(engine)
-    cls.preflight(model, args, draft)  # e.g. vLLM not importable: one paragraph, not one per run
-    if cls.serves_one_config and not (methods or configs):
-        raise MatrixError(f"the {engine} engine runs the one config its server runs: say which with "
-                          "--method baseline, or e.g. --method mtp --k 7 (run the baseline first, "
-                          "against a server without speculative decoding, into the same --store).")
-    default_k = {}
-    block_methods = [m for m in ("dflash", "dflash2") if m in methods]
-    if block_methods:  # K hint = the drafter's block_size - 1
-        probe = cls(model=model, engine_args=args, draft=draft)
-        try:
-            default_k.update({m: probe.default_k(m) for m in block_methods})
-        finally:
-            probe.close()
-    matrix = build_matrix(methods, k, configs, offered=cls.methods, engine=engine,
-                          default_k=default_k, draft=draft, include_baseline=not cls.serves_one_config)
-    return RunPlan(engine=engine, model=model, draft=draft, engine_args=args, corpus=corpus,
-                   configs=matrix, repeats=repeats, top_k=top_k, attribute=not no_attribution,
-                   concurrent=concurrent, attribute_with=_attribute_with(attribute_with, cls),
-                   max_tokens=max_tokens, ignore_eos=ignore_eos,
-                   attribution_paths=tuple(g.strip() for g in (attribution_paths or "").split(",")
-                                           if g.strip()),
-                   attribution_mode=attribution_mode)
-
-
-def _suite(store_dir: str, suite_id: str | None):
-    store = Store(store_dir)
-    return store.suite(suite_id) if suite_id else store.latest()
-
-
-def _detok_for(suite):
-    """Decode token ids for human-readable evidence. Only for the reference engine, which loads
-    in a second with no server or GPU; other engines' evidence shows ids (and stored text)."""
-    meta = suite.meta
-    if meta.get("engine") != "reference":
-        return None
-    try:
-        from speccheck.engines import make_engine
-
-        engine = make_engine("reference", meta.get("model"), meta.get("engine_args"), meta.get("draft"))
-        return bytes_shown(engine.detokenize, engine.token_bytes)
-    except Exception:  # noqa: BLE001 - evidence without decoded text is still evidence
-        return None
-
-
-def bytes_shown(detokenize, token_bytes):
-    """A detokenizer that shows bytes which are not whole UTF-8 characters as ``<0xE3>``
-    (a byte-level token often holds a third of a CJK character) instead of '\ufffd'."""
-    def detok(ids) -> str:
-        text = detokenize(ids)
-        if "\ufffd" not in text:
-            return text
-        parts = [token_bytes(int(t)) for t in ids]
-        if any(p is None for p in parts):
-            return text
-        raw, out, i = b"".join(parts), [], 0
-        while i < len(raw):
-            for n in (1, 2, 3, 4):
-                try:
-                    out.append(raw[i:i + n].decode("utf-8"))
-                    i += n
-                    break
-                except UnicodeDecodeError:
-                    continue
-            else:
-                out.append(f"<0x{raw[i]:02X}>")
-                i += 1
-        return "".join(out)
-    return detok
-
-
-def _evaluate(store_dir, suite_id, policy_file, settings, configs=None, golden_dir="golden"):
-    """The suite judged by the policy, against the golden in ``golden_dir`` (None: without one)."""
-    from speccheck.evaluate import evaluate_suite
-    from speccheck.golden import golden_acceptance, golden_noise
-
-    suite = _suite(store_dir, suite_id)
-    policy = load_policy(policy_file, _settings(settings))
-    detok = _detok_for(suite)
-    have_base = suite.is_complete("baseline", 0) and golden_dir is not None
-    gold = golden_acceptance(suite, Path(golden_dir)) if have_base else None
-    gold_noise = golden_noise(suite, Path(golden_dir)) if have_base else None
-    return suite, evaluate_suite(suite, policy, configs, gold, detok, gold_noise), detok
-
-
 @click.group(cls=SpeccheckGroup, epilog=EXIT_CODES_HELP)
 @click.version_option(package_name="speccheck")
 def main() -> None:
@@ -370,9 +222,9 @@ def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, 
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
-    plan = _plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args, no_attribution,
-                 base_url, served_model, api_key_env, concurrent, attribute_with, max_tokens, ignore_eos,
-                 attribution_paths, attribution_mode)
+    plan = make_plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args,
+                     no_attribution, base_url, served_model, api_key_env, concurrent, attribute_with,
+                     max_tokens, ignore_eos, attribution_paths, attribution_mode)
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
@@ -436,38 +288,23 @@ def diff(methods, k, configs, against, as_json, run_missing, corpus, suite, stor
         previous = latest.read_text() if latest.exists() else None
         if corpus is None:
             corpus = store.latest().meta["corpus"] if previous else "default"
-        plan = _plan("reference", None, None, methods, k, configs, corpus, 2, 5, (), concurrent=2)
+        plan = make_plan("reference", None, None, methods, k, configs, corpus, 2, 5, (), concurrent=2)
         ran = run_suite(plan, store, log=lambda m: click.echo(m, err=True))
         if previous is not None and previous.strip() != ran.id:
             store.set_latest(previous.strip())  # diff looks; only `run` moves LATEST
         suite = ran.id
-    s = _suite(store_dir, suite)
+    s = api.open_suite(store_dir, suite)
     names = _select(s, methods, k, configs)
     if names is not None and len(names) <= 1 and (methods or configs):
         raise MatrixError(f"no stored runs for {', '.join(methods or configs)} in suite {s.id}; "
                           "run them first (`speccheck run --method ...`) or pass --run.")
-    s, result, detok = _evaluate(store_dir, suite, policy_file, settings, names, golden_dir)
+    s, result, detok = api.evaluate(store_dir, suite, policy_file, _settings(settings), names, golden_dir)
     if against == "golden":
         _golden_check_print(s, result, golden_dir, policy_file, settings)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=1, default=str, ensure_ascii=False))
     else:
         click.echo(diff_text(result, detok) + (f"\n{plan_note(result)}" if plan_note(result) else ""))
-
-
-def _demanded(suite, methods, k, configs) -> tuple[list[str], list[str]]:
-    """Configs named on the command line: (names, methods named without --k that have no
-    config stored or planned). A method without --k means every K of it stored or planned."""
-    from speccheck.evaluate import judged_configs
-
-    names = [c.name for c in build_matrix(methods if k is not None else (), k, configs, offered=None,
-                                          include_baseline=False)] if (k is not None or configs) else []
-    unmet = []
-    for m in methods if k is None else ():
-        have = [n for n in judged_configs(suite) if n == m or n.startswith(f"{m}-k")]
-        names += have
-        unmet += [] if have else [m]
-    return names, unmet
 
 
 @main.command()
@@ -483,18 +320,10 @@ def _demanded(suite, methods, k, configs) -> tuple[list[str], list[str]]:
 def gate(methods, k, configs, suite, store_dir, golden_dir, policy_file, settings, junit):
     """Apply the policy to every config stored, planned (by `run`) or demanded here: exit 0
     pass, 1 fail, 3 engine failure. A planned or demanded config that is missing fails."""
-    from speccheck.evaluate import judged_configs
-
-    s = _suite(store_dir, suite)
-    demanded, unmet = _demanded(s, methods, k, configs)
-    names = judged_configs(s, demanded) if demanded else None
-    _, result, _ = _evaluate(store_dir, s.id, policy_file, settings, names, golden_dir=golden_dir)
-    unmet = [f"--method {m}: demanded, but suite {s.id} stores and plans no {m} config; run one: "
-             f"`{s.run_command('--method', m)}`" for m in unmet]
-    click.echo(gate_text(result, unmet))
-    if junit:
-        write_junit(result, Path(junit))
-    sys.exit(exit_code(result) or (EXIT_FAIL if unmet else EXIT_PASS))
+    verdict = api.gate(store_dir, suite, policy=policy_file, settings=_settings(settings), golden=golden_dir,
+                       methods=methods, k=k, configs=configs, junit=junit)
+    click.echo(verdict.text)
+    sys.exit(verdict.exit_code)
 
 
 @main.command()
@@ -511,7 +340,7 @@ def report(suite, store_dir, golden_dir, policy_file, settings, out, html_file):
     HTML report (verdict, K-sweep and margin plots, every check and divergence)."""
     from speccheck.report import method_table, write_report
 
-    s, result, detok = _evaluate(store_dir, suite, policy_file, settings, golden_dir=golden_dir)
+    s, result, detok = api.evaluate(store_dir, suite, policy_file, _settings(settings), golden_dir=golden_dir)
     paths = write_report(result, Path(out) if out else s.root, detok, Path(html_file) if html_file else None)
     click.echo(method_table(result) + "\n")
     click.echo("\n".join(f"wrote {p}" for p in paths))
@@ -542,13 +371,13 @@ def sweep(methods, k, engine, model, draft, corpus, repeats, engine_args, store_
     from speccheck.report import best_configs, speedup_table, sweep_table
     from speccheck.runner import run_suite
 
-    plan = _plan(engine, model, draft, methods, k, (), corpus, repeats, 5, engine_args, no_attribution=True)
+    plan = make_plan(engine, model, draft, methods, k, (), corpus, repeats, 5, engine_args, no_attribution=True)
     plan.round_robin = True  # every K of a round meets the same spells of load on a shared machine
     plan.fresh_process_repeat = False  # speed and acceptance; determinism across processes is `run`'s
     suite = run_suite(plan, Store(store_dir), log=lambda m: click.echo(m, err=True))
     if repeats < 2:  # a sweep is about speed and acceptance; determinism needs --repeats 2
         settings = ("require_deterministic=false", *settings)
-    _, result, _ = _evaluate(store_dir, suite.id, policy_file, settings, [c.name for c in plan.configs])
+    _, result, _ = api.evaluate(store_dir, suite.id, policy_file, _settings(settings), [c.name for c in plan.configs])
     click.echo(sweep_table(result))
     best = best_configs(result)
     for method in dict.fromkeys(c.method for c in plan.configs if not c.is_baseline):
@@ -578,7 +407,7 @@ def golden_record(suite, store_dir, golden_dir, policy_file, settings, force):
     intended change of numerics moves logprobs and acceptance away from the old golden)."""
     from speccheck import golden as g
 
-    s, result, _ = _evaluate(store_dir, suite, policy_file, settings,
+    s, result, _ = api.evaluate(store_dir, suite, policy_file, _settings(settings),
                              golden_dir=None if force else golden_dir)
     path = g.record(s, result, Path(golden_dir), force=force)
     click.echo(f"recorded golden {path} ({len(result.configs)} configs' acceptance)")
@@ -597,7 +426,7 @@ def _golden_check_print(s, result, golden_dir, policy_file, settings) -> bool:
     from speccheck import golden as g
 
     policy = load_policy(policy_file, _settings(settings))
-    detok = _detok_for(s)
+    detok = api.detokenizer(s)
     chk = g.check(s, Path(golden_dir), result.noise, policy, detok)
     lines = _comparison_lines(chk.comparison, detok)
     click.echo(f"golden {chk.path}: {lines[0]}")
@@ -629,7 +458,7 @@ def _golden_check_print(s, result, golden_dir, policy_file, settings) -> bool:
 def golden_check(suite, store_dir, golden_dir, policy_file, settings):
     """Compare today's baseline with the golden; only classified near-ties may differ. A
     planned run missing from the suite fails the check too."""
-    s, result, _ = _evaluate(store_dir, suite, policy_file, settings, golden_dir=golden_dir)
+    s, result, _ = api.evaluate(store_dir, suite, policy_file, _settings(settings), golden_dir=golden_dir)
     missing = [m for r in result.configs for m in r.missing]
     for line in missing:
         click.echo(f"FAIL  {line}")
@@ -660,7 +489,7 @@ def compare(config_names, suite, store_dir, other_store, other_suite, policy_fil
     from speccheck.identity import changes_str
     from speccheck.report import divergence_line
 
-    a, b = _suite(store_dir, suite), _suite(other_store, other_suite)
+    a, b = api.open_suite(store_dir, suite), api.open_suite(other_store, other_suite)
     if config_names:
         for name in config_names:
             for side, opt in ((a, "--store"), (b, "--with-store")):
@@ -679,7 +508,7 @@ def compare(config_names, suite, store_dir, other_store, other_suite, policy_fil
         raise StoreError(f"suites {a.id} and {b.id} ran different corpora (hash {a.meta.get('corpus_hash')} "
                          f"vs {b.meta.get('corpus_hash')}); compare runs of the same corpus.")
     policy = load_policy(policy_file, _settings(settings))
-    detok = _detok_for(a)
+    detok = api.detokenizer(a)
     cmp = compare_suites(a, b, names, policy, detok)
     click.echo(f"{a.id} vs {b.id} (path noise {cmp.noise:.4f} nats, tau_tie {cmp.tau_tie:.3f}, "
                f"tau_low {cmp.tau_low:.3f})")
@@ -869,7 +698,7 @@ def serve(host, port, method, k, model, api_key_env, engine_args):
     if method != "baseline":
         build_matrix([method], str(k) if k is not None else None, offered=("mtp", "dflash", "dflash2"))
     serve_forever(host=host, port=port, method=method, k=k or 0, api_key_env=api_key_env,
-                  engine_args=_engine_args(engine_args), model=model)
+                  engine_args=parse_engine_args(engine_args), model=model)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,15 @@ DEFAULT_MATRIX = ("baseline",) + tuple(f"mtp-k{k}" for k in range(1, 8)) + ("dfl
                                                                            "dflash2-k7")
 DEFAULT_K = {"mtp": list(range(1, 8))}
 
+#: engine args that change how speccheck talks to an engine or how much memory it takes, not
+#: what it computes: left out of the suite's id and of a golden's directory (kept here, not on
+#: the engine classes, so that no engine loads to compute an id or name a golden)
+RUN_ONLY_ARGS: dict[str, frozenset[str]] = {
+    "openai": frozenset({"score_base_url", "timeout", "retries", "backoff", "api_key_env"}),
+    "vllm": frozenset({"gpu_memory_utilization", "kv_cache_memory_bytes", "worker", "python",
+                       "timeout_s", "warmup", "attribution_jobs"}),
+}
+
 
 class MatrixError(ValueError):
     """A bad --method / --k / --config (exit code 2)."""

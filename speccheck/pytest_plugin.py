@@ -34,7 +34,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--spec-store", default=".speccheck", help="store directory")
     g.addoption("--spec-golden", default="golden", help="golden directory")
     g.addoption("--spec-repeats", default=2, type=int, help="repeats per config")
-    from speccheck.cli import ENGINE_ARG_HELP
+    from speccheck.plan import ENGINE_ARG_HELP
 
     g.addoption("--spec-engine-arg", action="append", default=[],
                 help=ENGINE_ARG_HELP.replace("Engine option", "engine option"))
@@ -57,7 +57,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _plan(config: pytest.Config):
-    from speccheck.cli import _plan as plan_from_options
+    from speccheck.plan import make_plan as plan_from_options
 
     o = config.getoption
     return plan_from_options(o("--spec-engine"), o("--spec-model"), o("--spec-draft"),
@@ -70,7 +70,7 @@ def _plan(config: pytest.Config):
 def _config_names(config: pytest.Config) -> list[str]:
     """The configs the options demand, and every config an earlier run planned in the same
     suite: a planned config the store misses fails its tests instead of going unseen."""
-    from speccheck.runner import plan_suite_id
+    from speccheck.plan import plan_suite_id
     from speccheck.store import Store, StoreError, config_sort_key
 
     plan = _plan(config)
@@ -135,6 +135,8 @@ def _check_test(spec):
     """``test_<check>[<config>]``: one registered check on one config, its description as docs."""
     @pytest.mark.spec
     def test(spec_result, spec_config):
+        if spec.name != "ran":  # a config that did not run fails every test with why
+            _assert_check(spec_result, spec_config, "ran")
         _assert_check(spec_result, spec_config, spec.name)
 
     test.__name__ = test.__qualname__ = f"test_{spec.name}"

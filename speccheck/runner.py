@@ -16,90 +16,19 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
-from speccheck import __version__
-from speccheck.corpus import Corpus, load_corpus
-from speccheck.engines import RUN_ONLY_ARGS, Engine, EngineError, EngineUsageError, make_engine
+from speccheck.version import __version__
+from speccheck.corpus import Corpus
+from speccheck.engines import Engine, EngineError, EngineUsageError, make_engine
 from speccheck.engines.base import ScoringUnavailable
-from speccheck.store import Store, StoreError, Suite, suite_id
+from speccheck.plan import RunPlan, plan_suite_id
+from speccheck.store import Store, StoreError, Suite
 from speccheck.types import RunRecord, SpecConfig
 from speccheck.verify import first_divergence
-
-
-@dataclass
-class RunPlan:
-    """Everything that identifies a suite plus what to run in it."""
-
-    engine: str = "reference"
-    model: str | None = None
-    draft: str | None = None
-    engine_args: dict[str, str] = field(default_factory=dict)
-    corpus: str = "default"
-    configs: list[SpecConfig] = field(default_factory=lambda: [SpecConfig()])
-    repeats: int = 2
-    top_k: int = 5
-    fresh_process_repeat: bool = True  # the last repeat runs in a fresh process
-    rescore: bool = True
-    attribute: bool = True
-    #: N > 0: per config, also one run of the whole corpus at once with every prompt N times
-    #: (batch-composition invariance; N identical concurrent requests give one completion)
-    concurrent: int = 0
-    #: label -> URL of a second server with other kernel settings to attribute with
-    #: (openai engine; not part of the suite's identity)
-    attribute_with: dict[str, str] = field(default_factory=dict)
-    #: max_tokens of prompts from corpora that carry none (Spec-Bench's question.jsonl)
-    max_tokens: int | None = None
-    #: decode every prompt's full max_tokens past end-of-sequence (part of the suite identity)
-    ignore_eos: bool = False
-    #: globs over the engine's kernel-path labels to attribute with (empty: all of them);
-    #: each path costs an engine start, so a user on a real engine picks the ones they need
-    attribution_paths: tuple[str, ...] = ()
-    #: "rescore": re-score each divergent prefix under each kernel path (one call per path);
-    #: "rerun": regenerate the divergent prompts' baseline with one switch flipped per path and
-    #: read the token at the divergent position (slower; follows the path the run took)
-    attribution_mode: str = "rescore"
-    #: run repeat 0 of every config, then repeat 1, ... (a sweep: a drift in machine load then
-    #: hits every config of a round alike, instead of all repeats of one config)
-    round_robin: bool = False
-
-    def suite_meta(self, corpus: Corpus) -> dict:
-        return {"engine": self.engine, "model": self.model, "draft": self.draft,
-                "engine_args": self.engine_args, "corpus": corpus.name, "corpus_hash": corpus.hash,
-                "ignore_eos": self.ignore_eos, "top_k": self.top_k, "speccheck_version": __version__}
-
-    def load_corpus(self) -> Corpus:
-        """The corpus; with ``ignore_eos`` every prompt decodes its full budget."""
-        corpus = load_corpus(self.corpus, self.max_tokens)
-        if not self.ignore_eos:
-            return corpus
-        return replace(corpus, prompts=[replace(p, ignore_eos=True) for p in corpus.prompts])
-
-    def run_args(self) -> list[str]:
-        """The `speccheck run` options that name this plan's suite (to resume it)."""
-        args = ["--engine", self.engine]
-        args += ["--model", self.model] if self.model else []
-        args += ["--draft", self.draft] if self.draft else []
-        for key, value in sorted(self.engine_args.items()):
-            args += ["--engine-arg", f"{key}={value}"]
-        args += ["--corpus", self.corpus]
-        args += ["--max-tokens", str(self.max_tokens)] if self.max_tokens else []
-        args += ["--ignore-eos"] if self.ignore_eos else []
-        args += ["--top-k", str(self.top_k)] if self.top_k != 5 else []
-        args += ["--attribution-paths", ",".join(self.attribution_paths)] if self.attribution_paths else []
-        args += ["--attribution-mode", "rerun"] if self.attribution_mode == "rerun" else []
-        return args
-
-    def planned(self) -> dict[str, dict]:
-        """What each config must leave in the store (recorded before any engine starts)."""
-        want = {"repeats": self.repeats,
-                "fresh_process_repeat": self.fresh_process_repeat and self.repeats > 1,
-                "concurrent": self.concurrent, "rescore": self.rescore}
-        return {c.name: {**want, "attribute": self.attribute and not c.is_baseline}
-                for c in self.configs}
 
 
 Log = Callable[[str], None]
@@ -107,14 +36,6 @@ Log = Callable[[str], None]
 
 def _print(msg: str) -> None:
     print(msg, flush=True)
-
-
-def plan_suite_id(plan: RunPlan, corpus: Corpus | None = None) -> str:
-    """The id of the suite this plan runs in (its corpus loaded unless given)."""
-    corpus = corpus or plan.load_corpus()
-    skip = RUN_ONLY_ARGS.get(plan.engine, frozenset())
-    args = {k: v for k, v in plan.engine_args.items() if k not in skip}
-    return suite_id(plan.engine, plan.model, plan.draft, args, corpus.name, corpus.hash, plan.ignore_eos)
 
 
 def open_suite(plan: RunPlan, store: Store, corpus: Corpus) -> Suite:

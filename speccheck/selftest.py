@@ -25,7 +25,8 @@ from speccheck.corpus import load_corpus
 from speccheck.engines import EngineUsageError, make_engine
 from speccheck.evaluate import evaluate_suite
 from speccheck.policy import Policy
-from speccheck.runner import RunPlan, open_suite, rescore_suite, run_one
+from speccheck.plan import RunPlan
+from speccheck.runner import open_suite, rescore_suite, run_one
 from speccheck.store import Store, Suite
 from speccheck.types import SpecConfig
 

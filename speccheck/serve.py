@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-import speccheck
+from speccheck.version import __version__
 from speccheck.engines.base import Engine, EngineUsageError
 from speccheck.types import Completion, Prompt, SpecConfig
 
@@ -138,7 +138,7 @@ class ServeState:
     def version(self) -> dict:
         with self.lock:
             identity = self.engine.identity()
-        return {"version": speccheck.__version__,
+        return {"version": __version__,
                 "speccheck": {"server": "speccheck serve", "config": self.config.to_dict(),
                               "engine_identity": identity}}
 

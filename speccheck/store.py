@@ -35,7 +35,6 @@ import re
 import shlex
 import shutil
 import tempfile
-import time
 import zipfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -43,6 +42,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from speccheck.files import share_mode
 from speccheck.types import Completion, RunRecord, Scored, SpecConfig, SpecCounters
 
 FORMAT_VERSION = 1
@@ -61,18 +61,6 @@ def suite_id(engine: str, model: str | None, draft: str | None, engine_args: dic
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     model_slug = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model).name if model else "default")[:40]
     return f"{engine}-{model_slug}-{corpus}-{digest}"
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def share_mode(path: Path, directory: bool = False) -> None:
-    """mkstemp/mkdtemp create 0600/0700; stored files are shared like any file the user
-    writes (a vLLM container running as another user, a CI cache), as the umask says."""
-    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
 
 
 _SUMS: dict[tuple, dict] = {}  # (path, mtime_ns, size, inode) -> sum: each file hashed once per process
@@ -549,7 +537,7 @@ class Suite:
         return self._read_once("rescore", (path, _sidecar(path)), lambda: self._read_rescore(path, config_name))
 
     def _read_rescore(self, path: Path, config_name: str) -> dict[str, Scored]:
-        redo = self.redo_hint(config_name, f"its rescoring")
+        redo = self.redo_hint(config_name, "its rescoring")
         a = _load_npz(path, redo, ("ids", "topk_ids", "topk_logprobs", "token_logprobs", "offsets"))
         off = a["offsets"]
         try:

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,8 @@ from click.testing import CliRunner
 
 from speccheck.cli import main
 from speccheck.engines import EngineError
-from speccheck.runner import RunPlan, plan_suite_id, run_suite
+from speccheck.plan import RunPlan, plan_suite_id
+from speccheck.runner import run_suite
 from speccheck.store import Store
 from speccheck.types import SpecConfig
 
@@ -36,25 +36,53 @@ def suite_dir(store: Path) -> Path:
     return suite
 
 
+#: `speccheck run` with two holds put in, so that where it is killed does not hang on the
+#: machine's speed: the fresh-process lane never starts a worker, and the process stops for
+#: good right after storing the baseline's first run, saying so on stdout (after the run's own lines).
+HELD_RUN = """
+import sys, threading
+import speccheck.runner, speccheck.store
+from speccheck.cli import main
+
+def held(*args, **kwargs):
+    threading.Event().wait()  # the fresh-process lane: held until the kill
+
+write_run = speccheck.store.Suite.write_run
+
+def write_then_stop(self, record):
+    path = write_run(self, record)
+    if record.config.is_baseline and record.repeat == 0:
+        print("<baseline r0 stored>", flush=True)
+        threading.Event().wait()  # held until the kill
+    return path
+
+speccheck.runner.run_in_fresh_process = held
+speccheck.store.Suite.write_run = write_then_stop
+sys.argv = ["speccheck", *sys.argv[1:]]
+main()
+"""
+
+
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory) -> Path:
-    """`speccheck run --method mtp --k 3 --corpus smoke` killed with SIGKILL (with the
-    fresh-process worker it may have started) as soon as the baseline's first run is stored:
-    what a killed CI job leaves behind."""
+    """`speccheck run --method mtp --k 3 --corpus smoke` killed with SIGKILL right after the
+    baseline's first run is stored (:data:`HELD_RUN`): what a killed CI job leaves behind."""
     store = tmp_path_factory.mktemp("killed") / "S"
-    proc = subprocess.Popen([sys.executable, "-m", "speccheck.cli", *RUN, "--store", str(store)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-c", HELD_RUN, *RUN, "--store", str(store)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             start_new_session=True)
-    deadline = time.monotonic() + 600
     try:
-        while not list(store.glob("suites/*/runs/baseline/r0/manifest.json")):
-            assert proc.poll() is None, "the run ended before it could be killed"
-            assert time.monotonic() < deadline, "the baseline was never stored"
-            time.sleep(0.05)
+        said = ""
+        for said in iter(proc.stdout.readline, ""):  # the run's own output comes first
+            if said == "<baseline r0 stored>\n":
+                break
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the run's own process group, nothing else
         proc.wait()
-    assert not (suite_dir(store) / "runs" / "mtp-k3").exists(), "killed too late for this test"
+        proc.stdout.close()
+    assert said == "<baseline r0 stored>\n", f"the run ended before the baseline was stored: {said!r}"
+    assert list(store.glob("suites/*/runs/baseline/r0/manifest.json"))
+    assert not (suite_dir(store) / "runs" / "mtp-k3").exists()
     return store
 
 
@@ -175,7 +203,7 @@ def test_a_second_run_extends_the_plan(tmp_path, monkeypatch):
 
 def test_pytest_plugin_fails_a_planned_config_it_was_not_asked_for(resumed, tmp_path):
     """`pytest -m spec` generates tests for every config the suite's plan holds: one an
-    earlier run planned and never stored fails there by name."""
+    earlier run planned and never stored fails every one of its tests there, by name."""
     store = tmp_path / "S"
     shutil.copytree(resumed, store)
     plan = RunPlan(corpus="smoke", configs=[SpecConfig(), SpecConfig("mtp", 3)])
@@ -188,8 +216,10 @@ def test_pytest_plugin_fails_a_planned_config_it_was_not_asked_for(resumed, tmp_
                         str(test_file), "--spec-store", str(store), "--spec-corpus", "smoke",
                         "--spec-method", "mtp", "--spec-k", "3", "-k", "deterministic"],
                        capture_output=True, text=True, cwd=tmp_path)
-    assert "1 failed, 2 passed" in r.stdout, r.stdout
+    # every test of the missing config fails, with why; the stored configs' tests pass or skip
+    assert "2 failed, 2 passed, 1 skipped" in r.stdout, r.stdout
     assert re.search(r"FAILED .*test_deterministic\[mtp-k5\]", r.stdout), r.stdout
+    assert re.search(r"FAILED .*test_acceptance_deterministic\[mtp-k5\]", r.stdout), r.stdout
     assert "mtp-k5 was planned but is not stored" in r.stdout
 
 
@@ -287,7 +317,8 @@ def test_rescoring_refused_is_left_for_a_later_run_that_can(tmp_path):
     rescoring and says so; the next rescoring pass, even one planned for the baseline only,
     rescores what was left (the openai flow: spec server, then the baseline server again)."""
     from speccheck.engines import make_engine
-    from speccheck.runner import RunPlan, rescore_suite, run_suite
+    from speccheck.plan import RunPlan
+    from speccheck.runner import rescore_suite, run_suite
     from speccheck.store import Store
     from speccheck.types import SpecConfig
 
@@ -313,7 +344,7 @@ def test_where_the_openai_engine_rescores_is_not_part_of_the_suite():
     """score_base_url, timeouts and the key's variable change how speccheck talks to a server,
     not what it computes: a spec run rescored on a baseline server beside it is in the baseline's
     suite. The server under test (base_url) and the tokenizer still are."""
-    from speccheck.runner import RunPlan, plan_suite_id
+    from speccheck.plan import RunPlan, plan_suite_id
 
     def sid(**args):
         return plan_suite_id(RunPlan(engine="openai", corpus="smoke", engine_args=args))
@@ -333,7 +364,8 @@ def test_rerun_attribution_reads_the_regenerated_baseline(tmp_path):
     import numpy as np
 
     from speccheck.engines.vllm import rerun_switches
-    from speccheck.runner import RunPlan, run_suite
+    from speccheck.plan import RunPlan
+    from speccheck.runner import run_suite
     from speccheck.store import Store
     from speccheck.types import SpecConfig
 
@@ -376,7 +408,8 @@ def test_attribution_jobs_run_kernel_paths_at_once_with_the_same_result(tmp_path
     import threading
 
     from speccheck.engines import make_engine
-    from speccheck.runner import RunPlan, attribute_suite, run_suite
+    from speccheck.plan import RunPlan
+    from speccheck.runner import attribute_suite, run_suite
     from speccheck.store import Store
     from speccheck.types import SpecConfig
 
@@ -407,7 +440,8 @@ def test_rerun_attribution_also_regenerates_the_spec_side(tmp_path):
     token is the cause. Planted here: the spec runs carry the stale-state fault, which no
     baseline run has, so only the spec run with the fault switched off removes the divergence."""
     from speccheck.report import attribution_str
-    from speccheck.runner import RunPlan, attribute_suite, run_suite
+    from speccheck.plan import RunPlan
+    from speccheck.runner import attribute_suite, run_suite
     from speccheck.store import Store
     from speccheck.types import SpecConfig
 
@@ -435,7 +469,8 @@ def test_attribution_stopped_half_way_resumes_with_the_paths_still_to_do(tmp_pat
     deadline would) keeps that path, and the next run starts engines only for the rest and
     stores the same attribution as one uninterrupted run."""
     import speccheck.runner as runner
-    from speccheck.runner import RunPlan, attribute_suite, run_suite
+    from speccheck.plan import RunPlan
+    from speccheck.runner import attribute_suite, run_suite
     from speccheck.store import Store
     from speccheck.types import SpecConfig
 

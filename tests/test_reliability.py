@@ -74,12 +74,12 @@ def test_help_and_readme_list_the_exit_codes():
 @pytest.mark.parametrize("command", [["gate"], ["diff"], ["report"]])
 def test_a_crash_inside_a_command_exits_4_and_saves_the_traceback(store, monkeypatch, command):
     """Test double: `evaluate_suite` is replaced by one that raises, standing in for a bug."""
-    import speccheck.evaluate
+    import speccheck.api
 
     def broken(*a, **k):
         raise ZeroDivisionError("planted bug")
 
-    monkeypatch.setattr(speccheck.evaluate, "evaluate_suite", broken)
+    monkeypatch.setattr(speccheck.api, "evaluate_suite", broken)
     r = invoke(*command, "--store", str(store))
     assert r.exit_code == 4, r.output
     line = [ln for ln in r.output.splitlines() if "internal error" in ln]
@@ -93,14 +93,14 @@ def test_a_crash_inside_a_command_exits_4_and_saves_the_traceback(store, monkeyp
 @pytest.mark.parametrize("command", [["gate"], ["report"]])
 def test_ctrl_c_exits_130_and_keeps_the_store(store, monkeypatch, command):
     """Test double: `evaluate_suite` raises KeyboardInterrupt, as Ctrl-C would mid-command."""
-    import speccheck.evaluate
+    import speccheck.api
 
     before = snapshot(store)
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(speccheck.evaluate, "evaluate_suite", interrupted)
+    monkeypatch.setattr(speccheck.api, "evaluate_suite", interrupted)
     r = invoke(*command, "--store", str(store))
     assert r.exit_code == 130 and "interrupted" in r.output and "Traceback" not in r.output
     assert snapshot(store) == before
@@ -112,7 +112,7 @@ def test_ctrl_c_in_a_real_process_exits_130(store):
     import (a SIGINT while torch loads can abort the process: -6, seen under load)."""
     import signal
 
-    code = ("import sys, time, torch, speccheck.cli, speccheck.evaluate as ev\n"
+    code = ("import sys, time, torch, speccheck.cli, speccheck.api as ev\n"
             "def waiting(*a, **k):\n    print('evaluating', flush=True); time.sleep(60)\n"
             "ev.evaluate_suite = waiting\n"
             f"sys.argv = ['speccheck', 'gate', '--store', {str(store)!r}]; speccheck.cli.main()")
@@ -547,7 +547,7 @@ def test_openai_base_url_environment_is_honoured(monkeypatch):
 
 
 def test_byte_tokens_are_shown_as_hex_bytes():
-    from speccheck.cli import bytes_shown
+    from speccheck.api import bytes_shown
     from speccheck.engines import make_engine
 
     e = make_engine("reference")
@@ -979,7 +979,7 @@ def test_vllm_check_is_made_against_the_named_interpreter(tmp_path):
     assert vllm_import_problem(str(other), {}) is None
     if __import__("importlib").util.find_spec("vllm") is None:
         assert "No module named 'vllm'" in vllm_import_problem(None, {})
-    ckpt = Path(__file__).parents[1] / "speccheck" / "engines" / "reference" / "weights"  # config + tokenizer
+    ckpt = Path(__file__).parents[1] / "speccheck" / "reference" / "weights"  # config + tokenizer
     r = invoke("run", "--engine", "vllm", "--model", str(ckpt), "--store", str(tmp_path / "st"),
                "--corpus", "smoke", "--method", "mtp", "--k", "3", "--repeats", "1",
                "--concurrent", "0", "--no-attribution", "--engine-arg", f"python={other}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from speccheck.engines import make_engine
-from speccheck.runner import RunEta, RunPlan, run_suite
+from speccheck.plan import RunPlan
+from speccheck.runner import RunEta, run_suite
 from speccheck.store import Store
 from speccheck.types import SpecConfig
 

@@ -34,14 +34,14 @@ from speccheck.engines.vllm_worker import format_nccl_version, gpu_links, parall
 from speccheck.compare import attribute_across, compare_suites
 from speccheck.identity import changes_cause, identity_changes
 from speccheck.policy import Policy
-from speccheck.runner import RunPlan, plan_suite_id
+from speccheck.plan import RunPlan, plan_suite_id
 from speccheck.store import Store
 from speccheck.topology import (describe_link, is_nvlink, link_rank, parse_topo, visible_gpus,
                                 weakest_link)
 from speccheck.types import RunRecord, Scored, SpecConfig
 
 FIX = Path(__file__).parent / "fixtures"
-REF_CONFIG = Path(__file__).parents[1] / "speccheck" / "engines" / "reference" / "weights" / "config.json"
+REF_CONFIG = Path(__file__).parents[1] / "speccheck" / "reference" / "weights" / "config.json"
 
 
 def topo(name: str):

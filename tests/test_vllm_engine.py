@@ -482,7 +482,7 @@ def fake_vllm(tmp_path, monkeypatch, dirs):
     site.mkdir(parents=True)
     (site / "__init__.py").write_text(FAKE_VLLM)
     monkeypatch.setenv("PYTHONPATH", str(site.parent))
-    tok = Path(__file__).parents[1] / "speccheck" / "engines" / "reference" / "weights" / "tokenizer.json"
+    tok = Path(__file__).parents[1] / "speccheck" / "reference" / "weights" / "tokenizer.json"
     if tok.is_file():
         (dirs[0] / "tokenizer.json").write_bytes(tok.read_bytes())
     return dirs

@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import importlib
 
+from speccheck.config import RUN_ONLY_ARGS
 from speccheck.engines.base import Engine, EngineError, EngineUsageError
-
-#: engine args that change how speccheck talks to an engine or how much memory it takes, not
-#: what it computes: left out of the suite's id and of a golden's directory (kept here, not on
-#: the classes, so that no engine module loads to compute an id)
-RUN_ONLY_ARGS: dict[str, frozenset[str]] = {
-    "openai": frozenset({"score_base_url", "timeout", "retries", "backoff", "api_key_env"}),
-    "vllm": frozenset({"gpu_memory_utilization", "kv_cache_memory_bytes", "worker", "python",
-                       "timeout_s", "warmup", "attribution_jobs"}),
-}
 
 ENGINES = {
     "reference": "speccheck.reference.engine:ReferenceEngine",
@@ -38,4 +30,4 @@ def make_engine(name: str, model: str | None = None, engine_args: dict | None = 
     return engine_class(name)(model=model, engine_args=engine_args, draft=draft)
 
 
-__all__ = ["Engine", "EngineError", "EngineUsageError", "ENGINES", "engine_class", "make_engine"]
+__all__ = ["Engine", "EngineError", "EngineUsageError", "ENGINES", "RUN_ONLY_ARGS", "engine_class", "make_engine"]

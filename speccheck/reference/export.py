@@ -81,7 +81,7 @@ from typing import Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
-from speccheck.store import share_mode
+from speccheck.files import share_mode
 
 TARGET_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"

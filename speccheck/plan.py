@@ -1,0 +1,187 @@
+"""The plan: which configs, repeats and runs a suite holds, built from the options a user gives
+(`speccheck run`, ``pytest -m spec``, :func:`speccheck.run`) and checked before any engine starts."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from speccheck.version import __version__
+from speccheck.config import MatrixError, build_matrix
+from speccheck.corpus import Corpus, load_corpus
+from speccheck.engines import ENGINES, RUN_ONLY_ARGS, EngineUsageError, engine_class
+from speccheck.store import suite_id
+from speccheck.types import SpecConfig
+
+
+class PlanError(ValueError):
+    """An option that cannot make a plan (exit code 2)."""
+
+
+@dataclass
+class RunPlan:
+    """Everything that identifies a suite plus what to run in it."""
+
+    engine: str = "reference"
+    model: str | None = None
+    draft: str | None = None
+    engine_args: dict[str, str] = field(default_factory=dict)
+    corpus: str = "default"
+    configs: list[SpecConfig] = field(default_factory=lambda: [SpecConfig()])
+    repeats: int = 2
+    top_k: int = 5
+    fresh_process_repeat: bool = True  # the last repeat runs in a fresh process
+    rescore: bool = True
+    attribute: bool = True
+    #: N > 0: per config, also one run of the whole corpus at once with every prompt N times
+    #: (batch-composition invariance; N identical concurrent requests give one completion)
+    concurrent: int = 0
+    #: label -> URL of a second server with other kernel settings to attribute with
+    #: (openai engine; not part of the suite's identity)
+    attribute_with: dict[str, str] = field(default_factory=dict)
+    #: max_tokens of prompts from corpora that carry none (Spec-Bench's question.jsonl)
+    max_tokens: int | None = None
+    #: decode every prompt's full max_tokens past end-of-sequence (part of the suite identity)
+    ignore_eos: bool = False
+    #: globs over the engine's kernel-path labels to attribute with (empty: all of them);
+    #: each path costs an engine start, so a user on a real engine picks the ones they need
+    attribution_paths: tuple[str, ...] = ()
+    #: "rescore": re-score each divergent prefix under each kernel path (one call per path);
+    #: "rerun": regenerate the divergent prompts' baseline with one switch flipped per path and
+    #: read the token at the divergent position (slower; follows the path the run took)
+    attribution_mode: str = "rescore"
+    #: run repeat 0 of every config, then repeat 1, ... (a sweep: a drift in machine load then
+    #: hits every config of a round alike, instead of all repeats of one config)
+    round_robin: bool = False
+
+    def suite_meta(self, corpus: Corpus) -> dict:
+        return {"engine": self.engine, "model": self.model, "draft": self.draft,
+                "engine_args": self.engine_args, "corpus": corpus.name, "corpus_hash": corpus.hash,
+                "ignore_eos": self.ignore_eos, "top_k": self.top_k, "speccheck_version": __version__}
+
+    def load_corpus(self) -> Corpus:
+        """The corpus; with ``ignore_eos`` every prompt decodes its full budget."""
+        corpus = load_corpus(self.corpus, self.max_tokens)
+        if not self.ignore_eos:
+            return corpus
+        return replace(corpus, prompts=[replace(p, ignore_eos=True) for p in corpus.prompts])
+
+    def run_args(self) -> list[str]:
+        """The `speccheck run` options that name this plan's suite (to resume it)."""
+        args = ["--engine", self.engine]
+        args += ["--model", self.model] if self.model else []
+        args += ["--draft", self.draft] if self.draft else []
+        for key, value in sorted(self.engine_args.items()):
+            args += ["--engine-arg", f"{key}={value}"]
+        args += ["--corpus", self.corpus]
+        args += ["--max-tokens", str(self.max_tokens)] if self.max_tokens else []
+        args += ["--ignore-eos"] if self.ignore_eos else []
+        args += ["--top-k", str(self.top_k)] if self.top_k != 5 else []
+        args += ["--attribution-paths", ",".join(self.attribution_paths)] if self.attribution_paths else []
+        args += ["--attribution-mode", "rerun"] if self.attribution_mode == "rerun" else []
+        return args
+
+    def planned(self) -> dict[str, dict]:
+        """What each config must leave in the store (recorded before any engine starts)."""
+        want = {"repeats": self.repeats,
+                "fresh_process_repeat": self.fresh_process_repeat and self.repeats > 1,
+                "concurrent": self.concurrent, "rescore": self.rescore}
+        return {c.name: {**want, "attribute": self.attribute and not c.is_baseline}
+                for c in self.configs}
+
+
+def plan_suite_id(plan: RunPlan, corpus: Corpus | None = None) -> str:
+    """The id of the suite this plan runs in (its corpus loaded unless given)."""
+    corpus = corpus or plan.load_corpus()
+    skip = RUN_ONLY_ARGS.get(plan.engine, frozenset())
+    args = {k: v for k, v in plan.engine_args.items() if k not in skip}
+    return suite_id(plan.engine, plan.model, plan.draft, args, corpus.name, corpus.hash, plan.ignore_eos)
+
+
+def parse_engine_args(items: Sequence[str]) -> dict[str, str]:
+    """``--engine-arg key=value`` items as a dict (a later key wins)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise PlanError(f"--engine-arg {item!r}: write --engine-arg key=value, e.g. --engine-arg dtype=fp32.")
+        out[key.strip()] = value
+    return out
+
+
+REFERENCE_ARG_KEYS = (
+    "dtype=bf16|fp32, gdn_prefill/gdn_decode/gdn_verify=chunked|recurrent|fused (fused: a "
+    "Triton kernel, CUDA), attn_prefill=single|multi, attn_decode/attn_verify=single|multi|fused, "
+    "attn_draft=multi|fused (fused: a Triton kernel, CUDA), device=auto|cpu|cuda, "
+    "cuda_graphs=on|off, compile=on|off (torch.compile of the CUDA graph steps), "
+    "prefix_cache=on|off, threads=N, batch=N, no_draft_every=N, "
+    "fault=NAME (planted bug), "
+    "dflash2_selector=on|off, dflash2_top_k=N, dflash2_walk=fp32|bf16")
+ENGINE_ARG_HELP = (
+    f"Engine option key=value (repeatable). reference: {REFERENCE_ARG_KEYS}. vllm: worker=per-call|"
+    "per-config, timeout_s=N, warmup=true|false, python=PATH (the worker's interpreter), "
+    "score_path=prefill|decode|verify, score_spec=CONFIG, pad_batch=N (decode beside N copies), "
+    "attribution_jobs=N (attribution switches at once, a worker each), "
+    "env.NAME=value (worker environment), "
+    "sampling.NAME=value (SamplingParams), spec.NAME=value (extra speculative_config keys; the "
+    "config itself comes from --method/--k/--draft), any other key a keyword argument of "
+    "vllm.LLM (e.g. attention_backend, gpu_memory_utilization, max_model_len, dtype; JSON "
+    "values). openai: base_url, served_model, api_key_env, timeout, retries, backoff, "
+    "tokenizer, score_base_url.")
+
+def parse_attribute_with(items: Sequence[str], cls) -> dict[str, str]:
+    """--attribute-with LABEL=URL pairs, checked by the engine before anything runs."""
+    out: dict[str, str] = {}
+    for item in items:
+        label, sep, url = item.partition("=")
+        if not sep or not label.strip() or not url.strip():
+            raise PlanError(f"--attribute-with {item!r}: write --attribute-with LABEL=URL, e.g. "
+                            "eager=http://127.0.0.1:8001")
+        if label.strip() in out:
+            raise PlanError(f"--attribute-with: label {label.strip()!r} is given twice; give each "
+                            "server its own label")
+        cls.attribution_server_args(label.strip(), url.strip())  # EngineUsageError if not
+        out[label.strip()] = url.strip()
+    return out
+
+
+def make_plan(engine: str = "reference", model: str | None = None, draft: str | None = None,
+              methods: Sequence[str] = (), k: str | None = None, configs: Sequence[str] = (),
+              corpus: str = "default", repeats: int = 2, top_k: int = 5,
+              engine_args: Sequence[str] = (), no_attribution: bool = False, base_url: str | None = None,
+              served_model: str | None = None, api_key_env: str | None = None, concurrent: int = 0,
+              attribute_with: Sequence[str] = (), max_tokens: int | None = None, ignore_eos: bool = False,
+              attribution_paths: str | None = None, attribution_mode: str = "rescore") -> RunPlan:
+    """The plan `speccheck run` (and ``pytest -m spec``) would run, from its options as given on
+    the command line; every cheap mistake is refused before an engine (and torch) loads."""
+    args = parse_engine_args(engine_args)
+    server = {"base_url": base_url, "served_model": served_model, "api_key_env": api_key_env}
+    args.update({key: v for key, v in server.items() if v is not None})
+    # cheap errors first, before an engine (and torch) loads: the corpus, the engine's name,
+    # the matrix's syntax
+    load_corpus(corpus)
+    if engine not in ENGINES:
+        raise EngineUsageError(f"unknown engine {engine!r} (option --engine): choose one of {', '.join(ENGINES)}")
+    build_matrix(methods, k, configs, offered=None, engine=engine)
+    cls = engine_class(engine)
+    cls.preflight(model, args, draft)  # e.g. vLLM not importable: one paragraph, not one per run
+    if cls.serves_one_config and not (methods or configs):
+        raise MatrixError(f"the {engine} engine runs the one config its server runs: say which with "
+                          "--method baseline, or e.g. --method mtp --k 7 (run the baseline first, "
+                          "against a server without speculative decoding, into the same --store).")
+    default_k = {}
+    block_methods = [m for m in ("dflash", "dflash2") if m in methods]
+    if block_methods:  # K hint = the drafter's block_size - 1
+        probe = cls(model=model, engine_args=args, draft=draft)
+        try:
+            default_k.update({m: probe.default_k(m) for m in block_methods})
+        finally:
+            probe.close()
+    matrix = build_matrix(methods, k, configs, offered=cls.methods, engine=engine,
+                          default_k=default_k, draft=draft, include_baseline=not cls.serves_one_config)
+    return RunPlan(engine=engine, model=model, draft=draft, engine_args=args, corpus=corpus,
+                   configs=matrix, repeats=repeats, top_k=top_k, attribute=not no_attribution,
+                   concurrent=concurrent, attribute_with=parse_attribute_with(attribute_with, cls),
+                   max_tokens=max_tokens, ignore_eos=ignore_eos,
+                   attribution_paths=tuple(g.strip() for g in (attribution_paths or "").split(",")
+                                           if g.strip()),
+                   attribution_mode=attribution_mode)
