@@ -1,0 +1,31 @@
+"""The layout shows the flow, and stays that way: the import contracts in pyproject.toml
+([tool.importlinter]) hold -- no import circle in any package, nothing importing back up the
+flow, verify/ pure, the engines ignorant of the store -- and the installed package carries no
+training code."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_imports_follow_the_flow(capsys):
+    importlinter = pytest.importorskip("importlinter.cli")
+    code = importlinter.lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True,
+                                     no_logo=True)
+    assert code == 0, capsys.readouterr().out
+
+
+def test_importing_speccheck_and_its_engine_loads_no_training_code():
+    """What a user's `import speccheck` and a run of the reference engine load: no trainer."""
+    code = ("import sys, speccheck, speccheck.cli, speccheck.reference.engine\n"
+            "print([m for m in sys.modules if m.split('.')[0] in ('tools', 'train_reference') or "
+            "(m.startswith('speccheck.') and m.rsplit('.', 1)[-1] in "
+            "('train', 'train_dflash2', 'tokenizer_train', 'data'))])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT / "tests")
+    assert out.stdout.strip() == "[]"
