@@ -4,16 +4,8 @@ re-scored on two further `speccheck serve` processes started with other kernel k
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
-import pytest
 from click.testing import CliRunner
 
 from speccheck.cli import main
@@ -22,50 +14,18 @@ from speccheck.serve import running_server
 from speccheck.store import Store
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def serve_process(*engine_args: str):
-    """`speccheck serve` (baseline) in a process of its own, with --engine-arg knobs."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "speccheck.cli", "serve", "--port", str(port)]
-    for a in engine_args:
-        cmd += ["--engine-arg", a]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"speccheck serve did not start: {proc.stderr.read()[-2000:]}")
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()  # the process this test started
-        proc.wait(timeout=30)
-
-
 def _served(url: str) -> int:
     return parse_metrics(httpx.get(url + "/metrics").text)["requests"]
 
 
-def test_attribute_with_second_servers_over_http(tmp_path):
+def test_attribute_with_second_servers_over_http(tmp_path, free_port, serve_process):
     # the baseline server computes in fp32, the MTP server in bf16: they may disagree at
     # close calls, and the attribution servers (bf16 and fp32 prefill) say which side each
     # takes. Whether bf16 and fp32 split anywhere on smoke is the CPU's matter (with native
     # bf16 they agree everywhere), so the MTP server also takes its bonus token from the
     # wrong position (planted fault bonus-off-by-one): divergences no path reproduces, certain
     store = str(tmp_path / "store")
-    port = _free_port()
+    port = free_port
     cli = CliRunner()
     with serve_process() as bf16, serve_process("dtype=fp32") as fp32:
         for method, k, knobs in (("baseline", None, {"dtype": "fp32"}),

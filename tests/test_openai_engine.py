@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import socket
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -171,21 +169,18 @@ def test_unknown_served_model_is_usage_error(ref):
             _client(url, served_model="other").identity()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_unreachable_server_fails_after_bounded_retries():
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
-    eng = OpenAIEngine(engine_args={"base_url": url, "retries": "2", "backoff": "0.01",
+def test_unreachable_server_fails_after_bounded_retries(free_port, monkeypatch):
+    """Connection refused: 2 retries, waiting ``backoff`` and then twice that before them
+    (the waits recorded, not slept), then an EngineError naming the URL."""
+    url = f"http://127.0.0.1:{free_port}"  # nothing listens there
+    waits = []
+    monkeypatch.setattr("speccheck.engines.openai.time.sleep", waits.append)
+    eng = OpenAIEngine(engine_args={"base_url": url, "retries": "2", "backoff": "0.5",
                                     "timeout": "2"})
-    t0 = time.monotonic()
     with pytest.raises(EngineError, match="after 3 attempts") as err:
         eng.identity()
     assert url in str(err.value) and not isinstance(err.value, EngineUsageError)
-    assert time.monotonic() - t0 < 10
+    assert waits == [0.5, 1.0]
 
 
 def test_5xx_is_retried_then_engine_error():
@@ -291,7 +286,7 @@ def test_scored_from_vllm_prompt_logprobs():
         scored_from_prompt_logprobs(plp, full, 1, 3)
 
 
-def test_cli_run_against_serve_passes_gate(tmp_path):
+def test_cli_run_against_serve_passes_gate(tmp_path, free_port):
     """The deployment rehearsal, as a user runs it: a baseline server, `speccheck run
     --engine openai`, then the same port restarted with MTP K=2 and run into the same store
     (the finished baseline is skipped; outputs that differ from the baseline's are not
@@ -303,7 +298,7 @@ def test_cli_run_against_serve_passes_gate(tmp_path):
     from speccheck.store import Store
 
     store = str(tmp_path / "store")
-    port = _free_port()
+    port = free_port
     cli = CliRunner()
     for step, (method, k) in enumerate((("baseline", None), ("mtp", 2), ("baseline", None))):
         with running_server(method, k, port=port) as url:

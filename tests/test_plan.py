@@ -36,9 +36,9 @@ def suite_dir(store: Path) -> Path:
     return suite
 
 
-#: `speccheck run` with two holds put in, so that where it is killed does not hang on the
+#: `speccheck run` with two holds put in, so that where it is killed does not depend on the
 #: machine's speed: the fresh-process lane never starts a worker, and the process stops for
-#: good right after storing the baseline's first run, saying so on stdout (after the run's own lines).
+#: good right after storing the baseline's first run, saying so on stdout after its own lines.
 HELD_RUN = """
 import sys, threading
 import speccheck.runner, speccheck.store

@@ -4,6 +4,7 @@ Each server is a real one on a free loopback port, in front of the real referenc
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import httpx
 import numpy as np
@@ -198,20 +199,20 @@ def test_refuses_to_start_on_bad_options(engine, monkeypatch):
 
 # --- streaming (SSE), as vLLM's /v1/completions streams ------------------------------------------
 
-def _stream(url: str, **body) -> tuple[httpx.Response, list, list[float]]:
-    """A streamed request: (response, the data payloads parsed, each one's arrival seconds)."""
+def _stream(url: str, on_event=None, **body) -> tuple[httpx.Response, list]:
+    """A streamed request: (response, the data payloads parsed); ``on_event`` is called with
+    each payload as it arrives."""
     import json
-    import time
 
     body = {"temperature": 0, "max_tokens": 6, "stream": True, **body}
-    events, times = [], []
-    t0 = time.perf_counter()
+    events = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
-                times.append(time.perf_counter() - t0)
                 events.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
-    return r, events, times
+                if on_event:
+                    on_event(events[-1])
+    return r, events
 
 
 def test_stream_like_vllm(mtp_url, ids, engine):
@@ -220,7 +221,7 @@ def test_stream_like_vllm(mtp_url, ids, engine):
     joined, the chunks are exactly the non-streamed answer (ids, text, logprobs, offsets)."""
     want = _complete(mtp_url, prompt=ids, max_tokens=12, logprobs=3,
                      return_tokens_as_token_ids=True, return_token_ids=True).json()["choices"][0]
-    r, events, _ = _stream(mtp_url, prompt=ids, max_tokens=12, logprobs=3,
+    r, events = _stream(mtp_url, prompt=ids, max_tokens=12, logprobs=3,
                            return_tokens_as_token_ids=True, return_token_ids=True,
                            stream_options={"include_usage": True})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -243,17 +244,45 @@ def test_stream_like_vllm(mtp_url, ids, engine):
     assert max(sizes) <= 3 and len(sizes) < len(want["token_ids"])
 
 
+class _Lockstep:
+    """The engine, held after each step it hands to the server until the client has read
+    that step's chunk: a server that buffered the stream would leave the first hold waiting
+    (it gives up once, after 60 s, and counts the step as sent too late)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.read = threading.Semaphore(0)
+        self.steps = 0
+        self.late = 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def generate_streaming(self, prompt, prompt_ids, config, top_k, on_tokens):
+        def held(*step):
+            on_tokens(*step)
+            self.steps += 1
+            if not self.late and not self.read.acquire(timeout=60):
+                self.late = self.steps
+        return self._engine.generate_streaming(prompt, prompt_ids, config, top_k, held)
+
+
 def test_stream_sends_each_step_as_it_is_decided(engine, ids):
-    """The first token leaves before the generation ends: over 48 baseline decode steps the
-    first chunk arrives in the first half of the stream's time, and there is one chunk per
-    step (not one buffered event at the end)."""
-    with running_server("baseline", engine=engine) as url:
-        r, events, times = _stream(url, prompt=ids, max_tokens=48, ignore_eos=True,
-                                   return_token_ids=True)
-    chunks = [(e["choices"][0], t) for e, t in zip(events, times) if e != "[DONE]"]
-    carrying = [t for c, t in chunks if c["token_ids"]]
-    assert len(carrying) == 48  # baseline: one token per decode step
-    assert carrying[0] < 0.5 * carrying[-1], (carrying[0], carrying[-1])
+    """Each step leaves before the next is decided: the engine is held after every step of
+    48 baseline decode steps until the client has read that step's chunk, and there is one
+    chunk per step (not one buffered event at the end)."""
+    lockstep = _Lockstep(engine)
+
+    def read(event):
+        if event != "[DONE]" and event["choices"] and event["choices"][0]["token_ids"]:
+            lockstep.read.release()
+
+    with running_server("baseline", engine=lockstep) as url:
+        r, events = _stream(url, read, prompt=ids, max_tokens=48, ignore_eos=True,
+                            return_token_ids=True)
+    carrying = [e for e in events if e != "[DONE]" and e["choices"][0]["token_ids"]]
+    assert len(carrying) == 48 == lockstep.steps  # baseline: one token per decode step
+    assert lockstep.late == 0, f"step {lockstep.late}'s chunk had not reached the client"
 
 
 def test_stream_client_that_hangs_up_does_not_stop_the_server(engine, ids):
