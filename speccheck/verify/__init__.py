@@ -19,6 +19,15 @@ from speccheck.verify.ties import canonical_rows, canonical_topk
 from speccheck.verify.streams import (DeterminismResult, PrefixAgreement, determinism,
                                       first_divergence, prefix_agreement, text_similarity,
                                       unique_completions)
+from speccheck.verify.acceptance_stats import (AcceptanceComparison, AcceptanceInterval,
+                                               CountMismatch, DetectableDrop, Difference, Estimate,
+                                               PromptCounts, acceptance_interval, compare_acceptance,
+                                               exact_acceptance_mismatch, holm,
+                                               minimum_detectable_drop, prompt_counts)
+from speccheck.verify.argmax import (ARGMAX_TOL, ArgmaxCheck, ArgmaxSummary, ArgmaxViolation,
+                                     Rank2Test, argmax_summary, argmax_violations,
+                                     near_tie_rank2_test)
+from speccheck.verify.finite import LogprobProblem, find_logprob_problems, logprob_problems
 
 __all__ = [
     "Acceptance", "acceptance_mismatches", "acceptance_of", "acceptance_summary",
@@ -35,4 +44,10 @@ __all__ = [
     "canonical_rows", "canonical_topk",
     "DeterminismResult", "PrefixAgreement", "determinism", "first_divergence",
     "prefix_agreement", "text_similarity", "unique_completions",
+    "AcceptanceComparison", "AcceptanceInterval", "CountMismatch", "DetectableDrop", "Difference",
+    "Estimate", "PromptCounts", "acceptance_interval", "compare_acceptance",
+    "exact_acceptance_mismatch", "holm", "minimum_detectable_drop", "prompt_counts",
+    "ARGMAX_TOL", "ArgmaxCheck", "ArgmaxSummary", "ArgmaxViolation", "Rank2Test",
+    "argmax_summary", "argmax_violations", "near_tie_rank2_test",
+    "LogprobProblem", "find_logprob_problems", "logprob_problems",
 ]
