@@ -37,11 +37,18 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from speccheck.types import SpecCounters
-from speccheck.verify.acceptance_stats import (MIN_PROMPTS, PromptCounts, _t_ppf, _t_two_sided,
-                                               acceptance_interval, compare_acceptance,
-                                               exact_acceptance_mismatch, holm,
-                                               minimum_detectable_drop, prompt_counts)
-
+from speccheck.verify.acceptance_stats import (
+    MIN_PROMPTS,
+    PromptCounts,
+    _t_ppf,
+    _t_two_sided,
+    acceptance_interval,
+    compare_acceptance,
+    exact_acceptance_mismatch,
+    holm,
+    minimum_detectable_drop,
+    prompt_counts,
+)
 
 # ----------------------------------------------------------------- simulation
 

@@ -22,8 +22,12 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from speccheck.types import Completion
-from speccheck.verify.argmax import (ARGMAX_TOL, argmax_summary, argmax_violations,
-                                     near_tie_rank2_test)
+from speccheck.verify.argmax import (
+    ARGMAX_TOL,
+    argmax_summary,
+    argmax_violations,
+    near_tie_rank2_test,
+)
 from speccheck.verify.ties import canonical_topk
 
 IDS = np.array([[5, 3, 9], [2, 7, 1], [4, 8, -1]], np.int32)

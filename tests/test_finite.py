@@ -4,12 +4,15 @@ padding (id -1, logprob -inf) is never a problem."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speccheck.engines.vllm import topk_arrays
-from speccheck.verify.finite import (POSITIVE_TOL, find_logprob_problems, logprob_problems)
+from speccheck.verify.finite import (
+    POSITIVE_TOL,
+    find_logprob_problems,
+    logprob_problems,
+)
 
 TOK = np.array([5, 2, 4], np.int32)
 LP = np.array([-0.1, -0.6, -0.01], np.float32)
@@ -81,7 +84,7 @@ def test_topk_problems_each_named():
             ids[r, c] = tid
         got = kinds(TOK, LP, ids, lps)
         assert kind in got, (kind, got)
-        msg = [str(p) for p in find_logprob_problems(TOK, LP, ids, lps) if p.kind == kind][0]
+        msg = next(str(p) for p in find_logprob_problems(TOK, LP, ids, lps) if p.kind == kind)
         assert msg.endswith(f"at position {r}")
 
 
@@ -98,8 +101,8 @@ def test_chosen_above_its_own_top1_means_the_topk_is_not_the_top():
     lp = LP.copy()
     lp[1] = -0.3
     assert logprob_problems(TOK, lp, IDS, LPS) == [
-        f"chosen-token logprob above its own top-1's (by more than {POSITIVE_TOL:g}): the top-k is "
-        "not the top at position 1"]
+        (f"chosen-token logprob above its own top-1's (by more than {POSITIVE_TOL:g}): the top-k "
+         "is not the top at position 1")]
 
 
 def test_many_positions_are_listed_briefly():

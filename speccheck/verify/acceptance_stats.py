@@ -21,8 +21,9 @@ Pure numpy and ``math``: the t distribution is computed here (tests check it aga
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -46,7 +47,7 @@ class PromptCounts:
 
     @property
     def n(self) -> int:
-        return int(len(self.drafts))
+        return len(self.drafts)
 
     @property
     def k(self) -> int:

@@ -16,8 +16,9 @@ argmax picks), padded slots hold id -1 and logprob -inf and are ignored here.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -148,7 +149,7 @@ class ArgmaxSummary:
 
     @property
     def near_ties(self) -> int:
-        return int(len(self.margins))
+        return len(self.margins)
 
     @property
     def near_tie_rank2(self) -> int:
