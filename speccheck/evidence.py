@@ -49,8 +49,10 @@ def measure_noise(suite: Suite) -> tuple[float, str | None]:
     if gaps:
         return 0.0, gaps[0]
     scored = suite.load_rescore("baseline", 0) or {}
-    a = [c.logprobs for c in comps if c.n_tokens]
-    b = [scored[c.prompt_id].token_logprobs for c in comps if c.n_tokens]
+    # a completion whose logprobs are not one per token is left out (logprobs_valid names it)
+    whole = [c for c in comps if c.n_tokens and len(c.logprobs) == c.n_tokens]
+    a = [c.logprobs for c in whole]
+    b = [scored[c.prompt_id].token_logprobs for c in whole]
     if not a:
         return 0.0, "the baseline generated no tokens to measure the engine's path noise on"
     return float(path_noise(np.concatenate(a), np.concatenate(b))), None
@@ -70,7 +72,8 @@ def kernel_noise_sample(suite: Suite) -> np.ndarray:
     scored = suite.load_rescore("baseline", 0) or {}
     parts = [abs_deltas(c.logprobs, scored[c.prompt_id].token_logprobs)
              for c in suite.load_run("baseline", 0).completions
-             if c.prompt_id in scored and len(scored[c.prompt_id].token_logprobs) == c.n_tokens]
+             if c.prompt_id in scored and len(scored[c.prompt_id].token_logprobs) == c.n_tokens
+             and len(c.logprobs) == c.n_tokens]
     return np.concatenate(parts) if parts else np.zeros(0)
 
 
@@ -138,8 +141,9 @@ def paired_logprob_deltas(base: RunRecord, base_scored: dict | None,
     a, b = [np.zeros(0)], [np.zeros(0)]
     for c in run.completions:
         bc, bs = by_prompt.get(c.prompt_id), (base_scored or {}).get(c.prompt_id)
-        if bc is None or bs is None or len(bs.token_logprobs) != bc.n_tokens:
-            continue
+        if bc is None or bs is None or len(bs.token_logprobs) != bc.n_tokens \
+                or len(bc.logprobs) != bc.n_tokens or len(c.logprobs) != c.n_tokens:
+            continue  # logprobs not one per token: logprobs_valid names them
         pa, pb = paired_deltas(c.token_ids, c.logprobs, bc.token_ids, bc.logprobs, bs.token_logprobs)
         a.append(pa)
         b.append(pb)

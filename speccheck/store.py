@@ -254,6 +254,17 @@ def _ragged(arrays: list[np.ndarray], dtype) -> tuple[np.ndarray, np.ndarray]:
     return flat, offsets
 
 
+def _rows(a: np.ndarray, n: int, fill) -> np.ndarray:
+    """``a`` with exactly ``n`` rows: cut, or filled with ``fill`` where the engine gave fewer."""
+    a = np.asarray(a)
+    if len(a) == n:
+        return a
+    if len(a) > n:
+        return a[:n]
+    pad = np.full((n - len(a), *a.shape[1:]), fill, dtype=np.result_type(a.dtype, type(fill)))
+    return np.concatenate([a.astype(pad.dtype), pad])
+
+
 def _width(a: np.ndarray, k: int) -> np.ndarray:
     """A [n, k'] top-k array as [n, k] (only empty arrays may differ in width)."""
     return a if a.shape[1] == k else a.reshape(0, k)
@@ -445,10 +456,14 @@ class Suite:
         if comps:
             arrays["prompt_ids"], arrays["prompt_offsets"] = _ragged([c.prompt_ids for c in comps], np.int32)
             arrays["token_ids"], arrays["offsets"] = _ragged([c.token_ids for c in comps], np.int32)
-            arrays["logprobs"], _ = _ragged([c.logprobs for c in comps], np.float32)
+            # one logprob row per token, whatever the engine reported: a missing row is NaN (and
+            # logprobs_valid names it), never a shift of every later prompt's rows
+            arrays["logprobs"], _ = _ragged([_rows(c.logprobs, c.n_tokens, np.nan) for c in comps], np.float32)
             k = max(c.topk_ids.shape[1] for c in comps)
-            arrays["topk_ids"], _ = _ragged([_width(c.topk_ids, k) for c in comps], np.int32)
-            arrays["topk_logprobs"], _ = _ragged([_width(c.topk_logprobs, k) for c in comps], np.float32)
+            arrays["topk_ids"], _ = _ragged([_rows(_width(c.topk_ids, k), c.n_tokens, -1) for c in comps],
+                                            np.int32)
+            arrays["topk_logprobs"], _ = _ragged([_rows(_width(c.topk_logprobs, k), c.n_tokens, np.nan)
+                                                  for c in comps], np.float32)
         np.savez(tmp / "arrays.npz", **arrays)
         share_mode(tmp / "arrays.npz")
         manifest = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from speccheck.verify import Divergence, DriftTest, PairedDriftTest
 
+
 def fmt_div(d: Divergence) -> str:
     c = d.classification
     ctx = f" context {d.context!r}" if d.context else ""

@@ -1,9 +1,9 @@
 """agrees_with_baseline: the spec config's tokens are the baseline's, as a sample."""
 from __future__ import annotations
 
+from speccheck.checks import CheckSpec, PolicyKey
 from speccheck.checks._evidence import COMPARED, RESCORED
 from speccheck.checks._text import pct
-from speccheck.checks import CheckSpec, PolicyKey
 from speccheck.results import Check, ConfigResult
 from speccheck.verify import below_floor_p
 

@@ -1,8 +1,8 @@
 """batch_invariant: each prompt inside a batch of all the others gives its tokens alone."""
 from __future__ import annotations
 
-from speccheck.checks._text import NOT_INVARIANT, fmt_div, pct, untrusted_tau
 from speccheck.checks import CheckSpec, PolicyKey
+from speccheck.checks._text import NOT_INVARIANT, fmt_div, pct, untrusted_tau
 from speccheck.results import Check, ConfigResult
 
 POLICY = (

@@ -1,9 +1,9 @@
 """concurrent_identical: identical requests in flight together get one completion."""
 from __future__ import annotations
 
+from speccheck.checks import CheckSpec, PolicyKey
 from speccheck.checks._text import NOT_INVARIANT, fmt_div, untrusted_tau
 from speccheck.checks.batch_invariant import NO_RUN
-from speccheck.checks import CheckSpec, PolicyKey
 from speccheck.results import Check, ConfigResult
 
 POLICY = (

@@ -1,9 +1,9 @@
 """divergences_are_low_confidence: every disagreement with the baseline is a numeric near-tie."""
 from __future__ import annotations
 
+from speccheck.checks import CheckSpec, PolicyKey
 from speccheck.checks._evidence import COMPARED, RESCORED
 from speccheck.checks._text import fmt_div, untrusted_tau
-from speccheck.checks import CheckSpec, PolicyKey
 from speccheck.compare import token_divergences
 from speccheck.results import Check, ConfigResult
 

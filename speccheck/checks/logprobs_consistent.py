@@ -2,9 +2,9 @@
 spec engine reports the baseline's logprob up to the engine's own path noise."""
 from __future__ import annotations
 
+from speccheck.checks import CheckSpec, PolicyKey, first_line
 from speccheck.checks._evidence import LOGPROB_PAIRS, PATH_NOISE
 from speccheck.checks._text import drift_str, paired_str
-from speccheck.checks import CheckSpec, PolicyKey, first_line
 from speccheck.results import Check, ConfigResult
 
 POLICY = (

@@ -1,9 +1,9 @@
 """same_stopping: each spec output stops where the baseline's does."""
 from __future__ import annotations
 
+from speccheck.checks import CheckSpec, first_line
 from speccheck.checks._evidence import COMPARED
 from speccheck.checks._text import untrusted_tau
-from speccheck.checks import CheckSpec, first_line
 from speccheck.results import Check, ConfigResult
 
 

@@ -1,8 +1,8 @@
 """speedup: warm decode speedup over the baseline measured in the same suite."""
 from __future__ import annotations
 
-from speccheck.checks._text import times
 from speccheck.checks import CheckSpec, PolicyKey
+from speccheck.checks._text import times
 from speccheck.results import Check, ConfigResult
 
 POLICY = (
