@@ -282,7 +282,7 @@ class ReferenceEngine(Engine):
     # ------------------------------------------------------------------ Engine API
 
     def identity(self) -> dict:
-        from speccheck import __version__
+        from speccheck.version import __version__
 
         files = {n: _sha256(self.model_dir / n)
                  for n in ("config.json", "model.safetensors", "drafter.safetensors",
