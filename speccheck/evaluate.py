@@ -279,7 +279,9 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
                 per_prompt_acceptance(ok[0].completions),
                 {p: tuple(v) for p, v in gold["per_prompt"].items()})
 
-    result.measured = measure_all(Context(suite, name, policy, ok, base_records, tau_tie, tau_low, noise, detok))
+    gold = (golden_acceptance or {}).get(name)
+    result.measured = measure_all(Context(suite, name, policy, ok, base_records, tau_tie, tau_low, noise, detok,
+                                          gold if isinstance(gold, dict) else None))
     result.checks = judge_all(result, policy)
     return result
 

@@ -109,7 +109,10 @@ def record(suite: Suite, result: SuiteResult, root: Path, force: bool = False) -
     acceptance = {r.config: {"tokens_per_iter": r.acceptance.tokens_per_iter,
                              "per_pos": list(r.acceptance.per_pos),
                              "per_prompt": {p: list(v) for p, v in per_prompt_acceptance(
-                                 suite.load_run(r.config, 0).completions).items()}}
+                                 suite.load_run(r.config, 0).completions).items()},
+                             "per_prompt_pos": {c.prompt_id: [int(x) for x in c.spec.accepted_per_pos]
+                                                for c in suite.load_run(r.config, 0).completions
+                                                if c.spec is not None}}
                   for r in result.configs if r.acceptance is not None}
     samples = {KERNEL_PATH: kernel_noise_sample(suite)}
     samples.update({f"config:{r.config}": spec_delta_sample(suite, r.config)

@@ -61,6 +61,8 @@ class Context:
     tau_low: float
     noise: float
     detok: Callable | None = None
+    #: this config's acceptance as the golden recorded it (tokens_per_iter, per_pos, per_prompt)
+    golden_acceptance: dict | None = None
 
 
 @dataclass(frozen=True)
