@@ -209,3 +209,42 @@ class RunRecord:
         for c in counters[1:]:
             total = total + c
         return total
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of a workload: its own id, the prompt it asks, and when it arrives."""
+
+    id: str  # unique in the workload (the completion's prompt_id), e.g. "c8/03:code-2"
+    prompt: Prompt
+    prompt_ids: tuple[int, ...]
+    #: engine steps after the workload starts before this request is submitted (0: at once):
+    #: requests that arrive while others decode join a running batch
+    arrive_after: int = 0
+    #: a conversation's turns run in order, each after the one before has finished
+    after: str | None = None
+
+
+@dataclass
+class Workload:
+    """What a workload axis asks an engine to do: requests (arriving at their steps), at most
+    ``max_in_flight`` at once, under the engine settings the axis needs (``knobs``, e.g. a
+    prefix cache on, a KV block budget). The engine answers with a WorkloadResult."""
+
+    axis: str  # "concurrency", "prefix_cache", "kv_pressure", ...
+    level: str  # "8", "turns", "budget-64", ...
+    requests: list[Request]
+    max_in_flight: int | None = None
+    knobs: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class WorkloadResult:
+    """One completion per request (prompt_id = request id) and the proof, read back from the
+    engine's own accounting, that the workload exercised what it was for: e.g. ``max_batch``
+    (most requests in one step), ``mixed_steps`` (steps that prefilled while others decoded),
+    ``prefix_hits`` (prompt tokens served from the prefix cache), ``preemptions``,
+    ``requests_served``. A key the engine cannot read back is absent, never 0."""
+
+    completions: list[Completion]
+    proof: dict[str, Any] = field(default_factory=dict)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable, ClassVar, Sequence
 
-from speccheck.types import Completion, Prompt, Scored, SpecConfig
+from speccheck.types import Completion, Prompt, Scored, SpecConfig, Workload, WorkloadResult
 
 
 class EngineError(RuntimeError):
@@ -101,6 +101,17 @@ class Engine(ABC):
         concurrent requests get one answer. Spec counters may be absent (None) here."""
         raise EngineUsageError(f"the {self.name} engine cannot submit requests together; "
                                "run with --concurrent 0")
+
+    #: the workload axes this engine can run (see run_workload); the plan asks only for these
+    axes: ClassVar[frozenset[str]] = frozenset()
+
+    def run_workload(self, workload: Workload, config: SpecConfig, top_k: int) -> WorkloadResult:
+        """Run a workload axis's requests as a serving engine would: each submitted at its
+        arrival step, at most ``max_in_flight`` decoding together (a request that arrives while
+        others decode joins the running batch; a finished one frees its slot for the next),
+        under ``workload.knobs``; return every completion and the proof read back from the
+        engine's own accounting. Only for the axes in ``axes``."""
+        raise EngineUsageError(f"the {self.name} engine cannot run the {workload.axis} workload axis")
 
     @abstractmethod
     def score(self, prompt_ids: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
