@@ -43,7 +43,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from speccheck.files import share_mode
-from speccheck.types import Completion, RunRecord, Scored, SpecConfig, SpecCounters
+from speccheck.types import (TOGETHER, Completion, RunRecord, Scored, SpecConfig, SpecCounters,
+                             slot_label)
 
 FORMAT_VERSION = 1
 
@@ -208,6 +209,22 @@ _PLAN_CONFIG_SCHEMA = {"repeats": (int,), "fresh_process_repeat": (bool,), "conc
                        "rescore": (bool,), "attribute": (bool,)}
 
 
+def _larger_demand(key: str, old, new):
+    """Of two plans' demands for one config, the larger: most repeats, the newest all-at-once
+    copies, a run asked for by either, every axis either asked for."""
+    if old is None:
+        return new
+    if key == "repeats":
+        return max(old, new)
+    if key == "concurrent":
+        return new or old
+    if isinstance(new, bool):
+        return old or new
+    if isinstance(new, list):
+        return sorted({*old, *new})
+    return new
+
+
 def _plan_problem(plan) -> str | None:
     """What is wrong with a loaded plan.json (None: nothing)."""
     problem = _schema_problem(plan, _PLAN_SCHEMA, "the plan")
@@ -326,7 +343,8 @@ def read_run(d: Path, redo: str = _REDO_DEFAULT, manifest: dict | None = None) -
             config=SpecConfig(cfg["method"], cfg["k"], cfg.get("draft")), identity=m["identity"],
             corpus=m["corpus"], corpus_hash=m["corpus_hash"], repeat=m["repeat"],
             fresh_process=m["fresh_process"], status=m["status"], error=m["error"],
-            completions=comps, wall_s=m.get("wall_s", 0.0), copies=m.get("copies", 0))
+            completions=comps, wall_s=m.get("wall_s", 0.0), copies=m.get("copies", 0),
+            axis=str(m.get("axis") or ""), level=str(m.get("level") or ""), proof=dict(m.get("proof") or {}))
     except (KeyError, IndexError, ValueError, TypeError) as e:
         raise StoreError(f"{d}: the stored run is inconsistent ({type(e).__name__}: {e}); the store is "
                          f"damaged: {redo}.") from None
@@ -403,9 +421,12 @@ class Suite:
         return f"`{shlex.join(cmd)}` redoes just {what}"
 
     # --- runs -----------------------------------------------------------------------------
-    def run_dir(self, config_name: str, repeat: int) -> Path:
-        """``repeat`` -1 is the config's run of the whole corpus at once (``copies``)."""
-        return self.root / "runs" / config_name / ("together" if repeat < 0 else f"r{repeat}")
+    def run_dir(self, config_name: str, repeat: int | str) -> Path:
+        """Where a run of the config lives, by its slot (types.TOGETHER: the corpus all at once;
+        a string: a workload axis at one level, types.axis_slot)."""
+        if isinstance(repeat, str):
+            return self.root / "runs" / config_name / repeat
+        return self.root / "runs" / config_name / ("together" if repeat == TOGETHER else f"r{repeat}")
 
     def is_complete(self, config_name: str, repeat: int) -> bool:
         """Stored, finished, and intact: a damaged run counts as not stored, so `run` redoes it."""
@@ -430,13 +451,13 @@ class Suite:
         return self._manifest(config_name, repeat)["identity"]
 
     def _redo_run(self, config_name: str, repeat: int) -> str:
-        return self.redo_hint(config_name, f"that run ({config_name} " + ("all at once" if repeat < 0 else f"r{repeat}") + ")")
+        return self.redo_hint(config_name, f"that run ({config_name} {slot_label(repeat)})")
 
     def write_run(self, record: RunRecord) -> Path:
         """Write one run atomically: temp directory, then rename over any old (failed) one.
         A new first repeat makes that config's rescoring and attribution stale: they go."""
-        final = self.run_dir(record.config.name, record.repeat)
-        if record.repeat == 0:
+        final = self.run_dir(record.config.name, record.slot)
+        if record.slot == 0:
             self.rescore_path(record.config.name, 0).unlink(missing_ok=True)
             (self.root / "attribution" / f"{record.config.name}.json").unlink(missing_ok=True)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -479,6 +500,7 @@ class Suite:
             "error": record.error,
             "wall_s": record.wall_s,
             "copies": record.copies,
+            **({"axis": record.axis, "level": record.level, "proof": record.proof} if record.axis else {}),
             "completions": [
                 {"prompt_id": c.prompt_id, "text": c.text, "finish_reason": c.finish_reason,
                  "ttft_s": c.ttft_s, "decode_s": c.decode_s, "n_tokens": c.n_tokens,
@@ -498,8 +520,17 @@ class Suite:
 
     def load_together(self, config_name: str) -> RunRecord | None:
         """The config's run of the whole corpus at once, if one is stored."""
-        d = self.run_dir(config_name, -1)
-        return self.load_run(config_name, -1) if (d / "manifest.json").exists() else None
+        d = self.run_dir(config_name, TOGETHER)
+        return self.load_run(config_name, TOGETHER) if (d / "manifest.json").exists() else None
+
+    def axis_slots(self, config_name: str) -> list[str]:
+        """The workload-axis runs stored for a config (their slots, sorted)."""
+        d = self.root / "runs" / config_name
+        return sorted(p.name for p in d.glob("axis-*") if (p / "manifest.json").exists()) if d.is_dir() else []
+
+    def load_axis(self, config_name: str, slot: str) -> RunRecord | None:
+        """A config's run of one workload axis at one level, if one is stored."""
+        return self.load_run(config_name, slot) if (self.run_dir(config_name, slot) / "manifest.json").exists() else None
 
     def configs(self) -> list[str]:
         """Config names with at least one stored run, baseline first, then by method and K."""
@@ -595,11 +626,7 @@ class Suite:
         for name, want in configs.items():
             old = plan["configs"].get(name)
             if old is not None:
-                want = {"repeats": max(old["repeats"], want["repeats"]),
-                        "fresh_process_repeat": old["fresh_process_repeat"] or want["fresh_process_repeat"],
-                        "concurrent": want["concurrent"] or old["concurrent"],
-                        "rescore": old["rescore"] or want["rescore"],
-                        "attribute": old["attribute"] or want["attribute"]}
+                want = {**old, **{key: _larger_demand(key, old.get(key), value) for key, value in want.items()}}
             plan["configs"][name] = want
         plan["configs"] = dict(sorted(plan["configs"].items(), key=lambda kv: config_sort_key(kv[0])))
         plan["run_args"] = run_args
@@ -636,7 +663,7 @@ class Suite:
         was demanded, or its one run was cut short). Empty when complete. Failed runs are not missing (they say why)."""
         want = (self.load_plan() or {}).get("configs", {}).get(config_name)
         resume = f"re-run `{self.resume_command(config_name)}` to resume"
-        if not self.repeats(config_name) and not (self.run_dir(config_name, -1) / "manifest.json").exists():
+        if not self.repeats(config_name) and not (self.run_dir(config_name, TOGETHER) / "manifest.json").exists():
             if want is None:
                 return [f"{config_name} is not stored in suite {self.id}; run "
                         f"`{self.resume_command(config_name)}`"]
@@ -647,9 +674,11 @@ class Suite:
         gaps = [f"{config_name} r{r}" for r in range(want["repeats"])
                 if not (self.run_dir(config_name, r) / "manifest.json").exists()]
         if want["concurrent"]:
-            together = self.run_dir(config_name, -1) / "manifest.json"
+            together = self.run_dir(config_name, TOGETHER) / "manifest.json"
             if not together.exists() or self._json(together).get("copies") != want["concurrent"]:
                 gaps.append(f"{config_name} all at once (x{want['concurrent']})")
+        gaps += [f"{config_name} {slot_label(slot)}" for slot in want.get("axes", ())
+                 if not self.is_complete(config_name, slot)]
         ok = [r for r in range(want["repeats"]) if self.is_complete(config_name, r)]
         if (want["fresh_process_repeat"] and want["repeats"] > 1 and len(ok) == want["repeats"]
                 and not any(self._json(self.run_dir(config_name, r) / "manifest.json").get("fresh_process")
@@ -867,8 +896,9 @@ class Store:
             if not (dst.root / "inputs.npz").exists() and (src.root / "inputs.npz").exists():
                 _copy_files(src.root, dst.root, ["inputs.npz", "inputs.npz.sha256"])
             for name in src.configs():
-                for r in src.repeats(name) + ([-1] if (src.run_dir(name, -1) / "manifest.json").exists() else []):
-                    what = f"{sid}: {name} " + ("all at once" if r < 0 else f"r{r}")
+                together = [TOGETHER] if (src.run_dir(name, TOGETHER) / "manifest.json").exists() else []
+                for r in src.repeats(name) + together + src.axis_slots(name):
+                    what = f"{sid}: {name} {slot_label(r)}"
                     if not src.is_complete(name, r):
                         continue
                     if not dst.is_complete(name, r):

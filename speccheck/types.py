@@ -159,9 +159,29 @@ class Scored:
         self.topk_logprobs = _rows(self.topk_logprobs, len(self.token_logprobs), np.float32)
 
 
+#: where a config's runs are stored (a run's "slot"): repeat i of the corpus one prompt at a time
+#: is slot i (0, 1, ...); the corpus all at once is TOGETHER; a workload axis at one level is
+#: the string :func:`axis_slot` names
+TOGETHER = -1
+
+
+def axis_slot(axis: str, level: str) -> str:
+    """The slot of one workload axis at one level: ``axis-<axis>-<level>``."""
+    return f"axis-{axis}-{level}"
+
+
+def slot_label(slot: int | str) -> str:
+    """How messages name a run: ``r0``, ``all at once``, ``axis shapes (lengths)``."""
+    if isinstance(slot, str):
+        _, axis, level = slot.split("-", 2)
+        return f"axis {axis} ({level})"
+    return "all at once" if slot == TOGETHER else f"r{slot}"
+
+
 @dataclass
 class RunRecord:
-    """One (config, repeat) of a suite: what ran, on what, and what came out."""
+    """One stored run of a suite -- a repeat, the corpus all at once, or a workload axis at one
+    level: what ran, on what, and what came out."""
 
     config: SpecConfig
     identity: dict[str, Any]
@@ -175,8 +195,20 @@ class RunRecord:
     wall_s: float = 0.0
     #: 0 for a run of the corpus one prompt at a time; N >= 1 for the run of the whole corpus
     #: at once with every prompt N times (copy-major: all prompts, then all again, ...), the
-    #: batch-composition and concurrent-request variant of determinism (stored as repeat -1)
+    #: batch-composition and concurrent-request variant of determinism (slot TOGETHER)
     copies: int = 0
+    #: a workload axis's run: its axis and level, and the proof read back from the engine that
+    #: the workload exercised what it was for (completions are per request, not per prompt)
+    axis: str = ""
+    level: str = ""
+    proof: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def slot(self) -> int | str:
+        """Where this run is stored among its config's runs."""
+        if self.axis:
+            return axis_slot(self.axis, self.level)
+        return TOGETHER if self.copies else self.repeat
 
     def corpus_copy(self, j: int) -> list[Completion]:
         """The j-th copy of the corpus in a run with ``copies`` (the whole run if 0)."""
@@ -190,8 +222,8 @@ class RunRecord:
 
     @property
     def label(self) -> str:
-        """How messages name this run: ``r0``, ``r1``, ... or ``all at once``."""
-        return "all at once" if self.copies or self.repeat < 0 else f"r{self.repeat}"
+        """How messages name this run: ``r0``, ``r1``, ..., ``all at once`` or ``axis ...``."""
+        return slot_label(self.slot)
 
     @property
     def fresh_note(self) -> str:
