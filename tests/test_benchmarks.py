@@ -54,19 +54,27 @@ def test_profile_reference_prints_every_phase_and_the_loop_split(capsys):
     assert "target forward" in loop["baseline"][4] and "commit" not in loop["baseline"][4]
 
 
-def test_bench_verify_builds_a_tiny_store_and_times_both_commands(tmp_path, capsys):
+def test_bench_verify_builds_a_tiny_store_and_its_benchmarks_run(tmp_path, capsys):
     """The verifier benchmark's store builder still writes a store the evaluator reads (run
     here on 12 short prompts; the speed target itself lives in the benchmark, not here): every
     config is judged, the one it plants high-confidence divergences in fails on them, and
-    the others pass."""
+    the others pass; and benchmarks/test_bench_verify.py runs on it (pytest-benchmark with
+    timing off: each benchmark once)."""
+    import os
+    import subprocess
+    import sys
+
     bench = _load("bench_verify")
-    assert bench.main(["--prompts", "12", "--min-len", "16", "--max-len", "48", "--rounds", "1",
-                       "--no-cli", "--cache", str(tmp_path)]) == 0
+    assert bench.main(["--prompts", "12", "--min-len", "16", "--max-len", "48", "--cache", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     m = re.search(r"12 prompts, 12 runs, (\d+) completions, ([\d,]+) generated tokens", out)
     assert m and int(m[1]) == 12 * 4 * 4, out  # 4 configs x (r0, r1, 2 copies all at once)
-    for command in ("diff", "gate"):
-        assert re.search(rf"^speccheck {command}\s+[\d.]+ s", out, re.M), out
+    env = {**os.environ, "BENCH_VERIFY_PROMPTS": "12", "BENCH_VERIFY_MIN_LEN": "16",
+           "BENCH_VERIFY_MAX_LEN": "48", "BENCH_VERIFY_CACHE": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "--benchmark-disable",
+                        str(BENCHMARKS / "test_bench_verify.py")],
+                       cwd=BENCHMARKS.parent, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "7 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
     from speccheck.cli import main
 
     root = next(p for p in tmp_path.iterdir() if (p / "BUILT").exists())
