@@ -25,6 +25,7 @@ from speccheck.gate import (EXIT_ENGINE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_P
 from speccheck.plan import ENGINE_ARG_HELP, REFERENCE_ARG_KEYS, PlanError, make_plan, parse_engine_args
 from speccheck.policy import PolicyError, load_policy
 from speccheck.store import Store, StoreError
+from speccheck.types import TOGETHER, slot_label
 
 USAGE_ERRORS = (CorpusError, MatrixError, PlanError, PolicyError, StoreError, EngineUsageError)
 
@@ -187,6 +188,12 @@ run_options = [
                       "server started with other kernel settings (repeatable)."),
     click.option("--ignore-eos", is_flag=True,
                  help="Decode every prompt's full max_tokens past end-of-sequence (a new suite)."),
+    click.option("--axes", "axes", default="default", show_default=True, metavar="AXES",
+                 help="Workload axes to drive (see `speccheck axes`): default (every axis the engine "
+                      "runs, at small default levels), none, or e.g. 'concurrency=4+8+32,long_lived=500'."),
+    click.option("--axes-on", "axes_on", default="default", show_default=True,
+                 type=click.Choice(["default", "all"]),
+                 help="Configs the axes run on: default (the baseline and each method's largest K) or all."),
 ]
 
 
@@ -214,8 +221,9 @@ def merge(sources, store_dir):
 @store_option
 def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, top_k, engine_args,
         no_attribution, attribution_paths, attribution_mode, concurrent, base_url, served_model,
-        api_key_env, attribute_with, ignore_eos, store_dir):
-    """Run the matrix (baseline always included) into the store; resumes finished runs."""
+        api_key_env, attribute_with, ignore_eos, axes, axes_on, store_dir):
+    """Run the matrix (baseline always included) and the workload axes into the store; resumes
+    finished runs."""
     from speccheck.runner import run_suite
 
     from rich.console import Console
@@ -224,7 +232,7 @@ def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, 
 
     plan = make_plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args,
                      no_attribution, base_url, served_model, api_key_env, concurrent, attribute_with,
-                     max_tokens, ignore_eos, attribution_paths, attribution_mode)
+                     max_tokens, ignore_eos, attribution_paths, attribution_mode, axes, axes_on)
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
@@ -236,9 +244,10 @@ def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, 
 
         suite = run_suite(plan, Store(store_dir), log=bar.console.print if console.is_terminal else click.echo,
                           progress=progress)
-    runs = list(range(plan.repeats)) + ([-1] if plan.concurrent else [])
-    failed = [f"{c.name} " + ("all at once" if r < 0 else f"r{r}") for c in plan.configs
-              for r in runs if not suite.is_complete(c.name, r)]
+    runs = list(range(plan.repeats)) + ([TOGETHER] if plan.concurrent else [])
+    on = {c.name for c in plan.axis_configs()}
+    failed = [f"{c.name} {slot_label(r)}" for c in plan.configs
+              for r in runs + (list(plan.axes) if c.name in on else []) if not suite.is_complete(c.name, r)]
     click.echo(f"stored in {suite.root}" + (f"; FAILED runs: {', '.join(failed)}" if failed else ""))
     if failed:
         sys.exit(EXIT_ENGINE)
@@ -371,7 +380,8 @@ def sweep(methods, k, engine, model, draft, corpus, repeats, engine_args, store_
     from speccheck.report import best_configs, speedup_table, sweep_table
     from speccheck.runner import run_suite
 
-    plan = make_plan(engine, model, draft, methods, k, (), corpus, repeats, 5, engine_args, no_attribution=True)
+    plan = make_plan(engine, model, draft, methods, k, (), corpus, repeats, 5, engine_args, no_attribution=True,
+                     axes="none")  # a sweep measures speed; the gate's axes are `run`'s
     plan.round_robin = True  # every K of a round meets the same spells of load on a shared machine
     plan.fresh_process_repeat = False  # speed and acceptance; determinism across processes is `run`'s
     suite = run_suite(plan, Store(store_dir), log=lambda m: click.echo(m, err=True))

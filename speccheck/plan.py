@@ -10,11 +10,42 @@ from speccheck.config import MatrixError, build_matrix
 from speccheck.corpus import Corpus, load_corpus
 from speccheck.engines import ENGINES, RUN_ONLY_ARGS, EngineUsageError, engine_class
 from speccheck.store import suite_id
-from speccheck.types import SpecConfig
+from speccheck.axes import get as get_axis
+from speccheck.axes import registry as axes_registry
+from speccheck.types import SpecConfig, axis_slot
 
 
 class PlanError(ValueError):
     """An option that cannot make a plan (exit code 2)."""
+
+
+def parse_axes(spec: str | None, supported: frozenset[str]) -> tuple[str, ...]:
+    """``--axes``: "default" (every axis the engine runs, at its default levels), "none", or
+    a comma list of axes, each optionally with levels (``concurrency=4+8+32``, ``long_lived=500``).
+    An axis the engine cannot run is refused by name, never dropped."""
+    runnable = [a for a in axes_registry() if a.runs_on == "runner" or a.name in supported]
+    if spec in (None, "", "default"):
+        return tuple(axis_slot(a.name, lv) for a in runnable for lv in a.levels)
+    if spec == "none":
+        return ()
+    slots = []
+    for item in spec.split(","):
+        name, _, levels = item.strip().partition("=")
+        try:
+            axis = get_axis(name)
+        except KeyError:
+            raise PlanError(f"--axes {item!r}: no axis {name!r}; the axes: "
+                            f"{', '.join(a.name for a in axes_registry())} (or default / none).") from None
+        if axis not in runnable:
+            raise PlanError(f"--axes {item!r}: this engine cannot run the {name} axis (it runs: "
+                            f"{', '.join(a.name for a in runnable)}); leave it out.")
+        for level in (levels.split("+") if levels else axis.levels):
+            if not level or "-" in level:
+                raise PlanError(f"--axes {item!r}: a level is a word or a number without '-', e.g. {name}=8.")
+            if name in ("concurrency", "long_lived") and not level.isdigit():
+                raise PlanError(f"--axes {item!r}: the {name} levels are numbers of requests, e.g. {name}=8.")
+            slots.append(axis_slot(name, level))
+    return tuple(dict.fromkeys(slots))
 
 
 @dataclass
@@ -52,6 +83,23 @@ class RunPlan:
     #: run repeat 0 of every config, then repeat 1, ... (a sweep: a drift in machine load then
     #: hits every config of a round alike, instead of all repeats of one config)
     round_robin: bool = False
+    #: workload axes to drive, as slots ("axis-<axis>-<level>"; see speccheck/axes/), and on
+    #: which configs: "default" (the baseline and each method's largest K) or "all"
+    axes: tuple[str, ...] = ()
+    axes_on: str = "default"
+
+    def axis_configs(self) -> list[SpecConfig]:
+        """The configs the axes run on: the baseline and, per method, its largest K (the
+        default: where speculation does the most, against what it is judged by), or all."""
+        if not self.axes:
+            return []
+        if self.axes_on == "all":
+            return list(self.configs)
+        largest: dict[str, SpecConfig] = {}
+        for c in self.configs:
+            if not c.is_baseline and (c.method not in largest or c.k > largest[c.method].k):
+                largest[c.method] = c
+        return [c for c in self.configs if c.is_baseline or largest.get(c.method) == c]
 
     def suite_meta(self, corpus: Corpus) -> dict:
         return {"engine": self.engine, "model": self.model, "draft": self.draft,
@@ -85,7 +133,9 @@ class RunPlan:
         want = {"repeats": self.repeats,
                 "fresh_process_repeat": self.fresh_process_repeat and self.repeats > 1,
                 "concurrent": self.concurrent, "rescore": self.rescore}
-        return {c.name: {**want, "attribute": self.attribute and not c.is_baseline}
+        on = {c.name for c in self.axis_configs()}
+        return {c.name: {**want, "attribute": self.attribute and not c.is_baseline,
+                         **({"axes": list(self.axes)} if c.name in on else {})}
                 for c in self.configs}
 
 
@@ -150,7 +200,8 @@ def make_plan(engine: str = "reference", model: str | None = None, draft: str | 
               engine_args: Sequence[str] = (), no_attribution: bool = False, base_url: str | None = None,
               served_model: str | None = None, api_key_env: str | None = None, concurrent: int = 0,
               attribute_with: Sequence[str] = (), max_tokens: int | None = None, ignore_eos: bool = False,
-              attribution_paths: str | None = None, attribution_mode: str = "rescore") -> RunPlan:
+              attribution_paths: str | None = None, attribution_mode: str = "rescore",
+              axes: str | None = "default", axes_on: str = "default") -> RunPlan:
     """The plan `speccheck run` (and ``pytest -m spec``) would run, from its options as given on
     the command line; every cheap mistake is refused before an engine (and torch) loads."""
     args = parse_engine_args(engine_args)
@@ -184,4 +235,5 @@ def make_plan(engine: str = "reference", model: str | None = None, draft: str | 
                    max_tokens=max_tokens, ignore_eos=ignore_eos,
                    attribution_paths=tuple(g.strip() for g in (attribution_paths or "").split(",")
                                            if g.strip()),
-                   attribution_mode=attribution_mode)
+                   attribution_mode=attribution_mode, axes=parse_axes(axes, cls.axes),
+                   axes_on=axes_on)

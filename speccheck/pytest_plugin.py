@@ -44,6 +44,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "identical concurrent requests); 0: off")
     g.addoption("--spec-ignore-eos", action="store_true",
                 help="decode every prompt's full max_tokens past end-of-sequence")
+    g.addoption("--spec-axes", default="default",
+                help="workload axes: default, none, or e.g. 'concurrency=4+8,long_lived=500'")
     parser.addini("spec_corpus", default="default",
                   help="speccheck: the corpus `pytest -m spec` runs unless --spec-corpus says")
 
@@ -64,7 +66,7 @@ def _plan(config: pytest.Config):
                              tuple(o("--spec-method")), o("--spec-k"), tuple(o("--spec-config")),
                              _corpus(config), o("--spec-repeats"), 5,
                              tuple(o("--spec-engine-arg")), concurrent=o("--spec-concurrent"),
-                             ignore_eos=o("--spec-ignore-eos"))
+                             ignore_eos=o("--spec-ignore-eos"), axes=o("--spec-axes"))
 
 
 def _config_names(config: pytest.Config) -> list[str]:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -25,9 +25,11 @@ from speccheck.version import __version__
 from speccheck.corpus import Corpus
 from speccheck.engines import Engine, EngineError, EngineUsageError, make_engine
 from speccheck.engines.base import ScoringUnavailable
+from speccheck.axes import AxisInput
+from speccheck.axes import get as get_axis
 from speccheck.plan import RunPlan, plan_suite_id
 from speccheck.store import Store, StoreError, Suite
-from speccheck.types import RunRecord, SpecConfig
+from speccheck.types import TOGETHER, RunRecord, SpecConfig, Workload, WorkloadResult, slot_label
 from speccheck.verify import first_divergence
 
 
@@ -80,10 +82,10 @@ def run_one(engine: Engine, suite: Suite, corpus: Corpus, inputs: dict[str, np.n
             copies: int = 0) -> RunRecord:
     """Generate the whole corpus under one config and store it; an engine failure is stored
     as a failed run (the matrix goes on), bad usage is raised. With ``copies`` N the corpus
-    goes to the engine all at once, N times over (stored as repeat -1)."""
+    goes to the engine all at once, N times over (slot TOGETHER)."""
     t0 = time.perf_counter()
     record = RunRecord(config=config, identity={}, corpus=corpus.name, corpus_hash=corpus.hash,
-                       repeat=-1 if copies else repeat, fresh_process=fresh_process, copies=copies)
+                       repeat=TOGETHER if copies else repeat, fresh_process=fresh_process, copies=copies)
     try:
         prompts = list(corpus.prompts) * max(copies, 1)
         ids = [inputs[p.id].tolist() for p in prompts]
@@ -116,6 +118,10 @@ def _summary_line(record: RunRecord) -> str:
     tpi = f"  {1 + spec.accepted_tokens / spec.drafts:.2f} tok/iter" if spec and spec.drafts else ""
     fresh = f"  [{record.fresh_note}]" if record.fresh_note else ""
     rate = f"{n / dec:7.1f} tok/s" if dec > 0 else "      - tok/s"
+    if record.axis:
+        proof = ", ".join(f"{k} {v}" for k, v in record.proof.items() if not isinstance(v, list))
+        return (f"{record.config.name:>12} {record.label}: {len(record.completions)} requests  {n:6d} tok"
+                + (f"  ({proof})" if proof else ""))
     if record.copies:
         return (f"{record.config.name:>12} all at once: {len(record.completions)} requests "
                 f"({record.copies} of each prompt)  {n:6d} tok")
@@ -161,9 +167,9 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
     try:
         inputs = tokenized_inputs(suite, engine, corpus)
         current = weights_fingerprint(engine.identity())
-        # repeat -1: the corpus all at once (plan.concurrent copies of each prompt)
+        # TOGETHER: the corpus all at once (plan.concurrent copies of each prompt)
         wanted = [(c, r) for c in plan.configs
-                  for r in list(range(plan.repeats)) + ([-1] if plan.concurrent else [])]
+                  for r in list(range(plan.repeats)) + ([TOGETHER] if plan.concurrent else [])]
         if plan.round_robin:  # stable: configs keep their order within a round
             wanted.sort(key=lambda cr: cr[1] if cr[1] >= 0 else plan.repeats)
         todo = [(c, r) for c, r in wanted
@@ -202,6 +208,7 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
                     record = in_process(config, repeat)
                 eta.finish(config, repeat, time.perf_counter() - began)
                 log(_summary_line(record))
+        run_axes(plan, engine, suite, corpus, inputs, log, progress)
         if progress:
             progress(len(todo), len(todo), "rescoring teacher-forced")
         if plan.rescore:
@@ -223,10 +230,75 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
     return suite
 
 
+# --- workload axes -----------------------------------------------------------------------------
+
+def run_axes(plan: RunPlan, engine: Engine, suite: Suite, corpus: Corpus, inputs: dict[str, np.ndarray],
+             log: Log = _print, progress: Callable[[int, int, str], None] | None = None) -> None:
+    """Every planned axis level of every axis config not yet stored, after the repeats (a
+    conversation's next turn carries the config's stored answer)."""
+    todo = [(c, slot) for c in plan.axis_configs() for slot in plan.axes if not suite.is_complete(c.name, slot)]
+    if todo:
+        log(f"workload axes: {len(todo)} run(s) ({', '.join(sorted({slot_label(s) for _, s in todo}))})")
+    for i, (config, slot) in enumerate(todo):
+        if progress:
+            progress(i, len(todo), f"{config.name} {slot_label(slot)}")
+        log(_summary_line(run_axis(plan, engine, suite, corpus, inputs, config, slot)))
+
+
+def run_axis(plan: RunPlan, engine: Engine, suite: Suite, corpus: Corpus, inputs: dict[str, np.ndarray],
+             config: SpecConfig, slot: str) -> RunRecord:
+    """Build one axis level's workload from the corpus, run it, store it with its proof; an
+    engine failure is stored as a failed run (the matrix goes on)."""
+    _, name, level = slot.split("-", 2)
+    axis = get_axis(name)
+    t0 = time.perf_counter()
+    record = RunRecord(config=config, identity={}, corpus=corpus.name, corpus_hash=corpus.hash, repeat=0,
+                       fresh_process=False, axis=name, level=level)
+    try:
+        outputs = ({c.prompt_id: c.token_ids for c in suite.load_run(config.name, 0).completions}
+                   if suite.is_complete(config.name, 0) else {})
+        ks = tuple(sorted({c.k for c in plan.configs if not c.is_baseline}))
+        workload = axis.build(AxisInput(corpus, inputs, config, level, ks, outputs,
+                                        block_size=engine.cache_block_size()))
+        result = (serve_in_order(engine, workload, config, plan.top_k) if axis.runs_on == "runner"
+                  else engine.run_workload(workload, config, plan.top_k))
+        record.completions, record.proof = result.completions, dict(result.proof)
+    except EngineUsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal to the matrix
+        record.status = "failed"
+        record.error = f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=8))
+    try:
+        record.identity = {**engine.identity(), "speccheck_version": __version__}
+    except Exception as e:  # noqa: BLE001
+        record.identity = {"engine": engine.name, "identity_error": str(e)}
+    record.wall_s = time.perf_counter() - t0
+    suite.write_run(record)
+    return record
+
+
+def serve_in_order(engine: Engine, workload: Workload, config: SpecConfig, top_k: int) -> WorkloadResult:
+    """An axis any engine runs: its requests in order through one generate() call (one engine,
+    one process), each completion named by its request. The proof is what was sent: requests,
+    prompt lengths and budgets as the engine tokenised them (and the engine's own count of
+    requests served, where it keeps one)."""
+    reqs = workload.requests
+    comps = engine.generate([r.prompt for r in reqs], [list(r.prompt_ids) for r in reqs], config, top_k)
+    if len(comps) != len(reqs):
+        raise EngineError(f"{len(comps)} completions for the {len(reqs)} requests of the {workload.axis} axis")
+    comps = [replace(c, prompt_id=r.id) for c, r in zip(comps, reqs)]
+    proof = {"requests": len(reqs), "prompt_lengths": sorted({len(r.prompt_ids) for r in reqs}),
+             "max_tokens": sorted({r.prompt.max_tokens for r in reqs})}
+    served = getattr(engine, "requests_served", None)
+    if isinstance(served, int):
+        proof["engine_requests_served"] = served
+    return WorkloadResult(comps, proof)
+
+
 # --- progress ----------------------------------------------------------------------------------
 
 def _what(config: SpecConfig, repeat: int) -> str:
-    return f"{config.name} " + ("all at once" if repeat < 0 else f"r{repeat}")
+    return f"{config.name} {slot_label(repeat)}"
 
 
 class RunEta:

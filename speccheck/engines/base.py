@@ -147,6 +147,11 @@ class Engine(ABC):
         part of a UTF-8 character can be shown as ``<0xE3>`` instead of '\ufffd'; None: unknown."""
         return None
 
+    def cache_block_size(self) -> int:
+        """Tokens per KV-cache block (vLLM's block_size; prefix-cache hits and hybrid state are
+        kept at block boundaries): the shapes axis probes lengths around it."""
+        return 16
+
     def max_positions(self) -> int | None:
         """Positions the model can hold (prompt + generated); None when the engine cannot tell."""
         return None

@@ -1,0 +1,82 @@
+"""The axis registry: the modules of this package, in order."""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable, Sequence
+
+import numpy as np
+
+from speccheck.corpus import Corpus
+from speccheck.types import Prompt, Request, SpecConfig, Workload
+
+
+@dataclass(frozen=True)
+class AxisInput:
+    """What a generator builds a level's workload from: the corpus as the engine tokenised it,
+    the config it runs under, every K of the plan (so the baseline runs the shapes of every
+    spec config it is compared with), the stored outputs of the config's first repeat (a
+    conversation's next turn carries its answer), and the seed."""
+
+    corpus: Corpus
+    inputs: dict[str, np.ndarray]
+    config: SpecConfig
+    level: str
+    ks: tuple[int, ...] = ()
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    seed: int = 0
+    #: tokens per cache block of the engine (vLLM's block_size; the reference engine's)
+    block_size: int = 16
+
+    def request(self, rid: str, prompt: Prompt, ids: Sequence[int], max_tokens: int | None = None,
+                **kw) -> Request:
+        """A request of ``prompt`` with its own id, token ids and (optionally) max_tokens."""
+        p = prompt if max_tokens is None else Prompt(prompt.id, prompt.category, max_tokens, prompt.text,
+                                                     prompt.messages, prompt.ignore_eos)
+        return Request(rid, p, tuple(int(t) for t in ids), **kw)
+
+
+@dataclass(frozen=True)
+class AxisSpec:
+    name: str
+    #: the bug class it drives the engine into (public reports)
+    guards: str
+    description: str
+    #: the levels the default run asks for (each a workload of its own)
+    levels: tuple[str, ...]
+    build: Callable[[AxisInput], Workload]
+    #: proof keys that must read back > 0 for a level to count as exercised, per level
+    #: (a level not listed needs none beyond its requests being served)
+    proofs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: "runner": any engine runs it through generate() (what was sent is the proof);
+    #: "engine": the engine must serve it (Engine.axes, Engine.run_workload)
+    runs_on: str = "engine"
+    order: int = 100
+
+
+@lru_cache(maxsize=None)
+def registry() -> tuple[AxisSpec, ...]:
+    import speccheck.axes as package
+
+    specs = []
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name.startswith("_"):
+            continue
+        spec = getattr(importlib.import_module(f"{package.__name__}.{info.name}"), "AXIS", None)
+        if not isinstance(spec, AxisSpec):
+            raise RuntimeError(f"speccheck/axes/{info.name}.py defines no AXIS = AxisSpec(...)")
+        specs.append(spec)
+    return tuple(sorted(specs, key=lambda s: (s.order, s.name)))
+
+
+def get(name: str) -> AxisSpec:
+    for spec in registry():
+        if spec.name == name:
+            return spec
+    raise KeyError(name)
+
+
+def names() -> list[str]:
+    return [s.name for s in registry()]

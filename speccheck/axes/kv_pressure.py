@@ -1,0 +1,30 @@
+"""kv_pressure: a KV block budget small enough that the scheduler preempts and recomputes."""
+from __future__ import annotations
+
+from speccheck.axes._registry import AxisInput, AxisSpec
+from speccheck.types import Workload
+
+IN_FLIGHT = 4
+
+
+def build(inp: AxisInput) -> Workload:
+    """The first prompts in flight together, under no budget (``free``) or a budget of about
+    half the blocks they need at their longest (``pressure``): the newest is preempted and
+    recomputed. Each pressured request must give its free tokens."""
+    prompts = list(inp.corpus.prompts)[:IN_FLIGHT]
+    reqs = [inp.request(f"kv:{p.id}", p, inp.inputs[p.id]) for p in prompts]
+    knobs = {}
+    if inp.level == "pressure":
+        b = inp.block_size
+        need = sum(-(-(len(inp.inputs[p.id]) + p.max_tokens + max(inp.ks, default=0) + 1) // b) for p in prompts)
+        knobs = {"kv_blocks": str(max(need // 2, 1))}
+    return Workload("kv_pressure", inp.level, reqs, max_in_flight=IN_FLIGHT, knobs=knobs)
+
+
+AXIS = AxisSpec(
+    name="kv_pressure", order=50, levels=("free", "pressure"), build=build,
+    proofs={"pressure": ("preemptions",)},
+    guards="preemption and recompute under KV-cache pressure losing or corrupting draft or "
+           "hybrid state (vLLM's first spec-decode tests forced it with small KV budgets)",
+    description="Under a KV block budget that forces preemption and recompute, every request "
+                "gives the tokens it gives without pressure.")
