@@ -1,0 +1,130 @@
+"""Workload axes: generators are deterministic and reach the shapes they are for; an axis level
+that was asked for but not exercised fails the gate naming the axis; a request that changes a
+token beyond a near-tie fails its axis; a planned axis run that is missing fails `ran`."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from speccheck.axes import AxisInput, get, registry
+from speccheck.corpus import load_corpus
+from speccheck.evaluate import evaluate_suite
+from speccheck.gate import gate_text
+from speccheck.plan import PlanError, parse_axes
+from speccheck.policy import Policy
+from speccheck.types import RunRecord, SpecConfig, axis_slot
+from tests.test_evaluate import BASE, MTP_COUNTERS, NEAR, comp, suite  # noqa: F401
+
+LOOSE = Policy(min_token_agreement=0.5)
+CORPUS = load_corpus("smoke")
+
+
+def inputs(n: int = 40) -> dict[str, np.ndarray]:
+    return {p.id: np.arange(100, 100 + n + i, dtype=np.int32) for i, p in enumerate(CORPUS.prompts)}
+
+
+@pytest.mark.parametrize("axis", [a.name for a in registry()])
+def test_every_generator_is_deterministic_and_names_each_request_once(axis):
+    spec = get(axis)
+    for level in spec.levels:
+        inp = AxisInput(CORPUS, inputs(), SpecConfig("mtp", 3), level, (1, 3, 7),
+                        {p.id: np.arange(5, 15) for p in CORPUS.prompts})
+        a, b = spec.build(inp), spec.build(inp)
+        assert [r.id for r in a.requests] == [r.id for r in b.requests]
+        assert [r.prompt_ids for r in a.requests] == [r.prompt_ids for r in b.requests]
+        ids = [r.id for r in a.requests]
+        assert len(ids) == len(set(ids)) and a.requests and a.axis == axis and a.level == level
+        assert all(r.id.rsplit(":", 1)[-1] in {p.id for p in CORPUS.prompts} for r in a.requests)
+
+
+@given(ks=st.lists(st.integers(1, 15), min_size=1, max_size=4, unique=True), block=st.integers(4, 32))
+def test_shapes_sends_every_length_around_k_and_the_block(ks, block):
+    inp = AxisInput(CORPUS, inputs(60), SpecConfig("mtp", ks[0]), "k", tuple(ks), block_size=block)
+    w = get("shapes").build(inp)
+    sent = {len(r.prompt_ids) for r in w.requests}
+    budgets = {r.prompt.max_tokens for r in w.requests}
+    assert {1, block - 1, block, block + 1} <= sent
+    for k in ks:
+        assert {k, k + 1, k + 2} <= sent and {k, k + 1} <= budgets
+    assert 1 in budgets
+
+
+def test_concurrency_requests_arrive_while_others_decode():
+    w = get("concurrency").build(AxisInput(CORPUS, inputs(), SpecConfig("mtp", 3), "8", (3,)))
+    assert w.max_in_flight == 8 and len(w.requests) == 16
+    arrivals = [r.arrive_after for r in w.requests]
+    assert arrivals == sorted(arrivals) and len(set(arrivals)) == 16  # staggered, not all at once
+
+
+def test_the_axes_option():
+    assert parse_axes("none", frozenset()) == ()
+    default = parse_axes("default", frozenset())
+    assert axis_slot("shapes", "k") in default and not any("concurrency" in s for s in default)
+    assert parse_axes("concurrency=4+32", frozenset({"concurrency"})) == (
+        axis_slot("concurrency", "4"), axis_slot("concurrency", "32"))
+    with pytest.raises(PlanError, match="cannot run the concurrency axis"):
+        parse_axes("concurrency=8", frozenset())
+    with pytest.raises(PlanError, match="no axis 'bogus'"):
+        parse_axes("bogus", frozenset())
+    with pytest.raises(PlanError, match="numbers of requests"):
+        parse_axes("concurrency=lots", frozenset({"concurrency"}))
+
+
+def _plan_axes(s, slots):
+    want = {"repeats": 2, "fresh_process_repeat": False, "concurrent": 0, "rescore": True,
+            "attribute": False, "axes": list(slots)}
+    s.extend_plan({"baseline": want, "mtp-k3": {**want, "attribute": True}}, ["--corpus", "c"])
+
+
+def _axis_run(s, name, axis, level, comps, proof):
+    s.write_run(RunRecord(SpecConfig.from_name(name), {"engine": "t"}, "c", "h", 0, False,
+                          completions=comps, axis=axis, level=level, proof=proof))
+
+
+def _requests(prefix, spec=None, flip=None):
+    out = []
+    for p, t in BASE.items():
+        toks = list(t)
+        if flip and p == "a":
+            toks[1] = 40  # far from the baseline's top-k: high confidence
+        c = comp(p, toks, NEAR.get(p), spec=spec)
+        out.append(type(c)(f"{prefix}:{p}", c.prompt_ids, c.token_ids, c.logprobs, c.topk_ids, c.topk_logprobs,
+                           text=c.text, ttft_s=c.ttft_s, decode_s=c.decode_s, spec=c.spec))
+    return out
+
+
+def test_an_axis_not_exercised_fails_naming_it(suite):  # noqa: F811
+    """prefix caching switched off in the engine: the hit level served every request, but the
+    engine read back no hit -- the axis fails, never passes."""
+    slots = [axis_slot("prefix_cache", "cold"), axis_slot("prefix_cache", "hit")]
+    _plan_axes(suite, slots)
+    for name, spec in (("baseline", None), ("mtp-k3", MTP_COUNTERS)):
+        _axis_run(suite, name, "prefix_cache", "cold", _requests("conv0/turn2", spec), {"prefix_hits": 0})
+        _axis_run(suite, name, "prefix_cache", "hit", _requests("conv0/turn2", spec), {"prefix_hits": 0})
+    res = evaluate_suite(suite, LOOSE, ["baseline", "mtp-k3"])
+    c = res.get("mtp-k3").check("axis_prefix_cache")
+    assert not c.passed and "axis prefix_cache (hit) was not exercised: prefix_hits = 0" in c.message
+    assert "axis_prefix_cache failed for config mtp-k3" in gate_text(res)
+
+
+def test_a_changed_token_beyond_a_near_tie_fails_its_axis_and_a_clean_one_passes(suite):  # noqa: F811
+    slots = [axis_slot("kv_pressure", "free"), axis_slot("kv_pressure", "pressure")]
+    _plan_axes(suite, slots)
+    for name, spec in (("baseline", None), ("mtp-k3", MTP_COUNTERS)):
+        _axis_run(suite, name, "kv_pressure", "free", _requests("kv", spec), {})
+        _axis_run(suite, name, "kv_pressure", "pressure", _requests("kv", spec, flip=name == "mtp-k3"),
+                  {"preemptions": 2})
+    res = evaluate_suite(suite, LOOSE, ["baseline", "mtp-k3"])
+    assert res.get("baseline").check("axis_kv_pressure").passed
+    c = res.get("mtp-k3").check("axis_kv_pressure")
+    assert not c.passed and "1 request(s) differ from the run without pressure beyond a near-tie" in c.message
+    assert "prompt kv:a position 1" in c.message
+
+
+def test_a_planned_axis_run_that_is_missing_fails_ran(suite):  # noqa: F811
+    _plan_axes(suite, [axis_slot("shapes", "k")])
+    res = evaluate_suite(suite, LOOSE, ["baseline", "mtp-k3"])
+    c = res.get("mtp-k3").check("ran")
+    assert not c.passed and "mtp-k3 axis shapes (k)" in c.message
