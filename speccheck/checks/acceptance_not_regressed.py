@@ -4,8 +4,12 @@ from __future__ import annotations
 from speccheck.checks import CheckSpec, Context, PolicyKey
 from speccheck.results import Check, ConfigResult
 from speccheck.verify import output_digest
-from speccheck.verify.acceptance_stats import (AcceptanceComparison, DetectableDrop, compare_acceptance,
-                                               minimum_detectable_drop)
+from speccheck.verify.acceptance_stats import (
+    AcceptanceComparison,
+    DetectableDrop,
+    compare_acceptance,
+    minimum_detectable_drop,
+)
 
 POLICY = (
     PolicyKey("min_tokens_per_iter", 1.0,
