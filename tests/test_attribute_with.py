@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 from click.testing import CliRunner
 
 from speccheck.cli import main
@@ -18,6 +19,7 @@ def _served(url: str) -> int:
     return parse_metrics(httpx.get(url + "/metrics").text)["requests"]
 
 
+@pytest.mark.slow
 def test_attribute_with_second_servers_over_http(tmp_path, free_port, serve_process):
     # the baseline server computes in fp32, the MTP server in bf16: they may disagree at
     # close calls, and the attribution servers (bf16 and fp32 prefill) say which side each

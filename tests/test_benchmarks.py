@@ -37,6 +37,7 @@ def test_bench_reference_table_in_fp32_every_spec_config_is_identical(capsys):
         assert float(rows[name][4]) > 1.0  # some drafts were accepted
 
 
+@pytest.mark.slow
 def test_profile_reference_prints_every_phase_and_the_loop_split(capsys):
     prof = _load("profile_reference")
     assert prof.main(["--context", "24", "--k", "1,3", "--iters", "3", "--top", "2",

@@ -52,6 +52,7 @@ def test_unknown_policy_key_exit_2(tmp_path):
     assert r.exit_code == 2
 
 
+@pytest.mark.slow
 def test_end_to_end_smoke_run_diff_gate_report(tmp_path):
     """A real (small) run on the reference engine: run -> diff --json -> gate -> report, and a
     second `run` resumes without redoing anything."""

@@ -174,6 +174,7 @@ torch.save(outs, sys.argv[1])
 """
 
 
+@pytest.mark.slow
 def test_every_instruction_set_this_cpu_has_gives_the_same_bits(tmp_path, monkeypatch):
     """The kernels built for each vector instruction set this CPU can run (AVX-512 tiles, AVX2,
     generic C; ``SPECCHECK_CPU_ISA``), by the install's own build step, give the same bits for

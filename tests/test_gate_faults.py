@@ -25,6 +25,7 @@ CAUGHT_BY = {
 CORPUS = {"state-precision": "code"}  # the others: smoke
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", [None, *CAUGHT_BY])
 def test_gate_catches_planted_fault(tmp_path, fault):
     st_dir = str(tmp_path / "st")
@@ -56,12 +57,14 @@ def selftest_result():
     return st.run_selftest()
 
 
+@pytest.mark.slow
 def test_selftest_clean_engine_passes_every_check(selftest_result):
     assert selftest_result.clean
     for c in selftest_result.clean:
         assert c.passed, f"clean engine, {c.config}: {c.error or c.messages}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_selftest_catches(selftest_result, fault):
     row = next(r for r in selftest_result.rows if r.fault == fault)
@@ -69,6 +72,7 @@ def test_selftest_catches(selftest_result, fault):
                         f"{row.failed or 'nothing'} {row.error or ''}")
 
 
+@pytest.mark.slow
 def test_selftest_table_and_exit_codes(selftest_result, tmp_path, monkeypatch):
     """The table names every fault, its check and the verdict; the CLI exits 0 when every
     fault is caught, 1 when one is missed (here: a case expecting the wrong check), 2 on a

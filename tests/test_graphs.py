@@ -65,6 +65,7 @@ def test_graph_steps_decode_what_the_eager_loops_decode(engine, config):
             assert (b.spec.draft_s or 0) > 0 if b.spec.drafts else b.spec.draft_s is None
 
 
+@pytest.mark.slow
 def test_graph_steps_are_lossless_with_equal_numerics(engine):
     e = _graphed(engine)
     prompts = _prompts(32)

@@ -286,6 +286,7 @@ def test_scored_from_vllm_prompt_logprobs():
         scored_from_prompt_logprobs(plp, full, 1, 3)
 
 
+@pytest.mark.slow
 def test_cli_run_against_serve_passes_gate(tmp_path, free_port):
     """The deployment rehearsal, as a user runs it: a baseline server, `speccheck run
     --engine openai`, then the same port restarted with MTP K=2 and run into the same store
@@ -445,6 +446,7 @@ def test_server_that_does_not_stream_still_works_without_a_ttft(ref, prompts, be
     assert ident["ttft"].startswith("not measured")
 
 
+@pytest.mark.slow
 def test_diff_says_ttft_not_measured_for_a_server_that_does_not_stream(ref, tmp_path):
     """The CLI against a non-streaming server (test double: the plain_json proxy in front
     of a real `speccheck serve`): the run passes, and diff's speed line says

@@ -132,12 +132,14 @@ def test_killed_run_fails_every_judging_command_naming_the_config(killed, tmp_pa
     assert not (tmp_path / "golden").exists()
 
 
+@pytest.mark.slow
 def test_the_named_command_resumes_and_the_gate_passes(resumed):
     gate = cli("gate", "--store", resumed)
     assert gate.exit_code == 0, gate.output
     assert "no recorded plan" not in gate.output
 
 
+@pytest.mark.slow
 def test_rescoring_and_attribution_never_finished_fail(resumed, tmp_path):
     store = tmp_path / "S"
     shutil.copytree(resumed, store)
@@ -150,6 +152,7 @@ def test_rescoring_and_attribution_never_finished_fail(resumed, tmp_path):
             "kernel-path attribution of mtp-k3 (never finished)") in gate.output
 
 
+@pytest.mark.slow
 def test_demanded_configs_must_be_stored(resumed):
     assert cli("gate", "--store", resumed, "--method", "mtp", "--k", "3").exit_code == 0
     absent = cli("gate", "--store", resumed, "--config", "mtp-k5")
@@ -160,6 +163,7 @@ def test_demanded_configs_must_be_stored(resumed):
     assert "gate: FAIL" in no_method.output
 
 
+@pytest.mark.slow
 def test_store_without_a_plan_still_loads_and_says_so(resumed, tmp_path):
     """Stores written before plans were recorded: judged on what they hold, with a note."""
     store = tmp_path / "S"
@@ -201,6 +205,7 @@ def test_a_second_run_extends_the_plan(tmp_path, monkeypatch):
         assert f"{name} was planned but is not stored" in gate.output
 
 
+@pytest.mark.slow
 def test_pytest_plugin_fails_a_planned_config_it_was_not_asked_for(resumed, tmp_path):
     """`pytest -m spec` generates tests for every config the suite's plan holds: one an
     earlier run planned and never stored fails every one of its tests there, by name."""

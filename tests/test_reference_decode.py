@@ -137,6 +137,7 @@ def test_accept_top2_accepts_more(equal_engine, prompts):
     assert faulty.accepted_tokens > clean.accepted_tokens
 
 
+@pytest.mark.slow
 def test_nondeterministic_fault_varies_run_to_run():
     eng = ReferenceEngine(engine_args={"fault": "nondeterministic", "threads": "1"})
     ps = [Prompt(p.id, p.category, 48, p.text, p.messages) for p in load_corpus("code").prompts]
@@ -255,6 +256,7 @@ def test_ignore_eos_decodes_the_full_budget(equal_engine, config):
     assert alone.spec.drafts > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", ["1", "3"])
 def test_prefix_cache_gives_the_bits_of_a_fresh_prefill(prompts, batch):
     """A prompt prefilled before (prefix_cache, the default) decodes to exactly what a fresh

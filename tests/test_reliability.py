@@ -301,6 +301,7 @@ def test_lock_is_exclusive_and_released_when_the_holder_dies(tmp_path):
         assert (st.root / "lock").read_text().strip() == str(os.getpid())
 
 
+@pytest.mark.slow
 def test_two_concurrent_runs_on_one_store(tmp_path):
     """Two real `speccheck run` processes on one store at once: both exit 0, the second waits
     and finds the work done, the store gates, and no temp file or directory is left."""
@@ -687,6 +688,7 @@ def test_doctor_on_this_machine_says_what_it_cannot_check(tmp_path):
     assert "2 attention + 6 GDN layers" in text and "8192 positions" in text
 
 
+@pytest.mark.slow
 def test_doctor_and_run_against_speccheck_serve_with_v1_url(tmp_path):
     """A real `speccheck serve` (reference engine behind vLLM's endpoints): doctor finds it
     through a /v1 URL, and `speccheck run --engine openai --base-url .../v1` works."""
@@ -807,6 +809,7 @@ def test_kernels_gdn_says_what_it_does_and_how_long_before_it_starts():
     assert first.startswith("kernels gdn:") and "32 positions" in first and "s on 2 CPU cores" in first
 
 
+@pytest.mark.slow
 def test_pytest_plugin_progress_is_visible_without_s(tmp_path):
     """A real pytest session using the plugin's spec_result fixture (smoke corpus, mtp-k2, one
     repeat), run without -s: the runs, with [done/total], reach the terminal."""
@@ -819,6 +822,7 @@ def test_pytest_plugin_progress_is_visible_without_s(tmp_path):
     assert "speccheck: [0/2] baseline r0" in r.stdout and "speccheck: [2/2] rescoring" in r.stdout, r.stdout
 
 
+@pytest.mark.slow
 def test_rescoring_says_what_it_will_score_and_how_long_is_left(tmp_path):
     """A run whose spec configs diverge (the planted conv-not-rolled-back fault) announces
     the rescoring (outputs, configs, tokens) before it starts, and each later config's share
@@ -886,6 +890,7 @@ def served_store(tmp_path_factory):
     mp.undo()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("behaviour,code,needle", STREAM_FAULTS, ids=[f[0] for f in STREAM_FAULTS])
 def test_streams_that_go_wrong_exit_per_contract_and_keep_the_store(served_store, tmp_path,
                                                                      monkeypatch, behaviour, code,
