@@ -221,7 +221,7 @@ def _larger_demand(key: str, old, new):
     if isinstance(new, bool):
         return old or new
     if isinstance(new, list):
-        return sorted({*old, *new})
+        return list(dict.fromkeys([*old, *new]))
     return new
 
 

@@ -404,7 +404,7 @@ def test_bad_engine_args_leave_no_suite_directory(tmp_path):
     (["--method", "mtp", "--k", "1-x"], "--k '1-x'"),
     (["--config", "mtp-kk"], "--config 'mtp-kk'"),
     (["--engine-arg", "novalue"], "--engine-arg"),
-    pytest.param(["--engine", "vllm", "--model", str(Path(__file__).parents[1] / "speccheck" / "engines" /
+    pytest.param(["--engine", "vllm", "--model", str(Path(__file__).parents[1] / "speccheck" /
                                                      "reference" / "weights")], "cannot import it",
                  marks=pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None,
                                           reason="vLLM is importable here"), id="vllm-not-installed"),
@@ -987,7 +987,7 @@ def test_vllm_check_is_made_against_the_named_interpreter(tmp_path):
     ckpt = Path(__file__).parents[1] / "speccheck" / "reference" / "weights"  # config + tokenizer
     r = invoke("run", "--engine", "vllm", "--model", str(ckpt), "--store", str(tmp_path / "st"),
                "--corpus", "smoke", "--method", "mtp", "--k", "3", "--repeats", "1",
-               "--concurrent", "0", "--no-attribution", "--engine-arg", f"python={other}")
+               "--concurrent", "0", "--no-attribution", "--axes", "none", "--engine-arg", f"python={other}")
     assert r.exit_code == 3 and "cannot import vLLM" not in r.output, r.output
     assert "FAILED runs: baseline r0, mtp-k3 r0" in r.output and "Traceback" not in r.output
     assert "other-site/vllm" in r.output  # the workers ran there, and found the fake's vllm
