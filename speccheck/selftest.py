@@ -23,6 +23,7 @@ from typing import Callable
 
 from speccheck.corpus import load_corpus
 from speccheck.engines import EngineUsageError, make_engine
+from speccheck.checks import names as check_names
 from speccheck.evaluate import evaluate_suite
 from speccheck.policy import Policy
 from speccheck.plan import RunPlan
@@ -266,6 +267,11 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
             if case is None:
                 rows.append(Row(name, FAULTS[name], "-", "-", [],
                                 "no case in speccheck.selftest.CASES names the check for it"))
+                continue
+            if case.check not in check_names():
+                rows.append(Row(name, case.models, "-", case.check, [],
+                                f"its case names {case.check!r}, which is not a registered check "
+                                f"(speccheck/checks/: {', '.join(check_names())})"))
                 continue
             config, args, on = setting(case)
             key = _label(config, args, on if on != corpus else None)
