@@ -75,6 +75,8 @@ CASES: tuple[Case, ...] = (
          "divergences_are_low_confidence"),
     Case("accept-top2", "verifier: a draft accepted that is not the target's argmax",
          "divergences_are_low_confidence"),
+    Case("verify-samples", "temperature 0 not argmax: the verify draws at temperature 0.01",
+         "greedy_is_argmax"),
     Case("accepted-counts-bonus", "counters and metrics: impossible acceptance counts "
          "(vLLM #27077)", "counters_consistent"),
     Case("past-max-tokens", "output boundaries: emission past max_tokens", "same_stopping"),

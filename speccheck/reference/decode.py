@@ -50,6 +50,9 @@ FAULTS = {
     "bonus-off-by-one": "the bonus token is taken from the position after the right one "
                         "(the distribution conditioned on the rejected draft)",
     "accept-top2": "a draft token is accepted when it is the target's top-1 or top-2 choice",
+    "verify-samples": "at temperature 0 the verify draws its tokens at temperature 0.01 instead of "
+                      "taking the argmax (a sampler left on: choices differ from argmax only at "
+                      "near-ties, which output comparisons excuse)",
     "accepted-counts-bonus": "the accepted-token counter includes the bonus token (a metrics "
                              "bug like vLLM #27077's impossible acceptance counts)",
     "past-max-tokens": "accepted drafts are not cut at max_tokens: the output runs past its "
@@ -409,6 +412,11 @@ class Decoder:
         rows = torch.log_softmax(self.target.logits(h.flatten(0, 1)), -1)
         rows = rows.view(len(live), k + 1, -1)
         top2 = rows.topk(2, dim=-1).indices.cpu().tolist()
+        if fault == "verify-samples":  # planted: the verify draws at temperature 0.01, seeded
+            gen = torch.Generator().manual_seed(len(tokens[live[0]]))
+            drawn = torch.multinomial(torch.softmax(rows.float().cpu().flatten(0, 1) / 0.01, -1), 1,
+                                      generator=gen).view(len(live), k + 1).tolist()
+            top2 = [[[drawn[j][i], row[1]] for i, row in enumerate(top2[j])] for j in range(len(live))]
         kept, emits, picked = [], [], []
         for j, b in enumerate(live):
             m = 0
