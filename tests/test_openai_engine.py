@@ -304,7 +304,7 @@ def test_cli_run_against_serve_passes_gate(tmp_path, free_port):
     for step, (method, k) in enumerate((("baseline", None), ("mtp", 2), ("baseline", None))):
         with running_server(method, k, port=port) as url:
             args = ["run", "--engine", "openai", "--engine-arg", f"base_url={url}",
-                    "--method", method, "--corpus", "smoke", "--store", store]
+                    "--method", method, "--corpus", "smoke", "--store", store, "--axes", "none"]
             result = cli.invoke(main, args + (["--k", str(k)] if k else []))
             assert result.exit_code == 0, result.output
             if step == 2:
@@ -458,7 +458,7 @@ def test_diff_says_ttft_not_measured_for_a_server_that_does_not_stream(ref, tmp_
 
     cli = CliRunner()
     run = ["run", "--engine", "openai", "--method", "baseline", "--corpus", "smoke",
-           "--repeats", "1", "--concurrent", "0", "--no-attribution"]
+           "--repeats", "1", "--concurrent", "0", "--no-attribution", "--axes", "none"]
     with running_server("baseline", engine=ref) as url, misbehaving_proxy(url, "plain_json") as proxy:
         r = cli.invoke(main, run + ["--base-url", f"http://127.0.0.1:{proxy.server_port}/v1",
                                     "--store", str(tmp_path / "plain")])

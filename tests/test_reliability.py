@@ -18,7 +18,8 @@ from click.testing import CliRunner
 from speccheck import cli
 from speccheck.cli import main
 
-RUN = ["--corpus", "smoke", "--config", "mtp-k2", "--repeats", "1", "--concurrent", "0", "--no-attribution"]
+RUN = ["--corpus", "smoke", "--config", "mtp-k2", "--repeats", "1", "--concurrent", "0", "--no-attribution",
+       "--axes", "none"]
 LOOSE = ["--set", "min_token_agreement=0"]
 
 
@@ -701,7 +702,7 @@ def test_doctor_and_run_against_speccheck_serve_with_v1_url(tmp_path):
         st = tmp_path / "st"
         r = invoke("run", "--engine", "openai", "--base-url", url + "/v1", "--method", "baseline",
                    "--store", str(st), "--corpus", "smoke", "--repeats", "1", "--concurrent", "0",
-                   "--no-attribution")
+                   "--no-attribution", "--axes", "none")
         assert r.exit_code == 0, r.output
         assert "4 prompts" in r.output
     r = invoke("doctor", "--base-url", url + "/v1")  # the server is gone now
@@ -849,7 +850,7 @@ def test_compare_a_config_never_run_says_so(store):
 # --- 9. streamed requests that go wrong, and an engine that is not installed ----------------------
 
 STREAM_KEY_ENV = "SPECCHECK_TEST_STREAM_KEY"
-OPENAI_RUN = ["--engine", "openai", "--method", "baseline", "--corpus", "smoke", "--repeats", "1",
+OPENAI_RUN = ["--engine", "openai", "--axes", "none", "--method", "baseline", "--corpus", "smoke", "--repeats", "1",
               "--concurrent", "0", "--no-attribution", "--engine-arg", "retries=1",
               "--engine-arg", "backoff=0", "--api-key-env", STREAM_KEY_ENV]
 #: (misbehaviour of the stream, exit code by the contract, what the paragraph must say)
