@@ -20,6 +20,7 @@ from speccheck import api
 from speccheck.config import MatrixError, build_matrix
 from speccheck.corpus import CorpusError, list_corpora, load_corpus
 from speccheck.engines import EngineError, EngineUsageError
+from speccheck.engines import engine_class as engine_class_of
 from speccheck.gate import (EXIT_ENGINE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, EXIT_USAGE,
                             plan_note)
 from speccheck.plan import ENGINE_ARG_HELP, REFERENCE_ARG_KEYS, PlanError, make_plan, parse_engine_args
@@ -557,6 +558,31 @@ def corpus_show(name):
         text = p.as_text().replace("\n", " ")
         flag = " ignore_eos" if p.ignore_eos else ""
         click.echo(f"  {p.id:24} {p.category:14} max_tokens={p.max_tokens:<5}{flag} {text[:70]}")
+
+
+@main.command("checks")
+def checks_command():
+    """Every check of the gate: what passing means and the bug class it guards."""
+    from speccheck.checks import registry
+
+    for spec in registry():
+        click.echo(f"{spec.name}{'' if spec.baseline else '  (spec configs)'}\n  {spec.description}\n"
+                   f"  guards: {spec.guards}" + "".join(f"\n  policy {k.name} = {k.default}" for k in spec.policy))
+
+
+@main.command("axes")
+@click.option("--engine", default="reference", show_default=True, help="reference | vllm | openai")
+def axes_command(engine):
+    """The workload axes `run --axes` drives, their default levels, and whether the engine runs them."""
+    from speccheck.axes import registry
+
+    supported = engine_class_of(engine).axes
+    for a in registry():
+        runs = a.runs_on == "runner" or a.name in supported
+        proofs = "; ".join(f"{lv}: {', '.join(keys)} > 0" for lv, keys in a.proofs.items())
+        click.echo(f"{a.name:13} levels {'+'.join(a.levels):12} "
+                   f"{'runs on ' + engine if runs else 'NOT run by the ' + engine + ' engine'}\n"
+                   f"  {a.description}\n  guards: {a.guards}" + (f"\n  proof: {proofs}" if proofs else ""))
 
 
 @main.group()
