@@ -9,7 +9,7 @@ import pytest
 
 from speccheck.corpus import CorpusError, corpus_hash, list_corpora, load_corpus
 
-from training_code import train_reference
+from tests.training_code import train_reference
 
 CATEGORIES = {"ocr_ja", "code", "chat", "math", "summarization", "translation", "near_tie"}
 GOOD = {"id": "a", "category": "chat", "max_tokens": 8, "text": "hello"}

@@ -18,7 +18,7 @@ from speccheck.reference import export as ex
 from speccheck.reference.model import (Cache, DFlashDrafter, MTPModule, Qwen3_5TextModel,
                                        ReferenceConfig, init_weights)
 
-from training_code import train_reference
+from tests.training_code import train_reference
 
 transformers = pytest.importorskip("transformers")
 

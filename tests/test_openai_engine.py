@@ -427,7 +427,7 @@ def test_server_that_does_not_stream_still_works_without_a_ttft(ref, prompts, be
     several tokens in one event (test double: stream_doubles' proxy in front of a real
     `speccheck serve`): the same tokens and logprobs, and TTFT is not measured (0.0, said
     so in the identity), not a number that is really the whole request's time."""
-    from stream_doubles import misbehaving_proxy
+    from tests.stream_doubles import misbehaving_proxy
 
     with running_server("baseline", engine=ref) as url, misbehaving_proxy(url, behaviour) as proxy:
         eng = _client(f"http://127.0.0.1:{proxy.server_port}")
@@ -452,7 +452,7 @@ def test_diff_says_ttft_not_measured_for_a_server_that_does_not_stream(ref, tmp_
     of a real `speccheck serve`): the run passes, and diff's speed line says
     "TTFT not measured" where a streaming server gives milliseconds."""
     from click.testing import CliRunner
-    from stream_doubles import misbehaving_proxy
+    from tests.stream_doubles import misbehaving_proxy
 
     from speccheck.cli import main
 

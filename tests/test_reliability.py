@@ -900,7 +900,7 @@ def test_streams_that_go_wrong_exit_per_contract_and_keep_the_store(served_store
     (test double: stream_doubles' proxy in front of the real `speccheck serve`): a refusal
     the user must fix is exit 2, a server fault exit 3 with the run recorded as failed; the
     paragraph says what the server did; no traceback; the run stored before is intact."""
-    from stream_doubles import misbehaving_proxy
+    from tests.stream_doubles import misbehaving_proxy
 
     url, made = served_store
     st = tmp_path / "st"

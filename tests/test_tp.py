@@ -266,7 +266,7 @@ def test_tp_reaches_llm_and_is_read_back_with_fake_vllm(fake_vllm, monkeypatch):
     assert changes_cause(changes) == "TP size"
 
 
-from test_vllm_engine import dirs, fake_vllm  # noqa: E402,F401 - fixtures (the fake vLLM, test doubles)
+from tests.test_vllm_engine import dirs, fake_vllm  # noqa: E402,F401 - fixtures (the fake vLLM, test doubles)
 
 
 # ---------------------------------------------------------------- two suites, TP 1 vs 2

@@ -15,7 +15,7 @@ from speccheck.types import Prompt
 from speccheck.verify import (canonical_rows, canonical_topk, classify_divergence,
                               teacher_forced_agreement, teacher_forced_divergences)
 
-FIX = Path(__file__).parent / "fixtures" / "vllm"
+FIX = Path(__file__).parents[1] / "fixtures" / "vllm"
 
 
 def test_canonical_topk_orders_ties_by_lowest_id():
