@@ -85,8 +85,12 @@ class CheckSpec:
     measure: Callable[[Context], object] | None = None
     #: the diff row (default: the check's message)
     row: Callable[[ConfigResult, Check], str] | None = None
+    #: judged only for configs of these methods (empty: every method)
+    methods: tuple[str, ...] = ()
 
     def applies_to(self, config: str) -> bool:
+        if self.methods:
+            return config.split("-k")[0] in self.methods
         return self.baseline or config != "baseline"
 
     def run(self, result: ConfigResult, policy) -> Check:
