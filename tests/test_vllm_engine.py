@@ -580,8 +580,8 @@ def test_cli_run_diff_gate_with_fake_vllm(fake_vllm, tmp_path):
     runner = CliRunner()
     res = runner.invoke(main, ["run", "--engine", "vllm", "--model", str(target), "--draft",
                                str(draft), "--config", "mtp-k3", "--corpus", "smoke",
-                               "--repeats", "2", "--store", store,
-                               "--engine-arg", "worker=per-config"])
+                               "--repeats", "2", "--store", store, "--axes", "none",
+                               "--engine-arg", "worker=per-config"])  # axes: test_vllm_workload.py
     assert res.exit_code == 0, res.output
     assert "mtp-k3 r1" in res.output
     assert "mtp-k3 all at once: 8 requests (2 of each prompt)" in res.output  # the worker's one call

@@ -11,6 +11,11 @@ Prompts are tokenised here, once, with the model's own tokenizer; the worker see
 only (``skip_tokenizer_init``). Prompts run one at a time (single stream), so the before/after
 differences of ``LLM.get_metrics()``'s spec-decode counters belong to exactly one request.
 
+The serving workload axes (concurrency, prefix_cache, kv_pressure; run_workload) run in the
+worker through vLLM's own engine step loop (``llm.llm_engine.add_request`` at each request's
+arrival step, ``llm.llm_engine.step()``), under the workload's knobs (``enable_prefix_caching``,
+``num_gpu_blocks_override``); their proof is read from ``get_metrics()`` (names: METRIC_NAMES).
+
 Engine args (``--engine-arg key=value``):
   ``env.NAME=value``      environment of the worker (e.g. ``env.VLLM_USE_FLASHINFER_SAMPLER=0``)
   ``sampling.NAME=value`` extra ``SamplingParams`` fields (e.g. ``sampling.ignore_eos=true``)
@@ -52,15 +57,36 @@ import numpy as np
 
 from speccheck.engines.base import Engine, EngineError, EngineUsageError
 from speccheck.topology import physical_gpu_count, visible_gpus
-from speccheck.types import Completion, Prompt, Scored, SpecConfig, SpecCounters
+from speccheck.types import (Completion, Prompt, Scored, SpecConfig, SpecCounters, Workload,
+                             WorkloadResult)
 from speccheck.verify.ties import canonical_topk
 
-SPEC_NAMES = {
-    "drafts": "vllm:spec_decode_num_drafts",
-    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
-    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
-    "accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
+#: vLLM's metric names (as ``LLM.get_metrics()`` gives them; a counter may also carry
+#: Prometheus' ``_total``), keyed by the vLLM release from which they hold: a version reads
+#: the newest entry not after it (an older or unknown one, the nearest entry). The one place
+#: to change when vLLM renames a metric. Every name of the (0, 26) entry is in the
+#: ``get_metrics()`` dumps captured from vLLM 0.26.0 (tests/fixtures/vllm/*.json).
+METRIC_NAMES: dict[tuple[int, ...], dict[str, str]] = {
+    (0, 26): {
+        # speculative decoding: counters, and a vector per draft position
+        "drafts": "vllm:spec_decode_num_drafts",
+        "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+        "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+        "accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
+        # serving (the workload axes' proof): a gauge of the scheduler's running requests,
+        # set at every engine step; counters of prompt tokens looked up in and found in the
+        # prefix cache; a counter of preemptions (a request evicted and later recomputed)
+        "requests_running": "vllm:num_requests_running",
+        "prefix_cache_queries": "vllm:prefix_cache_queries",
+        "prefix_cache_hits": "vllm:prefix_cache_hits",
+        "preemptions": "vllm:num_preemptions",
+    },
 }
+SPEC_KEYS = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos")
+#: workload knobs (Workload.knobs) -> the LLM(...) argument each sets, and how its value reads:
+#: ``prefix_cache=on|off`` -> ``enable_prefix_caching``; ``kv_blocks=N`` (blocks of
+#: cache_block_size() tokens) -> ``num_gpu_blocks_override``, the KV cache's block count
+WORKLOAD_KNOBS = {"prefix_cache": "enable_prefix_caching", "kv_blocks": "num_gpu_blocks_override"}
 OWN_OPTIONS = {"worker", "timeout_s", "warmup", "python", "score_path", "score_spec", "pad_batch",
                "attribution_jobs"}
 #: identity keys that say what vLLM resolved (read back from the worker), not what was asked
@@ -82,6 +108,21 @@ DEFAULT_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1"
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false"}
 BACKEND_LOG_MARKERS = ("backend", "GDN prefill kernel")
+
+
+def metric_names(version: str | None = None) -> dict[str, str]:
+    """METRIC_NAMES for a vLLM version ("0.26.0", "0.28.1rc2.dev77+g..."; None: the newest)."""
+    keys = sorted(METRIC_NAMES)
+    if version:
+        release = _release(version)
+        older = [k for k in keys if k <= release]
+        return dict(METRIC_NAMES[older[-1] if older else keys[0]])
+    return dict(METRIC_NAMES[keys[-1]])
+
+
+#: the spec-decode counters' names (of the newest entry: they have not changed since v1)
+SPEC_NAMES = {k: metric_names()[k] for k in SPEC_KEYS}
+
 #: identity keys naming the kernels that ran, read back inside the worker
 #: (vllm_worker.kernel_paths); None until a worker has answered
 RESOLVED_KERNEL_KEYS = ("attention_backend", "draft_attention_backend", "gdn_prefill_backend",
@@ -453,6 +494,108 @@ def scored_from_dict(row: dict, prompt_len: int, top_k: int) -> Scored:
     cont = full[prompt_len:]
     ids, lps, own = topk_arrays(plp[prompt_len:], cont, top_k)
     return Scored(topk_ids=ids, topk_logprobs=lps, token_logprobs=own)
+
+
+# ---------------------------------------------------------------- pure: workload axes
+
+def workload_llm_kwargs(knobs: dict[str, str]) -> dict[str, Any]:
+    """A workload's knobs -> the LLM(...) arguments they set (WORKLOAD_KNOBS); an unknown knob
+    or a bad value is refused, never dropped (the axis would run without its regime)."""
+    out: dict[str, Any] = {}
+    for key, raw in knobs.items():
+        value = str(raw).strip().lower()
+        if key == "prefix_cache":
+            if value not in ("on", "off"):
+                raise EngineUsageError(f"workload knob prefix_cache={raw}: use on or off")
+            out[WORKLOAD_KNOBS[key]] = value == "on"
+        elif key == "kv_blocks":
+            n = int(value) if value.isdigit() else 0
+            if n < 1:
+                raise EngineUsageError(f"workload knob kv_blocks={raw}: give a whole number of KV "
+                                       "cache blocks >= 1")
+            out[WORKLOAD_KNOBS[key]] = n
+        else:
+            raise EngineUsageError(f"workload knob {key}={raw}: the vllm engine knows "
+                                   f"{', '.join(sorted(WORKLOAD_KNOBS))}")
+    return out
+
+
+def workload_problem(workload: Workload) -> str | None:
+    """Why the worker could not serve ``workload`` as asked, or None: request ids must be
+    unique (each names its completion) and a turn's ``after`` must name a request of it."""
+    ids = [r.id for r in workload.requests]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        return f"the {workload.axis} workload names requests twice: {', '.join(dup[:5])}"
+    missing = sorted({r.after for r in workload.requests if r.after and r.after not in ids})
+    if missing:
+        return f"the {workload.axis} workload orders requests after ones it lacks: {', '.join(missing[:5])}"
+    if workload.max_in_flight is not None and workload.max_in_flight < 1:
+        return f"the {workload.axis} workload allows {workload.max_in_flight} requests in flight"
+    return None
+
+
+def has_metric(rows: list[dict], name: str) -> bool:
+    """Whether a ``get_metrics()`` snapshot reports ``name`` at all."""
+    return any(r["name"] in (name, name + "_total") for r in rows)
+
+
+def metric_delta(before: list[dict], after: list[dict], name: str) -> int | None:
+    """``after - before`` of a counter, summed over its label sets; None where ``after`` does
+    not report it (this vLLM keeps no such count: the proof key is then absent, never 0)."""
+    if not has_metric(after, name):
+        return None
+    return int(_metric_sum(after, name)) - int(_metric_sum(before, name))
+
+
+def workload_proof(stats: dict, version: str | None = None) -> dict[str, Any]:
+    """The proof of a served workload, from the worker's ``stats`` (serve_workload): its
+    ``get_metrics()`` before and after (names by ``version``, METRIC_NAMES), the largest
+    value of each gauge sampled after every engine step, and what the step loop saw.
+
+    - ``max_batch``: the most requests running in one step -- the ``requests_running`` gauge
+      (vLLM sets it at every step from the scheduler's running queue) at its peak over the
+      steps; where vLLM reports no such gauge, the most unfinished requests
+      (``LLMEngine.get_num_unfinished_requests()``) before a step, which also counts queued
+      ones. ``max_batch_from`` names which.
+    - ``mixed_steps``: steps whose outputs gave one request its first token (its prefill
+      ended there) and another, which had tokens before, more (it decoded in the same step).
+    - ``prefix_hits`` / ``prefix_queries``: prompt tokens found in / looked up in the prefix
+      cache (counter differences); ``preemptions``: requests preempted (counter difference).
+      Each absent where vLLM does not report the counter.
+    - ``requests_served``, ``steps``: finished requests and engine steps of the loop."""
+    names = metric_names(version)
+    before, after = stats.get("metrics_before") or [], stats.get("metrics_after") or []
+    proof: dict[str, Any] = {"requests_served": int(stats["requests_served"]),
+                             "steps": int(stats["steps"]), "mixed_steps": int(stats["mixed_steps"])}
+    running = names["requests_running"]
+    peak = (stats.get("step_max") or {}).get(running)
+    if peak is not None:
+        proof["max_batch"], proof["max_batch_from"] = int(peak), running
+    elif stats.get("max_unfinished") is not None:
+        proof["max_batch"] = int(stats["max_unfinished"])
+        proof["max_batch_from"] = "unfinished requests"
+    for key, metric in (("prefix_hits", "prefix_cache_hits"), ("prefix_queries", "prefix_cache_queries"),
+                        ("preemptions", "preemptions")):
+        delta = metric_delta(before, after, names[metric])
+        if delta is not None:
+            proof[key] = delta
+    return proof
+
+
+def workload_speculated(config: SpecConfig, stats: dict, comps: list[Completion]) -> SpecCounters:
+    """The spec counters of a whole workload (requests in flight together share vLLM's
+    counters); an EngineError where they show no drafting (see check_speculated)."""
+    before, after = stats.get("metrics_before") or [], stats.get("metrics_after") or []
+    if not has_spec_metrics(after):
+        raise EngineError(f"{config.name}: vLLM reported no spec-decode counters "
+                          "(vllm:spec_decode_*) over the workload, so speculation cannot be confirmed")
+    total = spec_counters_delta(before, after)
+    generated = sum(c.n_tokens for c in comps)
+    if total.drafts == 0 and generated > len(comps):
+        raise EngineError(f"{config.name} did not speculate over the workload: vLLM's counters show 0 "
+                          f"drafts over {generated} generated tokens ({SPEC_NAMES['drafts']})")
+    return total
 
 
 # ---------------------------------------------------------------- pure: kernel paths
@@ -952,6 +1095,74 @@ class VllmEngine(Engine):
             check_speculated(config, comps)
         return comps
 
+    # -- workload axes
+
+    #: served through vLLM's own step loop (run_workload); shapes and long_lived are the runner's
+    axes = frozenset({"concurrency", "prefix_cache", "kv_pressure"})
+
+    def cache_block_size(self) -> int:
+        """Tokens per KV-cache block: as the last worker's vLLM resolved it (``cache_config.
+        block_size``: a hybrid model's attention block grows to the page size of its mamba
+        state), else the ``block_size`` engine arg, else vLLM's default of 16."""
+        for v in (self._runtime.get("block_size"), self.llm_kwargs.get("block_size")):
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+        return 16
+
+    def run_workload(self, workload: Workload, config: SpecConfig, top_k: int) -> WorkloadResult:
+        """A serving axis through vLLM's engine step loop, in the worker (one ``LLM`` under the
+        workload's knobs: ``prefix_cache`` -> ``enable_prefix_caching``, ``kv_blocks`` ->
+        ``num_gpu_blocks_override``; a worker of its own wherever knobs are set). Each request
+        is handed to ``llm.llm_engine.add_request`` (token ids, greedy ``SamplingParams`` with
+        top-k logprobs) at its arrival step -- once its ``after`` request has finished and
+        fewer than ``max_in_flight`` are unfinished -- and ``llm.llm_engine.step()`` runs the
+        scheduler one step at a time until every request has finished
+        (vllm_worker.serve_workload). The proof is read back from vLLM (workload_proof).
+
+        Spec counters are per request only for a request that was alone in flight for its
+        whole life (else None: requests decoding together share vLLM's counters); a spec
+        config must show drafting over the workload (EngineError otherwise), and its
+        ``drafts`` and ``accepted_tokens`` join the proof."""
+        if workload.axis not in self.axes:
+            raise EngineUsageError(f"the vllm engine cannot run the {workload.axis} workload axis (it "
+                                   f"serves {', '.join(sorted(self.axes))}; the runner runs the "
+                                   "others through generate())")
+        problem = workload_problem(workload)
+        if problem:
+            raise EngineUsageError(problem)
+        knobs = workload_llm_kwargs(workload.knobs)
+        draft = config.draft or self.draft
+        problem = dflash2_problem(config, draft, self._vllm_version())
+        if problem:
+            raise EngineUsageError(problem)
+        note = k_hint_note(config, draft)
+        self._notes = [note] if note else []
+        spec = speculative_config(config, draft, self.llm_kwargs, self.args["spec"])
+        reqs = workload.requests
+        req = {"op": "workload", "axis": workload.axis, "level": workload.level,
+               "top_k": int(top_k), "sampling": self.args["sampling"],
+               "stop_token_ids": eos_token_ids(self.model),
+               "max_in_flight": workload.max_in_flight,
+               "step_gauges": sorted({names["requests_running"] for names in METRIC_NAMES.values()}),
+               "requests": [{"id": r.id, "prompt": [int(t) for t in r.prompt_ids],
+                             "max_tokens": int(r.prompt.max_tokens), "ignore_eos": bool(r.prompt.ignore_eos),
+                             "arrive_after": int(r.arrive_after), "after": r.after} for r in reqs]}
+        result = self._call(req, spec, DFLASH2_ENV if config.method == "dflash2" else {}, knobs)
+        rows = result["requests"]
+        if len(rows) != len(reqs):
+            raise EngineError(f"the vLLM worker answered {len(rows)} of the {len(reqs)} requests of "
+                              f"the {workload.axis} workload")
+        comps = [completion_from_dict(r.id, row, top_k, spec is not None) for r, row in zip(reqs, rows)]
+        for c in comps:
+            if not c.text:
+                c.text = self.detokenize(c.token_ids)
+        stats = result["workload"]
+        proof = workload_proof(stats, (result.get("runtime") or {}).get("vllm_version"))
+        if spec is not None:
+            total = workload_speculated(config, stats, comps)
+            proof["drafts"], proof["accepted_tokens"] = total.drafts, total.accepted_tokens
+        return WorkloadResult(comps, proof)
+
     def score(self, prompt_ids: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
               top_k: int) -> list[Scored]:
         """Teacher-forced scores, all sequences in one worker (one engine start) and as few
@@ -1086,19 +1297,26 @@ class VllmEngine(Engine):
     def _worker_env(self, method_env: dict | None = None) -> dict[str, str]:
         return worker_env(self.args["env"], method_env)
 
-    def _call(self, req: dict, spec: dict | None, method_env: dict | None = None) -> dict:
+    def _call(self, req: dict, spec: dict | None, method_env: dict | None = None,
+              llm_extra: dict | None = None) -> dict:
+        """One request to the worker of these LLM(...) arguments (``llm_extra``: a workload's
+        knobs, over the engine args), starting one where none of them is alive."""
         kwargs = dict(self.llm_kwargs)
+        kwargs.update(llm_extra or {})
         if spec is not None:
             kwargs["speculative_config"] = spec
         req = {**req, "model": self.model, "llm_kwargs": kwargs}
-        # a worker started with another environment is not reused
-        key = json.dumps({**kwargs, **({"worker_env": method_env} if method_env else {})},
+        # a worker started with another environment is not reused; one that a workload's
+        # knobs set up serves only such workloads (it is never parked)
+        key = json.dumps({**kwargs, **({"worker_env": method_env} if method_env else {}),
+                          **({"workload_knobs": sorted(llm_extra)} if llm_extra else {})},
                          sort_keys=True)
         reuse = self.args["own"].get("worker", "per-call") == "per-config"
         if self._worker is not None and (not reuse or key != self._worker_key
                                          or self._worker.poll() is not None):
-            if reuse and self._worker.poll() is None and "speculative_config" not in \
-                    json.loads(self._worker_key or "{}"):
+            current = json.loads(self._worker_key or "{}")
+            if reuse and self._worker.poll() is None and "speculative_config" not in current \
+                    and "workload_knobs" not in current:
                 # per-config: park the baseline worker (idle, off the GPU's critical path);
                 # score() and a later baseline call take it back instead of a new start
                 self._stop_parked()

@@ -360,6 +360,10 @@ def _engine_choices(llm: Any) -> dict:
         out["prefix_caching"] = bool(cfg.cache_config.enable_prefix_caching)
     except Exception:  # noqa: BLE001
         pass
+    try:  # as resolved: a hybrid model's attention block grows to its mamba state's page size
+        out["block_size"] = int(cfg.cache_config.block_size)
+    except Exception:  # noqa: BLE001
+        pass
     try:
         import importlib.util
         out["flashinfer_available"] = importlib.util.find_spec("flashinfer") is not None
@@ -400,6 +404,137 @@ class UsageProblem(Exception):
     """The request itself is wrong (e.g. an unknown LLM(...) argument): exit code 2."""
 
 
+# ---------------------------------------------------------------- serving a workload
+
+#: engine steps in a row that give no output while requests are unfinished before the step
+#: loop gives up: a request that can never be scheduled (one that needs more KV blocks than
+#: the whole cache holds) would keep it stepping forever
+STALL_STEPS = 2000
+#: the ids this worker gives vLLM's requests (vLLM may append a suffix of its own)
+ID_PREFIX = "speccheck-"
+
+
+def _own_id(vllm_id: str, ids: dict[str, str]) -> str | None:
+    """The workload request a vLLM request id names: one of ours as given, or with a suffix
+    vLLM appended (``<id>-<random>``, as newer releases do to keep internal ids unique)."""
+    if vllm_id in ids:
+        return ids[vllm_id]
+    best = max((k for k in ids if vllm_id.startswith(k + "-")), key=len, default=None)
+    return ids[best] if best is not None else None
+
+
+def _gauge(rows: list[dict], name: str) -> float | None:
+    """A gauge's value summed over its label sets (engines), None where not reported."""
+    vals = [float(r["value"]) for r in rows if r["name"] == name
+            and isinstance(r.get("value"), (int, float)) and not isinstance(r.get("value"), bool)]
+    return sum(vals) if vals else None
+
+
+def _produced(out: Any) -> int:
+    """Tokens a (cumulative) RequestOutput holds so far."""
+    return sum(len(c.token_ids) for c in (out.outputs or []))
+
+
+def serve_workload(engine: Any, items: list[dict], max_in_flight: int | None,
+                   read_metrics: Any, step_gauges: Any = ()) -> tuple[list[dict], dict]:
+    """Serve a workload through vLLM's engine step loop, as ``LLM.generate`` does it but with
+    arrivals: ``engine`` is ``llm.llm_engine`` (``add_request(request_id, prompt, params)``,
+    ``step()`` -> RequestOutputs, ``get_num_unfinished_requests()``); ``items`` are dicts
+    {"id", "prompt" (token ids), "params" (SamplingParams), "arrive_after", "after"}.
+
+    Before each step, every waiting item in order is added once its arrival step has come
+    (steps counted from the start; with nothing in flight the clock jumps to the next
+    arrival), its ``after`` request has finished, and fewer than ``max_in_flight`` (None: no
+    limit) are unfinished. ``read_metrics()`` (``get_metrics()`` as dicts) is read before
+    the first step and after every step: ``step_gauges`` are sampled there (their peaks
+    returned), and a request alone in flight for its whole life gets the spec counters
+    around it. Returns, per item in order, {"output": its final RequestOutput, "wall_s",
+    and "metrics_before"/"metrics_after" (spec rows) where it was alone}, and the stats:
+    steps, mixed_steps (a request's first token in the same step as another's further
+    tokens), max_unfinished, step_max, requests_served, metrics_before/after."""
+    ids = {f"{ID_PREFIX}{i}": it["id"] for i, it in enumerate(items)}
+    vid = {own: v for v, own in ids.items()}
+    pending = list(items)
+    inflight: dict[str, dict] = {}  # own id -> {"tokens", "alone", "before", "t0"}
+    done: dict[str, dict] = {}
+    snap = read_metrics()
+    first_snap = snap
+    clock = steps = mixed = idle = 0
+    max_unfinished = 0
+    step_max: dict[str, float] = {}
+    while pending or inflight:
+        for it in list(pending):
+            if max_in_flight is not None and len(inflight) >= max_in_flight:
+                break
+            if int(it.get("arrive_after") or 0) > clock or (it.get("after") and it["after"] not in done):
+                continue
+            got = engine.add_request(vid[it["id"]], {"prompt_token_ids": list(it["prompt"])}, it["params"])
+            if isinstance(got, str) and got not in ids:  # the id vLLM gave it, where it says
+                ids[got] = it["id"]
+            pending.remove(it)
+            inflight[it["id"]] = {"tokens": 0, "alone": True, "t0": time.perf_counter(),
+                                  "before": [r for r in snap if r["name"].startswith(SPEC_PREFIX)]}
+        if not inflight:
+            ready = [int(it.get("arrive_after") or 0) for it in pending
+                     if not it.get("after") or it["after"] in done]
+            if not ready:
+                raise UsageProblem("the workload's requests wait on each other (after): "
+                                   + ", ".join(it["id"] for it in pending[:5]))
+            clock = max(clock, min(ready))
+            continue
+        count = getattr(engine, "get_num_unfinished_requests", None)
+        max_unfinished = max(max_unfinished, int(count()) if callable(count) else len(inflight))
+        if len(inflight) > 1:
+            for st in inflight.values():
+                st["alone"] = False
+        outs = engine.step() or []
+        clock += 1
+        steps += 1
+        snap = read_metrics()
+        for name in step_gauges:
+            v = _gauge(snap, name)
+            if v is not None:
+                step_max[name] = max(step_max.get(name, v), v)
+        started, continued = set(), set()
+        for out in outs:
+            own = _own_id(str(out.request_id), ids)
+            st = inflight.get(own) if own is not None else None
+            if st is None:
+                continue
+            n = _produced(out)
+            if n > st["tokens"]:
+                (started if st["tokens"] == 0 else continued).add(own)
+                st["tokens"] = n
+            if out.finished:
+                row = {"output": out, "wall_s": time.perf_counter() - st["t0"]}
+                if st["alone"]:
+                    row["metrics_before"] = st["before"]
+                    row["metrics_after"] = [r for r in snap if r["name"].startswith(SPEC_PREFIX)]
+                done[own] = row
+                del inflight[own]
+        mixed += bool(started and continued)
+        idle = 0 if outs else idle + 1
+        if idle >= STALL_STEPS:
+            raise RuntimeError(
+                f"the engine gave no output in {STALL_STEPS} steps with {len(inflight)} request(s) "
+                f"unfinished ({', '.join(list(inflight)[:3])}): one can never be scheduled (a KV "
+                "block budget smaller than one request needs?)")
+    stats = {"steps": steps, "mixed_steps": mixed, "max_unfinished": max_unfinished,
+             "step_max": step_max, "requests_served": len(done),
+             "metrics_before": first_snap, "metrics_after": snap}
+    return [done[it["id"]] for it in items], stats
+
+
+def greedy_params(max_tokens: int, top_k: int, stop_token_ids: list[int], ignore_eos: bool,
+                  extra: dict) -> Any:
+    """Greedy SamplingParams with top-k logprobs, token ids only. With ignore_eos the
+    end-of-sequence ids are not stop ids either (vLLM stops at stop_token_ids regardless)."""
+    from vllm import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=int(max_tokens), logprobs=int(top_k),
+                          detokenize=False, stop_token_ids=[] if ignore_eos else list(stop_token_ids),
+                          ignore_eos=ignore_eos, **extra)
+
+
 class Worker:
     def __init__(self) -> None:
         self.llm = None
@@ -432,7 +567,7 @@ class Worker:
         from vllm import SamplingParams
         llm = self.get_llm(req)
         op = req["op"]
-        prompts = req["prompts"]
+        prompts = req.get("prompts") or []
         self.top_k = int(req["top_k"])
         result: dict[str, Any] = {"op": op, "requests": []}
         extra = dict(req.get("sampling") or {})
@@ -445,11 +580,8 @@ class Worker:
             ignore = [bool(i or extra.get("ignore_eos"))
                       for i in req.get("ignore_eos") or [False] * len(prompts)]
             extra.pop("ignore_eos", None)
-            params = [SamplingParams(temperature=0.0, max_tokens=int(max_tokens),
-                                     logprobs=int(req["top_k"]), detokenize=False,
-                                     stop_token_ids=[] if ign else
-                                     list(req.get("stop_token_ids") or []),
-                                     ignore_eos=ign, **extra)
+            params = [greedy_params(max_tokens, req["top_k"], req.get("stop_token_ids") or [],
+                                    ign, extra)
                       for max_tokens, ign in zip(req["max_tokens"], ignore)]
             if req.get("together"):  # one call: the scheduler batches every request
                 before = self.spec_metrics()
@@ -490,6 +622,24 @@ class Worker:
                     row = {"output": request_output_to_dict(out)}
                     result["requests"].append(row)
                     self.capture(op, row, llm)
+        elif op == "workload":
+            every = bool(extra.pop("ignore_eos", False))
+            try:  # every step's output holds all tokens so far (LLM.generate asks FINAL_ONLY)
+                from vllm.sampling_params import RequestOutputKind
+                extra.setdefault("output_kind", RequestOutputKind.CUMULATIVE)
+            except ImportError:
+                pass
+            items = [{**r, "params": greedy_params(r["max_tokens"], req["top_k"],
+                                                   req.get("stop_token_ids") or [],
+                                                   bool(r.get("ignore_eos") or every), extra)}
+                     for r in req["requests"]]
+            done, stats = serve_workload(llm.llm_engine, items, req.get("max_in_flight"),
+                                         lambda: metrics_to_dicts(llm.get_metrics()),
+                                         req.get("step_gauges") or ())
+            result["requests"] = [{**row, "output": request_output_to_dict(row["output"])}
+                                  for row in done]
+            result["workload"] = stats
+            self.capture_workload(req, stats)
         else:
             raise UsageProblem(f"unknown op {op!r}")
         result["runtime"] = runtime_facts(llm)
@@ -526,6 +676,20 @@ class Worker:
                 "get_metrics": metrics_to_dicts(llm.get_metrics()),
                 "runtime": runtime_facts(llm)}
         _write_json(path, data)
+
+
+    def capture_workload(self, req: dict, stats: dict) -> None:
+        """Keep a workload's get_metrics() before and after, and its step loop's stats, as a
+        fixture of the proof parsing (``workload_<axis>-<level>.json``; the last one of each)."""
+        if not self.capture_dir or not req.get("axis"):
+            return
+        os.makedirs(self.capture_dir, exist_ok=True)
+        name = f"workload_{req['axis']}-{req.get('level', '')}.json"
+        _write_json(os.path.join(self.capture_dir, name),
+                    {"speccheck_fixture": 1, "source": "captured", "op": "workload",
+                     "axis": req["axis"], "level": req.get("level"),
+                     "llm_kwargs": json.loads(self.llm_key)[1] if self.llm_key else None,
+                     "stats": stats, "runtime": runtime_facts(self.llm)})
 
 
 def _write_json(path: str, data: Any) -> None:
