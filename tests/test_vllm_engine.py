@@ -324,8 +324,9 @@ def test_vllm_end_to_end_on_gpu():
 
 FAKE_VLLM = '''
 """Test double: a fake ``vllm`` package with the attribute shapes of LLM, SamplingParams,
-RequestOutput, CompletionOutput, Logprob and the metrics reader's Counter/Vector. Its "model"
-is arithmetic: logit(t | ids) = -((t - 7 * len(ids) - sum(ids)) % V) / 3."""
+RequestOutput, CompletionOutput, Logprob and the metrics reader's Counter/Gauge/Vector, and
+an ``llm_engine`` with the step loop of vLLM's LLMEngine (FakeEngine). Its "model" is
+arithmetic: logit(t | ids) = -((t - 7 * len(ids) - sum(ids)) % V) / 3."""
 import math
 from types import SimpleNamespace
 
@@ -335,7 +336,7 @@ V = 50
 
 class SamplingParams:
     def __init__(self, temperature=1.0, max_tokens=16, logprobs=None, prompt_logprobs=None,
-                 detokenize=True, stop_token_ids=None, ignore_eos=False):
+                 detokenize=True, stop_token_ids=None, ignore_eos=False, output_kind=None):
         self.__dict__.update(locals())
 
 
@@ -347,6 +348,11 @@ class Counter:
 class Vector:
     def __init__(self, name, labels, values):
         self.name, self.labels, self.values = name, labels, values
+
+
+class Gauge:
+    def __init__(self, name, labels, value):
+        self.name, self.labels, self.value = name, labels, value
 
 
 def dist(ids):
@@ -399,6 +405,113 @@ def fake_worker(kwargs, spec):
     return SimpleNamespace(model_runner=SimpleNamespace(vllm_config=cfg, drafter=drafter))
 
 
+class Req:
+    """A request in FakeEngine: its prompt, its tokens so far, whether its KV is computed."""
+
+    def __init__(self, rid, ids, sp):
+        self.rid, self.ids, self.sp = rid, list(ids), sp
+        self.toks, self.lps, self.computed, self.queried = [], [], False, False
+
+
+class FakeEngine:
+    """vLLM's LLMEngine as the step loop uses it (add_request, step, get_num_unfinished_requests)
+    over a scheduler of its own, driven by the engine args: first come first served, at most
+    max_num_seqs running, KV blocks of block_size tokens (num_gpu_blocks_override of them,
+    unlimited without); while the running requests outgrow the blocks the newest is preempted
+    (and recomputed when it is scheduled again). A prefill gives one token; a decode step one,
+    or with speculation 1 + K (every draft accepted; ngram drafts none). With
+    enable_prefix_caching a prompt's full blocks prefilled before are hits (vLLM looks prompts up,
+    and counts the lookups, only with caching on). It keeps vLLM 0.26's
+    counters (prefix-cache queries and hits in tokens, preemptions) and the running gauge.
+    FAKE_VLLM_ID_SUFFIX=x: outputs name their request "<id>-x", as vLLM's internal ids do."""
+
+    def __init__(self, llm, vllm_config):
+        import os
+        kw = llm.kwargs
+        self.llm, self.vllm_config = llm, vllm_config
+        self.block = vllm_config.cache_config.block_size
+        self.budget = kw.get("num_gpu_blocks_override")
+        self.prefix = bool(kw.get("enable_prefix_caching", False))
+        self.max_seqs = int(kw.get("max_num_seqs") or 256)
+        self.suffix = os.environ.get("FAKE_VLLM_ID_SUFFIX")
+        self.waiting, self.running, self.cached = [], [], set()
+        self.stats = {"vllm:prefix_cache_queries": 0, "vllm:prefix_cache_hits": 0,
+                      "vllm:num_preemptions": 0}
+        self.num_running = 0
+
+    def add_request(self, request_id, prompt, params, arrival_time=None, **kwargs):
+        kind = getattr(params.output_kind, "name", "CUMULATIVE")
+        if kind != "CUMULATIVE":  # it streams every step's tokens so far, nothing else
+            raise ValueError(f"the fake engine streams CUMULATIVE outputs, not {kind}")
+        self.waiting.append(Req(request_id, prompt["prompt_token_ids"], params))
+
+    def get_num_unfinished_requests(self):
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self):
+        return bool(self.waiting or self.running)
+
+    def blocks(self, r, new):
+        return -(-(len(r.ids) + len(r.toks) + new) // self.block)
+
+    def step(self):
+        spec = self.llm.spec
+        k = len(self.llm.per_pos) if spec and spec["method"] != "ngram" else 0
+        budget = float("inf") if self.budget is None else self.budget
+        while self.running and sum(self.blocks(r, 1 + k) for r in self.running) > budget:
+            r = self.running.pop()  # the newest gives its blocks back, and starts over later
+            r.computed = False
+            self.waiting.insert(0, r)
+            self.stats["vllm:num_preemptions"] += 1
+        used = sum(self.blocks(r, 1 + k) for r in self.running)
+        while self.waiting and len(self.running) < self.max_seqs:
+            r = self.waiting[0]
+            if used + self.blocks(r, 1) > budget:
+                break
+            self.running.append(self.waiting.pop(0))
+            used += self.blocks(r, 1)
+            if self.prefix and not r.queried:  # looked up once, as vLLM counts it
+                r.queried, hit = True, 0
+                while (hit + 1) * self.block < len(r.ids) and \
+                        tuple(r.ids[:(hit + 1) * self.block]) in self.cached:
+                    hit += 1
+                self.stats["vllm:prefix_cache_queries"] += len(r.ids)
+                self.stats["vllm:prefix_cache_hits"] += hit * self.block
+        self.num_running = len(self.running)
+        outs = []
+        for r in list(self.running):
+            n = 1 + k if r.computed else 1
+            if not r.computed and self.prefix:
+                for j in range(1, len(r.ids) // self.block + 1):
+                    self.cached.add(tuple(r.ids[:j * self.block]))
+            decode, r.computed = r.computed, True
+            made, finished, stopped = 0, False, False
+            while made < n and not finished:
+                t = dist(r.ids + r.toks)[0][0]
+                if r.sp.logprobs:
+                    r.lps.append(position(r.ids + r.toks, r.sp.logprobs, t))
+                r.toks.append(t)
+                made += 1
+                stopped = t in (r.sp.stop_token_ids or [])
+                finished = stopped or len(r.toks) >= r.sp.max_tokens
+            if decode and k:
+                self.llm.counts[0] += 1
+                self.llm.counts[1] += k
+                self.llm.counts[2] += made - 1
+                for i in range(made - 1):
+                    self.llm.per_pos[i] += 1
+            comp = SimpleNamespace(index=0, text="", token_ids=list(r.toks), cumulative_logprob=None,
+                                   logprobs=list(r.lps) if r.sp.logprobs else None,
+                                   finish_reason=("stop" if stopped else "length") if finished else None,
+                                   stop_reason=None)
+            rid = f"{r.rid}-{self.suffix}" if self.suffix else r.rid
+            outs.append(SimpleNamespace(request_id=rid, prompt_token_ids=r.ids, prompt_logprobs=None,
+                                        outputs=[comp], finished=finished, metrics=None))
+            if finished:
+                self.running.remove(r)
+        return outs
+
+
 class LLM:
     def __init__(self, model, speculative_config=None, **kwargs):
         if "bogus_arg" in kwargs:
@@ -409,7 +522,11 @@ class LLM:
         self.per_pos = [0] * (speculative_config or {}).get("num_speculative_tokens", 0)
         self.calls = 0
         tp, pp = kwargs.get("tensor_parallel_size", 1), kwargs.get("pipeline_parallel_size", 1)
-        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(
+        import os
+        # resolved as a hybrid model's is where FAKE_VLLM_BLOCK_SIZE says (attention blocks
+        # grown to the mamba state's page size), else as asked
+        block = int(os.environ.get("FAKE_VLLM_BLOCK_SIZE") or kwargs.get("block_size") or 16)
+        self.llm_engine = FakeEngine(self, SimpleNamespace(
             # resolved as vLLM 0.26's ParallelConfig does: one GPU -> uni, more -> mp
             parallel_config=SimpleNamespace(
                 tensor_parallel_size=tp, pipeline_parallel_size=pp, world_size=tp * pp,
@@ -420,7 +537,9 @@ class LLM:
             speculative_config=SimpleNamespace(method=self.spec["method"],
                                                num_speculative_tokens=len(self.per_pos))
             if self.spec else None,
-            additional_config=kwargs.get("additional_config") or {}))
+            additional_config=kwargs.get("additional_config") or {},
+            cache_config=SimpleNamespace(
+                block_size=block, enable_prefix_caching=bool(kwargs.get("enable_prefix_caching")))))
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         return [method(fake_worker(self.kwargs, self.spec), *args, **(kwargs or {}))]
@@ -464,13 +583,30 @@ class LLM:
         return outs
 
     def get_metrics(self):
-        if not self.spec:
-            return [Counter("vllm:num_requests_running", {}, 0)]
+        """vLLM 0.26's names; FAKE_VLLM_HIDE_METRICS=a,b leaves those out (an older vLLM)."""
+        import os
+        hide = set(filter(None, os.environ.get("FAKE_VLLM_HIDE_METRICS", "").split(",")))
         lab = {"model_name": "fake", "engine": "0"}
-        names = ["vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens"]
-        return [Counter(n, lab, v) for n, v in zip(names, self.counts)] + [
-            Vector("vllm:spec_decode_num_accepted_tokens_per_pos", lab, list(self.per_pos))]
+        rows = [Gauge("vllm:num_requests_running", lab, float(self.llm_engine.num_running))]
+        rows += [Counter(n, lab, v) for n, v in self.llm_engine.stats.items()]
+        if self.spec:
+            names = ["vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                     "vllm:spec_decode_num_accepted_tokens"]
+            rows += [Counter(n, lab, v) for n, v in zip(names, self.counts)] + [
+                Vector("vllm:spec_decode_num_accepted_tokens_per_pos", lab, list(self.per_pos))]
+        return [m for m in rows if m.name not in hide]
+'''
+
+
+FAKE_SAMPLING_PARAMS = '''
+"""Test double: vllm.sampling_params's RequestOutputKind (what each step's RequestOutput holds)."""
+import enum
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 '''
 
 
@@ -481,6 +617,7 @@ def fake_vllm(tmp_path, monkeypatch, dirs):
     site = tmp_path / "site" / "vllm"
     site.mkdir(parents=True)
     (site / "__init__.py").write_text(FAKE_VLLM)
+    (site / "sampling_params.py").write_text(FAKE_SAMPLING_PARAMS)
     monkeypatch.setenv("PYTHONPATH", str(site.parent))
     tok = Path(__file__).parents[1] / "speccheck" / "reference" / "weights" / "tokenizer.json"
     if tok.is_file():
