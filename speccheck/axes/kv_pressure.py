@@ -8,16 +8,19 @@ IN_FLIGHT = 4
 
 
 def build(inp: AxisInput) -> Workload:
-    """The first prompts in flight together, under no budget (``free``) or a budget of about
-    half the blocks they need at their longest (``pressure``): the newest is preempted and
+    """The first prompts in flight together, under no budget (``free``) or a budget that admits
+    every prompt but not every output (``pressure``: at least the prompts' own blocks, about half
+    of what they need at their longest, below that): as they grow the newest is preempted and
     recomputed. Each pressured request must give its free tokens."""
     prompts = list(inp.corpus.prompts)[:IN_FLIGHT]
     reqs = [inp.request(f"kv:{p.id}", p, inp.inputs[p.id]) for p in prompts]
     knobs = {}
     if inp.level == "pressure":
         b = inp.block_size
+        admit = sum(-(-len(inp.inputs[p.id]) // b) for p in prompts)  # every prompt admitted at once
         need = sum(-(-(len(inp.inputs[p.id]) + p.max_tokens + max(inp.ks, default=0) + 1) // b) for p in prompts)
-        knobs = {"kv_blocks": str(max(need // 2, 1))}
+        # room for all prompts to start, not for all of them to finish: the newest is preempted
+        knobs = {"kv_blocks": str(max(min(max(admit, need // 2), need - 1), 1))}
     return Workload("kv_pressure", inp.level, reqs, max_in_flight=IN_FLIGHT, knobs=knobs)
 
 
