@@ -159,6 +159,53 @@ class Scored:
         self.topk_logprobs = _rows(self.topk_logprobs, len(self.token_logprobs), np.float32)
 
 
+@dataclass
+class Replay:
+    """The acceptance one request should have had, replayed from its own emitted tokens by an
+    independent drafter pass (Engine.replay_acceptance): per verify step, in order, how many
+    of the K drafts were accepted, and how firmly the drafter decided that step.
+
+    At temperature 0 a step accepts the longest prefix of its drafts equal to the next emitted
+    tokens, so given the tokens the drafter alone fixes every step; a replay differs from the
+    engine's counters only through the drafter's numerics at near-ties (small margins) or a
+    bug on either side."""
+
+    k: int
+    #: int32 [n_steps]: drafts accepted at each step (0..k); -1 for a step without a draft
+    #: (engine arg no_draft_every): it emits one token and counts as an iteration only
+    accepted: np.ndarray
+    #: float32 [n_steps]: the drafter's top-1 minus top-2 score (nats) at the step's first
+    #: rejected slot, the one that decided it; +inf when all k were accepted; NaN: no draft
+    margins: np.ndarray
+    #: float32 [n_steps]: the smallest such margin over every slot the step's outcome rests on
+    #: (each accepted slot and the rejected one): how near the step came to another count
+    min_margins: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.accepted = np.asarray(self.accepted, dtype=np.int32).reshape(-1)
+        n = len(self.accepted)
+        self.margins = np.asarray(self.margins, dtype=np.float32).reshape(n)
+        self.min_margins = np.asarray(self.min_margins, dtype=np.float32).reshape(n)
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def drafted(self) -> np.ndarray:
+        """bool [n_steps]: the steps that carried a draft."""
+        return self.accepted >= 0
+
+    @property
+    def counters(self) -> SpecCounters:
+        """The spec counters these steps imply (what a correct engine reports; no draft_s)."""
+        a = self.accepted[self.drafted]
+        return SpecCounters(drafts=len(a), draft_tokens=len(a) * self.k,
+                            accepted_tokens=int(a.sum()),
+                            accepted_per_pos=[int((a > i).sum()) for i in range(self.k)],
+                            iterations=self.n_steps)
+
+
 #: where a config's runs are stored (a run's "slot"): repeat i of the corpus one prompt at a time
 #: is slot i (0, 1, ...); the corpus all at once is TOGETHER; a workload axis at one level is
 #: the string :func:`axis_slot` names

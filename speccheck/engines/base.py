@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable, ClassVar, Sequence
 
-from speccheck.types import Completion, Prompt, Scored, SpecConfig, Workload, WorkloadResult
+from speccheck.types import Completion, Prompt, Replay, Scored, SpecConfig, Workload, WorkloadResult
 
 
 class EngineError(RuntimeError):
@@ -117,6 +117,26 @@ class Engine(ABC):
     def score(self, prompt_ids: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
               top_k: int) -> list[Scored]:
         """Teacher-forced scores of each continuation after its prompt (non-speculative)."""
+
+    #: replay_acceptance() is implemented (the plan then asks for a replay of each spec config)
+    replays_acceptance: ClassVar[bool] = False
+
+    def replay_acceptance(self, config: SpecConfig, prompt_ids: Sequence[Sequence[int]],
+                          outputs: Sequence[Sequence[int]],
+                          max_tokens: Sequence[int]) -> list[Replay] | None:
+        """An independent expectation of acceptance: per request, the verify steps a correct
+        engine takes under ``config`` to emit ``outputs`` (each cut at its max_tokens), with
+        the drafts each accepts, recomputed by a plain drafter pass of its own (see
+        :class:`~speccheck.types.Replay`). None: this engine cannot replay (vLLM, openai).
+
+        Why it exists: at temperature 0 the emitted tokens and the drafter determine every
+        step's acceptance, so this predicts the spec counters a run should report. Judged only
+        against a recorded golden, a drafter-side bug that lowers acceptance (stale hidden
+        states, the wrong aux layer, a perturbed drafter), or a counter that inflates it,
+        passes on any corpus without a golden; against the replay it shows on the run itself.
+        A replay must never carry the engine's planted fault (``fault`` engine arg): it is
+        the expectation the engine under test is judged by."""
+        return None
 
     def attribution_variants(self, configs: Sequence[SpecConfig] = (),
                              ran: dict | None = None) -> dict[str, dict[str, str]]:

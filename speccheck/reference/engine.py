@@ -18,6 +18,7 @@ import copy
 import hashlib
 import json
 import os
+from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
@@ -25,7 +26,7 @@ from typing import Sequence
 import torch
 
 from speccheck.engines.base import Engine, EngineError, EngineUsageError, OnTokens
-from speccheck.types import Completion, Prompt, Scored, SpecConfig
+from speccheck.types import Completion, Prompt, Replay, Scored, SpecConfig
 
 from .decode import FAULTS, Decoder, Knobs
 from .dflash2 import DFLASH2_FILE, WALK_DTYPES, SelectorKnobs, load_dflash2
@@ -182,6 +183,7 @@ def _unicode_to_byte() -> dict[str, int]:
 class ReferenceEngine(Engine):
     name = "reference"
     methods = ("mtp", "dflash", "dflash2")
+    replays_acceptance = True
 
     def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
                  draft: str | None = None) -> None:
@@ -233,6 +235,8 @@ class ReferenceEngine(Engine):
             except ValueError as e:
                 raise EngineUsageError(str(e)) from e
         self._set_knobs()
+        #: the acceptance replay's teacher-forced passes (replay.forced), shared with variants
+        self._replay_memo: OrderedDict = OrderedDict()
 
     def _set_knobs(self) -> None:
         if self.args["attn_prefill"] == "fused":
@@ -383,6 +387,26 @@ class ReferenceEngine(Engine):
             out.append(Scored(ids, lps, tok))
         return out
 
+    def replay_acceptance(self, config: SpecConfig, prompt_ids: Sequence[Sequence[int]],
+                          outputs: Sequence[Sequence[int]],
+                          max_tokens: Sequence[int]) -> list[Replay]:
+        """Each request's steps replayed by reference/replay.py: the target teacher forced
+        once over prompt + output, the drafter from scratch per step, on these networks and
+        kernel-form knobs and never the planted fault (the Decoder is not used)."""
+        from .replay import replay_acceptance
+
+        method = config.method
+        if method not in self.methods:
+            raise EngineUsageError(f"replay of {config.name}: the reference engine replays "
+                                   f"{', '.join(self.methods)}, not {method!r}")
+        drafter = {"mtp": self.mtp, "dflash": self.drafter, "dflash2": self.dflash2}[method]
+        if drafter is None:
+            raise EngineUsageError(f"replay of {config.name}: this weights directory has no "
+                                   f"{method} drafter")
+        if not (len(prompt_ids) == len(outputs) == len(max_tokens)):
+            raise ValueError("replay_acceptance: prompt_ids, outputs and max_tokens differ in length")
+        return replay_acceptance(self, method, config.k, prompt_ids, outputs, max_tokens)
+
     def attribution_variants(self, configs=(), ran=None) -> dict[str, dict[str, str]]:
         """Other kernel paths for the same network: GDN all-recurrent / all-chunked,
         attention all-single / all-multi, and fp32 (each only if it differs from now)."""
@@ -409,3 +433,4 @@ class ReferenceEngine(Engine):
 
     def close(self) -> None:
         self.decoder = None
+        self.__dict__.pop("_replay_memo", None)  # replay.forced's teacher-forced passes
