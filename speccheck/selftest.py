@@ -99,6 +99,8 @@ CASES: tuple[Case, ...] = (
     # the first request of a prompt fills the prefix cache and is right; the repeat hits it
     Case("prefix-cache-overreach", "prefix caching x spec decode: a prefix hit reuses hybrid "
          "state past the prompt (vLLM #43559, #43650, #53912)", "deterministic", repeats=2),
+    Case("drafter-noise", "acceptance only: the drafter's logits perturbed (a drafter-side "
+         "numerics bug), tokens exact", "acceptance_not_regressed", method="mtp"),
 )
 
 

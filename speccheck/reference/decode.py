@@ -71,11 +71,37 @@ FAULTS = {
                               "speculative generation ended at: the next request for that prompt "
                               "reuses hybrid state past the prompt (vLLM #43559, #43650, #53912; "
                               "one request at a time, prefix_cache on)",
+    "drafter-noise": "the drafter's logits carry a fixed pseudo-random perturbation per draft "
+                     "position (a drafter-only numerics bug: a wrong scale, a lossy drafter "
+                     "kernel); acceptance falls about a fifth, tokens stay exact",
 }
 
 
 #: positions per cache block of the fault conv-block-boundary
 CONV_BLOCK = 16
+
+#: standard deviation (nats) of the fault drafter-noise's perturbation of a drafter logit, and
+#: the draft positions after which its table repeats
+DRAFTER_NOISE_SD = 1.5
+DRAFTER_NOISE_ROWS = 64
+_NOISE_TABLES: dict = {}
+
+
+def drafter_noise(logits: torch.Tensor, positions) -> torch.Tensor:
+    """(fault drafter-noise) ``logits`` [..., V] of drafts at ``positions`` (an int, a range or
+    a tensor of ``logits.shape[:-1]``) plus a fixed pseudo-random perturbation per draft
+    position and token: the same bits in every run, batch and drafting path."""
+    V, device = logits.shape[-1], logits.device
+    if isinstance(positions, range):
+        positions = list(positions)
+    key = (V, device)
+    if key not in _NOISE_TABLES:
+        gen = torch.Generator().manual_seed(0x5EED)
+        _NOISE_TABLES[key] = (torch.randn(DRAFTER_NOISE_ROWS, V, generator=gen)
+                              * DRAFTER_NOISE_SD).to(device)
+    pos = torch.as_tensor(positions, device=device).expand(logits.shape[:-1])
+    return logits + _NOISE_TABLES[key][pos % DRAFTER_NOISE_ROWS]
+
 
 #: prompt tokens whose prefills a decoder keeps for reuse (Knobs.prefix_cache), the least
 #: recently used dropped first: the default corpus has about 12,000
@@ -490,8 +516,10 @@ class Decoder:
         if method == "mtp":
             return self._draft_mtp(state, tokens, pending, k)
         if method == "dflash2":
+            p = len(tokens) - 1
             return _dflash2.draft(self.dflash2, self.target, self.cfg, state, tokens, pending, k,
-                                  self.selector, self.knobs.attn_draft)
+                                  self.selector, self.knobs.attn_draft,
+                                  self._perturb(range(p + 1, p + k + 1)))
         return self._draft_dflash(state, tokens, pending, k)
 
     def _draft_init(self, method, max_len):
@@ -552,11 +580,11 @@ class Decoder:
                 hid = torch.nn.utils.rnn.pad_sequence([pending[b] for b in live], batch_first=True)
                 mc.lengths = p_t - self._t(n)
                 mh = self.mtp(self.target.embed_tokens(self._t(ids)), hid, mc)[rows, self._t(n) - 1]
-            out = [self.target.rough_logits(mh).argmax(-1)]
+            out = [self._draft_logits(mh, p_t + 1).argmax(-1)]
             mc.lengths = p_t
-            for _ in range(k - 1):
+            for j in range(k - 1):
                 mh = self.mtp(self.target.embed_tokens(out[-1])[:, None], mh[:, None], mc)[:, 0]
-                out.append(self.target.rough_logits(mh).argmax(-1))
+                out.append(self._draft_logits(mh, p_t + 2 + j).argmax(-1))
             mc.lengths = p_t  # drop the speculative positions
             return torch.stack(out, 1).tolist()
         net = self.drafter if method == "dflash" else self.dflash2
@@ -570,10 +598,11 @@ class Decoder:
         bpos = p_t[:, None] + torch.arange(k + 1, device=self.device)
         hb = net(self.target.embed_tokens(block), bpos, list(zip(st["k"], st["v"])), ctx_len=p_t,
                  attn_form=self.knobs.attn_draft)
+        slots = bpos[:, 1:]  # each draft's position
         if method == "dflash2":
-            return _dflash2.select_drafts(net, self.target, hb[:, 1:], block[:, 0],
-                                          self.selector).tolist()
-        return self.target.rough_logits(hb[:, 1:]).argmax(-1).tolist()
+            return _dflash2.select_drafts(net, self.target, hb[:, 1:], block[:, 0], self.selector,
+                                          perturb=self._perturb(slots)).tolist()
+        return self._draft_logits(hb[:, 1:], slots).argmax(-1).tolist()
 
     def _draft_mtp(self, mcache: Cache, tokens, pending_h, k) -> list[int]:
         """MTP entry at position t takes (embedding of token t+1, target hidden at t).
@@ -583,11 +612,11 @@ class Decoder:
         assert mcache.length == p - n
         emb = self.target.embed_tokens(self._t(tokens[p - n + 1: p + 1]))[None]
         mh = self.mtp(emb, pending_h[None], mcache)[:, -1:]
-        drafts = [int(self.target.rough_logits(mh[0, -1]).argmax())]
-        for _ in range(k - 1):
+        drafts = [int(self._draft_logits(mh[0, -1], p + 1).argmax())]
+        for j in range(k - 1):
             emb = self.target.embed_tokens(self._t(drafts[-1:]))[None]
             mh = self.mtp(emb, mh, mcache)
-            drafts.append(int(self.target.rough_logits(mh[0, -1]).argmax()))
+            drafts.append(int(self._draft_logits(mh[0, -1], p + 2 + j).argmax()))
         mcache.length = p  # drop the speculative positions
         return drafts
 
@@ -607,4 +636,17 @@ class Decoder:
         emb = self.target.embed_tokens(self._t(block))[None]
         hb = self.drafter(emb, range(p, p + k + 1), list(zip(st["k"], st["v"])), ctx_len=p,
                           attn_form=self.knobs.attn_draft)
-        return self.target.rough_logits(hb[0, 1:]).argmax(-1).tolist()
+        return self._draft_logits(hb[0, 1:], range(p + 1, p + k + 1)).argmax(-1).tolist()
+
+    def _draft_logits(self, h: torch.Tensor, positions) -> torch.Tensor:
+        """The drafter's logits from its hidden states [..., H] of drafts at ``positions``
+        (the target's LM head; perturbed under the fault drafter-noise)."""
+        logits = self.target.rough_logits(h)
+        return drafter_noise(logits, positions) if self.knobs.fault == "drafter-noise" else logits
+
+    def _perturb(self, positions) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What the fault drafter-noise does to the drafter's logits of drafts at ``positions``
+        (None: nothing)."""
+        if self.knobs.fault != "drafter-noise":
+            return None
+        return lambda logits: drafter_noise(logits, positions)

@@ -295,12 +295,16 @@ def load_dflash2(path: Path, cfg: ReferenceConfig) -> DFlash2Drafter:
 
 
 def select_drafts(d2: DFlash2Drafter, target, hs: torch.Tensor, anchor: torch.Tensor,
-                  knobs: SelectorKnobs, out: torch.Tensor | None = None) -> torch.Tensor:
+                  knobs: SelectorKnobs, out: torch.Tensor | None = None,
+                  perturb=None) -> torch.Tensor:
     """Draft tokens [N, L] from the slots' hidden states hs [N, L, H] after ``anchor`` [N]:
     the selector's walk, or (selector off) the per-slot argmax of the same LM-head scores.
     ``out`` (int64 [N, L]): where the GPU's fused selector may write them (a CUDA graph's
-    buffer; one copy fewer), which it then returns."""
+    buffer; one copy fewer), which it then returns. ``perturb``: applied to the LM-head
+    scores first (the planted fault drafter-noise)."""
     unary_full = target.rough_logits(hs)  # [N, L, V] fp32 from the target's (bf16) LM head
+    if perturb is not None:
+        unary_full = perturb(unary_full)
     if not knobs.selector:
         return unary_full.argmax(-1)
     sel, k = d2.candidate_selector, knobs.top_k or d2.candidate_selector.top_k
@@ -329,7 +333,7 @@ def new_state(d2: DFlash2Drafter, cfg: ReferenceConfig, max_len: int, like: torc
 
 def draft(d2: DFlash2Drafter, target, cfg: ReferenceConfig, st: dict, tokens: list[int],
           pending_aux: torch.Tensor, k: int, knobs: SelectorKnobs,
-          attn_form: str = "multi") -> list[int]:
+          attn_form: str = "multi", perturb=None) -> list[int]:
     """As decode's DFlash drafting (append the newly verified positions' context K/V, one
     forward over [x, mask * k] at p..p+k, the block being one conv block of k+1), then the
     selector picks the K tokens."""
@@ -347,4 +351,4 @@ def draft(d2: DFlash2Drafter, target, cfg: ReferenceConfig, st: dict, tokens: li
     emb = target.embed_tokens(block)[None]
     hb = d2(emb, torch.arange(p, p + k + 1, device=device), list(zip(st["k"], st["v"])),
             ctx_len=p, attn_form=attn_form)
-    return select_drafts(d2, target, hb[:, 1:], block[:1], knobs)[0].tolist()
+    return select_drafts(d2, target, hb[:, 1:], block[:1], knobs, perturb=perturb)[0].tolist()
