@@ -8,6 +8,7 @@ Layout::
     <store>/suites/<suite>/inputs.npz      the prompts' token ids, tokenised once for every config
     <store>/suites/<suite>/runs/<config>/r<i>/manifest.json + arrays.npz
     <store>/suites/<suite>/rescore/<config>-r<i>.npz   baseline's teacher-forced scores of that run
+    <store>/suites/<suite>/replay/<config>-r<i>.npz    acceptance replayed over that run's own output
     <store>/suites/<suite>/attribution/<config>.json   kernel-path attribution of its divergences
     <store>/suites/<suite>/attribution/parts/*.json    each kernel path's tokens while attributing
 
@@ -43,8 +44,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from speccheck.files import share_mode
-from speccheck.types import (TOGETHER, Completion, RunRecord, Scored, SpecConfig, SpecCounters,
-                             slot_label)
+from speccheck.types import (TOGETHER, Completion, Replay, RunRecord, Scored, SpecConfig,
+                             SpecCounters, slot_label)
 
 FORMAT_VERSION = 1
 
@@ -207,6 +208,8 @@ def _schema_problem(m, schema: dict, what: str) -> str | None:
 _PLAN_SCHEMA = {"configs": (dict,)}
 _PLAN_CONFIG_SCHEMA = {"repeats": (int,), "fresh_process_repeat": (bool,), "concurrent": (int,),
                        "rescore": (bool,), "attribute": (bool,)}
+#: keys a config's plan may hold (plans recorded before them lack them): key -> accepted types
+_PLAN_CONFIG_OPTIONAL = {"replay": (bool,)}
 
 
 def _larger_demand(key: str, old, new):
@@ -238,6 +241,10 @@ def _plan_problem(plan) -> str | None:
         except ValueError:
             return f"{name!r} is not a config name"
         problem = _schema_problem(want, _PLAN_CONFIG_SCHEMA, f"config {name!r}")
+        if problem:
+            return problem
+        present = {key: types for key, types in _PLAN_CONFIG_OPTIONAL.items() if key in want}
+        problem = _schema_problem(want, present, f"config {name!r}")
         if problem:
             return problem
     return None
@@ -459,6 +466,7 @@ class Suite:
         final = self.run_dir(record.config.name, record.slot)
         if record.slot == 0:
             self.rescore_path(record.config.name, 0).unlink(missing_ok=True)
+            self.replay_path(record.config.name, 0).unlink(missing_ok=True)
             (self.root / "attribution" / f"{record.config.name}.json").unlink(missing_ok=True)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
@@ -602,6 +610,52 @@ class Suite:
         except StoreError:
             return False
 
+    def replay_path(self, config_name: str, repeat: int) -> Path:
+        return self.root / "replay" / f"{config_name}-r{repeat}.npz"
+
+    def write_replay(self, config_name: str, repeat: int, prompt_ids: list[str],
+                     replays: list[Replay]) -> None:
+        """The acceptance replayed over that run's own outputs (Engine.replay_acceptance),
+        prompt by prompt: each verify step's accepted count and the drafter's margins."""
+        acc, off = _ragged([r.accepted for r in replays], np.int32)
+        margins, _ = _ragged([r.margins for r in replays], np.float32)
+        weakest, _ = _ragged([r.min_margins for r in replays], np.float32)
+        _atomic_write_npz(self.replay_path(config_name, repeat), ids=np.array(prompt_ids, dtype=str),
+                          k=np.array([r.k for r in replays], dtype=np.int32), accepted=acc,
+                          margins=margins, min_margins=weakest, offsets=off)
+
+    def load_replay(self, config_name: str, repeat: int) -> dict[str, Replay] | None:
+        """prompt id -> its replay, or None where none is stored (StoreError: damaged)."""
+        path = self.replay_path(config_name, repeat)
+        if not path.exists():
+            return None
+        return self._read_once("replay", (path, _sidecar(path)), lambda: self._read_replay(path, config_name))
+
+    def _read_replay(self, path: Path, config_name: str) -> dict[str, Replay]:
+        redo = self.redo_hint(config_name, "its acceptance replay")
+        a = _load_npz(path, redo, ("ids", "k", "accepted", "margins", "min_margins", "offsets"))
+        off, k, acc = a["offsets"], a["k"], a["accepted"]
+        try:
+            n = len(a["ids"])
+            if (len(off) != n + 1 or len(k) != n or off[-1] != len(acc) or np.any(np.diff(off) < 0)
+                    or len(a["margins"]) != len(acc) or len(a["min_margins"]) != len(acc)):
+                raise ValueError("offsets do not match")
+            if np.any(k < 1) or any(np.any((acc[off[i]:off[i + 1]] < -1) | (acc[off[i]:off[i + 1]] > k[i]))
+                                    for i in range(n)):
+                raise ValueError("an accepted count outside -1..K")
+            return {pid: Replay(int(k[i]), acc[off[i]:off[i + 1]], a["margins"][off[i]:off[i + 1]],
+                                a["min_margins"][off[i]:off[i + 1]])
+                    for i, pid in enumerate(a["ids"].tolist())}
+        except (ValueError, IndexError) as e:
+            raise StoreError(f"{path}: the stored replay is inconsistent ({e}); {redo}.") from None
+
+    def has_replay(self, config_name: str, repeat: int) -> bool:
+        """Stored and intact (a damaged replay counts as missing, so `run` redoes it)."""
+        try:
+            return self.load_replay(config_name, repeat) is not None
+        except StoreError:
+            return False
+
     # --- the plan: what `speccheck run` was asked to store here -----------------------------
     def load_plan(self) -> dict | None:
         """The recorded plan, or None for a suite stored before plans were recorded."""
@@ -658,8 +712,8 @@ class Suite:
         return self.run_command(*options)
 
     def missing(self, config_name: str) -> list[str]:
-        """What is not stored of this config: every run, rescoring and attribution the plan
-        asked for; a config with no stored run at all is missing whether planned or not (it
+        """What is not stored of this config: every run, rescoring, acceptance replay and
+        attribution the plan asked for; a config with no stored run at all is missing whether planned or not (it
         was demanded, or its one run was cut short). Empty when complete. Failed runs are not missing (they say why)."""
         want = (self.load_plan() or {}).get("configs", {}).get(config_name)
         resume = f"re-run `{self.resume_command(config_name)}` to resume"
@@ -687,6 +741,8 @@ class Suite:
                         "one process)")
         if want["rescore"] and self.is_complete(config_name, 0) and self.load_rescore(config_name, 0) is None:
             gaps.append(f"teacher-forced rescoring of {config_name} r0 (never finished)")
+        if want.get("replay") and self.is_complete(config_name, 0) and not self.has_replay(config_name, 0):
+            gaps.append(f"acceptance replay of {config_name} r0 (never finished)")
         if (want["attribute"] and config_name != "baseline" and self.is_complete(config_name, 0)
                 and self.load_attribution(config_name) is None):
             gaps.append(f"kernel-path attribution of {config_name} (never finished)")
@@ -910,6 +966,7 @@ class Store:
                 same_r0 = (dst.is_complete(name, 0) and src.is_complete(name, 0)
                            and dst._manifest(name, 0) == src._manifest(name, 0))
                 pieces = [(src.rescore_path(name, 0), dst.rescore_path(name, 0), "rescoring"),
+                          (src.replay_path(name, 0), dst.replay_path(name, 0), "acceptance replay"),
                           (src.root / "attribution" / f"{name}.json",
                            dst.root / "attribution" / f"{name}.json", "attribution")]
                 for a, b, kind in pieces:
