@@ -134,9 +134,19 @@ class RunPlan:
                 "fresh_process_repeat": self.fresh_process_repeat and self.repeats > 1,
                 "concurrent": self.concurrent, "rescore": self.rescore}
         on = {c.name for c in self.axis_configs()}
+        replays = self.replays_acceptance()
         return {c.name: {**want, "attribute": self.attribute and not c.is_baseline,
+                         **({"replay": True} if replays and not c.is_baseline else {}),
                          **({"axes": list(self.axes)} if c.name in on else {})}
                 for c in self.configs}
+
+    def replays_acceptance(self) -> bool:
+        """Whether each spec config's acceptance is replayed after its runs (the engine can:
+        Engine.replay_acceptance)."""
+        try:
+            return bool(engine_class(self.engine).replays_acceptance)
+        except EngineUsageError:
+            return False
 
 
 def plan_suite_id(plan: RunPlan, corpus: Corpus | None = None) -> str:

@@ -1,10 +1,11 @@
 """The runner: corpus × matrix × repeats -> engine -> store, resumable.
 
-After the generation runs it does the two things verify/ needs from an engine: teacher-forced
-rescoring of every config's output by the (non-speculative) engine, and kernel-path
-attribution of each first divergence (re-scoring the divergent prefix under the engine's
-alternative kernel knobs). Both are stored next to the runs, so diff/gate/report never need an
-engine.
+After the generation runs it does what verify/ needs from an engine: teacher-forced
+rescoring of every config's output by the (non-speculative) engine, the acceptance each spec
+config's output should have had, replayed by the engine's own independent drafter pass (where
+it has one), and kernel-path attribution of each first divergence (re-scoring the divergent
+prefix under the engine's alternative kernel knobs). All are stored next to the runs, so
+diff/gate/report never need an engine.
 """
 from __future__ import annotations
 
@@ -213,6 +214,7 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
             progress(len(todo), len(todo), "rescoring teacher-forced")
         if plan.rescore:
             rescore_suite(engine, suite, [c.name for c in plan.configs], log)
+        replay_suite(plan, engine, suite, corpus, log, progress)
         if plan.attribute:
             if progress:
                 progress(len(todo), len(todo), "attributing divergences to kernel paths")
@@ -517,6 +519,68 @@ def _score_record(engine: Engine, comps) -> dict:
     scored = engine.score([c.prompt_ids.tolist() for c in comps], [c.token_ids.tolist() for c in comps],
                           top_k=comps[0].topk_ids.shape[1] or 5)
     return {c.prompt_id: s for c, s in zip(comps, scored)}
+
+
+# --- acceptance replay -------------------------------------------------------------------------
+
+def replay_suite(plan: RunPlan, engine: Engine, suite: Suite, corpus: Corpus, log: Log = _print,
+                 progress: Callable[[int, int, str], None] | None = None) -> None:
+    """The acceptance replay of each spec config the plan asks one of (its first repeat's own
+    outputs; one already stored is kept). The replay runs without the engine's planted fault
+    (engine arg ``fault``): a fault models a bug in the engine under test, the replay is the
+    independent expectation it is judged by, so with a fault a fresh engine of the same weights
+    and other args replays."""
+    planned = plan.planned()
+    todo = [c for c in plan.configs if planned.get(c.name, {}).get("replay")
+            and suite.is_complete(c.name, 0) and not suite.has_replay(c.name, 0)]
+    if not todo:
+        return
+    replayer, own = engine, False
+    if "fault" in plan.engine_args:
+        args = {k: v for k, v in plan.engine_args.items() if k != "fault"}
+        try:
+            replayer, own = make_engine(plan.engine, plan.model, args, plan.draft), True
+        except (EngineError, EngineUsageError, RuntimeError) as e:
+            log(f"acceptance replay left for later: no engine without the fault ({e})")
+            return
+    try:
+        replay_configs(replayer, suite, todo, {p.id: p.max_tokens for p in corpus.prompts}, log,
+                       progress)
+    finally:
+        if own:
+            replayer.close()
+
+
+def replay_configs(engine: Engine, suite: Suite, configs: Sequence[SpecConfig],
+                   max_tokens: dict[str, int], log: Log = _print,
+                   progress: Callable[[int, int, str], None] | None = None) -> None:
+    """Replay each config's first repeat with ``engine`` (which must carry no planted fault)
+    and store it; a replay that fails is said and left missing (the verdict names it)."""
+    for i, config in enumerate(configs):
+        if progress:
+            progress(i, len(configs), f"replaying the acceptance of {config.name}")
+        t0 = time.perf_counter()
+        comps = suite.load_run(config.name, 0).completions
+        try:
+            replays = engine.replay_acceptance(
+                config, [c.prompt_ids.tolist() for c in comps], [c.token_ids.tolist() for c in comps],
+                [max_tokens.get(c.prompt_id, c.n_tokens) for c in comps])
+        except Exception as e:  # noqa: BLE001 - recorded as missing, not fatal to the run
+            log(f"acceptance replay of {config.name} failed: {type(e).__name__}: {e}")
+            continue
+        if replays is None:
+            return  # this engine cannot replay
+        suite.write_replay(config.name, 0, [c.prompt_id for c in comps], replays)
+        log(f"{config.name:>12} acceptance replayed: {_tpi([r.counters for r in replays])} tok/iter "
+            f"expected, {_tpi([c.spec for c in comps if c.spec])} reported "
+            f"({time.perf_counter() - t0:.1f} s)")
+
+
+def _tpi(counters) -> str:
+    """Tokens per iteration of summed counters (emitted tokens over verify steps)."""
+    drafts = sum(c.drafts for c in counters)
+    steps = sum(c.iterations if c.iterations is not None else c.drafts for c in counters)
+    return f"{(sum(c.accepted_tokens for c in counters) + steps) / steps:.2f}" if steps and drafts else "-"
 
 
 # --- kernel-path attribution -------------------------------------------------------------------

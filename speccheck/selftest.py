@@ -27,7 +27,7 @@ from speccheck.checks import names as check_names
 from speccheck.evaluate import evaluate_suite
 from speccheck.policy import Policy
 from speccheck.plan import RunPlan
-from speccheck.runner import open_suite, rescore_suite, run_one
+from speccheck.runner import open_suite, replay_configs, rescore_suite, run_one
 from speccheck.store import Store, Suite
 from speccheck.types import SpecConfig
 
@@ -235,6 +235,10 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
                 run_one(variant, suite, c, stored, config, -1, 5, fresh_process=False,
                         copies=together)
             rescore_suite(variant, suite, [config.name], log=lambda m: None)
+            # the acceptance expected of the run, replayed as `speccheck run` does: without the fault
+            clean = engine.with_args(**{k: v for k, v in args.items() if k != "fault"})
+            replay_configs(clean, suite, [config], {p.id: p.max_tokens for p in c.prompts},
+                           log=lambda m: None)
             return suite
 
         def setting(case: Case) -> tuple[SpecConfig, dict[str, str], str]:
