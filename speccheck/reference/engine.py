@@ -28,6 +28,7 @@ import torch
 from speccheck.engines.base import Engine, EngineError, EngineUsageError, OnTokens
 from speccheck.types import Completion, Prompt, Replay, Scored, SpecConfig
 
+from .chat import identity as chat_identity
 from .decode import FAULTS, Decoder, Knobs
 from .dflash2 import DFLASH2_FILE, WALK_DTYPES, SelectorKnobs, load_dflash2
 from .kernels.attn_fused import unavailable as attn_fused_unavailable
@@ -68,6 +69,8 @@ ENGINE_ARGS = {
                                           "CUDA graphs path); off = every request prefills"),
     "cuda_graphs": (("on", "off"), "on", "CUDA: each decode, verify and draft step of one prompt "
                                          "replays a CUDA graph (no planted fault); off = eager"),
+    "thinking": (("off", "on"), "off", "chat prompts render the chat template's thinking mode "
+                                       "(the assistant turn opens a <think> block)"),
     "compile": (("on", "off"), "off", "CUDA graphs: each step is torch.compile'd (Inductor fuses "
                                       "its small ops into Triton kernels) before its capture; "
                                       "bf16 roundings move (fused ops skip bf16 rounds)"),
@@ -76,7 +79,7 @@ ENGINE_ARGS = {
 #: on the loaded networks
 PATH_ARGS = ("gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode",
              "attn_verify", "attn_draft", "batch", "no_draft_every", "fault", "dflash2_selector",
-             "dflash2_top_k", "dflash2_walk", "cuda_graphs", "compile", "prefix_cache")
+             "dflash2_top_k", "dflash2_walk", "cuda_graphs", "compile", "prefix_cache", "thinking")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 #: the engine args that pick a kernel form per phase (Knobs fields; the identity's "knobs")
 KNOB_ARGS = ("gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode",
@@ -235,6 +238,7 @@ class ReferenceEngine(Engine):
             except ValueError as e:
                 raise EngineUsageError(str(e)) from e
         self._set_knobs()
+        self._chat_template_used = False
         #: the acceptance replay's teacher-forced passes (replay.forced), shared with variants
         self._replay_memo: OrderedDict = OrderedDict()
 
@@ -319,6 +323,9 @@ class ReferenceEngine(Engine):
             "batch": int(self.args["batch"]),
             "prefix_cache": self.args["prefix_cache"],
             "no_draft_every": int(self.args["no_draft_every"]),
+            # (only where a chat prompt was rendered: text-only runs' identities stay as they were)
+            **({"chat_template": chat_identity(self.args["thinking"] == "on")}
+               if getattr(self, "_chat_template_used", False) else {}),
             "block_size": self.cfg.drafter.block_size,
             "dflash2": (None if self.dflash2 is None else
                         {"selector": self.args["dflash2_selector"],
@@ -327,7 +334,14 @@ class ReferenceEngine(Engine):
         }
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        return self.tokenizer.encode(prompt.as_text()).ids
+        """A text prompt as it is; chat messages rendered through the chat template
+        (reference/chat.py: with thinking off, the text Prompt.as_text gives)."""
+        if prompt.text is not None or not prompt.messages:
+            return self.tokenizer.encode(prompt.as_text()).ids
+        from .chat import render
+
+        self._chat_template_used = True
+        return self.tokenizer.encode(render(prompt.messages, self.args["thinking"] == "on")).ids
 
     def max_positions(self) -> int | None:
         return int(self.cfg.max_position_embeddings)
