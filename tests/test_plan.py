@@ -63,6 +63,13 @@ main()
 """
 
 
+#: the reference engine's default axis levels, in the registry's order (runner axes and the
+#: serving axes its run_workload runs)
+REFERENCE_AXES = ["axis-shapes-k", "axis-concurrency-4", "axis-concurrency-8", "axis-prefix_cache-cold",
+                  "axis-prefix_cache-hit", "axis-long_lived-200", "axis-kv_pressure-free",
+                  "axis-kv_pressure-pressure"]
+
+
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory) -> Path:
     """`speccheck run --method mtp --k 3 --corpus smoke` killed with SIGKILL right after the
@@ -106,7 +113,7 @@ def test_plan_is_recorded_before_the_engine_runs(killed):
     assert list(plan["configs"]) == ["baseline", "mtp-k3"]
     assert plan["configs"]["mtp-k3"] == {"repeats": 2, "fresh_process_repeat": True, "concurrent": 2,
                                          "rescore": True, "attribute": True,
-                                         "axes": ["axis-shapes-k", "axis-long_lived-200"]}
+                                         "axes": REFERENCE_AXES}
     assert plan["run_args"] == ["--engine", "reference", "--corpus", "smoke"]
 
 
@@ -200,7 +207,7 @@ def test_a_second_run_extends_the_plan(tmp_path, monkeypatch):
     assert plan["baseline"]["repeats"] == 3 and plan["baseline"]["concurrent"] == 2
     assert plan["dflash-k7"] == {"repeats": 1, "fresh_process_repeat": False, "concurrent": 0,
                                  "rescore": True, "attribute": False,
-                                 "axes": ["axis-shapes-k", "axis-long_lived-200"]}
+                                 "axes": REFERENCE_AXES}
     gate = cli("gate", "--store", store)
     assert gate.exit_code == 1
     for name in plan:

@@ -26,7 +26,8 @@ from typing import Sequence
 import torch
 
 from speccheck.engines.base import Engine, EngineError, EngineUsageError, OnTokens
-from speccheck.types import Completion, Prompt, Replay, Scored, SpecConfig
+from speccheck.types import (Completion, Prompt, Replay, Scored, SpecConfig, Workload,
+                             WorkloadResult)
 
 from .chat import identity as chat_identity
 from .decode import FAULTS, Decoder, Knobs
@@ -187,6 +188,8 @@ class ReferenceEngine(Engine):
     name = "reference"
     methods = ("mtp", "dflash", "dflash2")
     replays_acceptance = True
+    #: the workload axes its serving loop runs (reference/serving.py)
+    axes = frozenset({"concurrency", "prefix_cache", "kv_pressure", "long_lived"})
 
     def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
                  draft: str | None = None) -> None:
@@ -238,6 +241,8 @@ class ReferenceEngine(Engine):
             except ValueError as e:
                 raise EngineUsageError(str(e)) from e
         self._set_knobs()
+        #: requests this engine has served since it started (generate() and workloads alike)
+        self.requests_served = 0
         self._chat_template_used = False
         #: the acceptance replay's teacher-forced passes (replay.forced), shared with variants
         self._replay_memo: OrderedDict = OrderedDict()
@@ -388,10 +393,48 @@ class ReferenceEngine(Engine):
             raise EngineUsageError(f"prompt {names}: {e}") from e
         except RuntimeError as e:
             raise EngineError(f"reference engine failed on prompt {names}: {e}") from e
+        self.requests_served += len(prompts)
         return [Completion(p.id, list(ids), g.token_ids, g.logprobs, g.topk_ids, g.topk_logprobs,
                            self.detokenize(g.token_ids), g.finish_reason, g.ttft_s, g.decode_s,
                            replace(g.spec, iterations=g.iterations) if g.spec else None, g.decode_cpu_s)
                 for p, ids, g in zip(prompts, prompt_ids, gens)]
+
+    def run_workload(self, workload: Workload, config: SpecConfig, top_k: int) -> WorkloadResult:
+        """A workload axis's requests through the serving loop (reference/serving.py: continuous
+        batching, the block prefix cache, a KV block budget); the proof is its own accounting,
+        and ``requests_served`` this engine's count since it started."""
+        from .serving import Server
+
+        if config.method not in ("baseline",) + self.methods:
+            raise EngineUsageError(f"--method {config.method!r} is not offered by the reference "
+                                   f"engine; choose baseline, {', '.join(self.methods)}")
+        if workload.axis not in self.axes:
+            raise EngineUsageError(f"the reference engine cannot run the {workload.axis} workload "
+                                   f"axis (it runs {', '.join(sorted(self.axes))})")
+        server = self.__dict__.get("_server")
+        if server is None or server.dec is not self.decoder:  # a with_args variant: its own
+            server = self._server = Server(self.decoder)
+        reqs = list(workload.requests)
+        try:
+            gens, proof = server.serve(reqs, config.method, config.k, top_k,
+                                       workload.max_in_flight, workload.knobs)
+        except ValueError as e:
+            raise EngineUsageError(f"{workload.axis} workload {workload.level}: {e}") from e
+        except RuntimeError as e:
+            raise EngineError(f"reference engine failed on the {workload.axis} workload "
+                              f"{workload.level}: {e}") from e
+        self.requests_served += len(reqs)
+        proof["requests_served"] = self.requests_served
+        return WorkloadResult(
+            [Completion(r.id, list(r.prompt_ids), g.token_ids, g.logprobs, g.topk_ids,
+                        g.topk_logprobs, self.detokenize(g.token_ids), g.finish_reason, g.ttft_s,
+                        g.decode_s, replace(g.spec, iterations=g.iterations) if g.spec else None)
+             for r, g in zip(reqs, gens)], proof)
+
+    def cache_block_size(self) -> int:
+        from .serving import DEFAULT_BLOCK_SIZE
+
+        return DEFAULT_BLOCK_SIZE
 
     def score(self, prompt_ids: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
               top_k: int) -> list[Scored]:

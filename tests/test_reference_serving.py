@@ -1,0 +1,194 @@
+"""The reference engine as a serving engine (reference/serving.py, Engine.run_workload):
+requests joining a running batch give the bits they give alone, a prefix-cache hit gives the
+bits of a miss and the tokens of a cold prefill, preemption and recompute give the unpressured
+tokens, and each axis proves it was exercised."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from speccheck.axes import AxisInput, get
+from speccheck.corpus import load_corpus
+from speccheck.engines.base import EngineError, EngineUsageError
+from speccheck.reference.engine import ReferenceEngine
+from speccheck.reference.serving import blocks
+from speccheck.types import Prompt, Request, SpecConfig, Workload
+from speccheck.verify import counter_problems, find_divergences
+
+CONFIGS = [SpecConfig(), SpecConfig("mtp", 3), SpecConfig("dflash2", 7)]
+#: the default policy's thresholds at the reference engine's calibrated path noise (0.038 nats)
+NOISE, TAU_TIE, TAU_LOW = 0.038, 0.152, 0.456
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return ReferenceEngine(engine_args={"threads": "1"})
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus("smoke")
+
+
+@pytest.fixture(scope="module")
+def inputs(engine, corpus):
+    return {p.id: np.array(engine.tokenize(p)) for p in corpus.prompts}
+
+
+@pytest.fixture(scope="module")
+def alone(engine, corpus, inputs):
+    """Each prompt decoded alone, per config (what every served request is judged by)."""
+    memo = {}
+
+    def get_alone(config: SpecConfig) -> dict:
+        if config.name not in memo:
+            ps = list(corpus.prompts)
+            memo[config.name] = {c.prompt_id: c for c in engine.generate(
+                ps, [inputs[p.id].tolist() for p in ps], config, 5)}
+        return memo[config.name]
+    return get_alone
+
+
+def _build(axis, level, corpus, inputs, config, outputs=None):
+    return get(axis).build(AxisInput(corpus, inputs, config, level, (3, 7), outputs or {}))
+
+
+def _bits(c) -> tuple:
+    return (c.token_ids.tobytes(), c.logprobs.tobytes(), c.topk_ids.tobytes(),
+            c.topk_logprobs.tobytes())
+
+
+def _high(ref, got) -> list:
+    """The first divergence of got from ref, where it is not a near-tie or low-confidence."""
+    d = find_divergences(got.prompt_id, ref.token_ids, ref.topk_ids, ref.topk_logprobs,
+                         got.token_ids, got.topk_ids, got.topk_logprobs, TAU_TIE, TAU_LOW, NOISE,
+                         max_gap=TAU_LOW)
+    return [x for x in d if x.cls == "high_confidence"]
+
+
+def _consistent(c, k: int) -> bool:
+    """The spec counters explain the tokens after the first (verify.counter_problems)."""
+    s = c.spec
+    return not counter_problems(s.drafts, s.draft_tokens, s.accepted_tokens, s.accepted_per_pos, k,
+                                c.n_tokens - 1, s.iterations)
+
+
+def test_axes_and_knobs(engine, corpus, inputs):
+    assert engine.axes == {"concurrency", "prefix_cache", "kv_pressure", "long_lived"}
+    wl = _build("concurrency", "4", corpus, inputs, SpecConfig())
+    for knobs, msg in (({"prefix_cache": "maybe"}, "prefix_cache"), ({"kv_blocks": "0"}, "kv_blocks"),
+                       ({"swap": "on"}, "swap")):
+        with pytest.raises(EngineUsageError, match=msg):
+            engine.run_workload(Workload("concurrency", "x", wl.requests, 4, knobs), SpecConfig(), 5)
+    with pytest.raises(EngineUsageError, match="shapes"):
+        engine.run_workload(Workload("shapes", "k", wl.requests), SpecConfig(), 5)
+    with pytest.raises(EngineUsageError, match="eagle"):
+        engine.run_workload(wl, SpecConfig("eagle", 3), 5)
+    with pytest.raises(EngineUsageError, match="not in the workload"):
+        engine.run_workload(Workload("concurrency", "x", [Request("a", wl.requests[0].prompt, (1, 2),
+                                                                 after="b")]), SpecConfig(), 5)
+    with pytest.raises(EngineError, match="alone needs"):  # a budget no request fits: a failed run
+        engine.run_workload(Workload("kv_pressure", "x", wl.requests[:2], 2, {"kv_blocks": "1"}),
+                            SpecConfig(), 5)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+def test_concurrency_gives_each_request_its_bits_alone(engine, corpus, inputs, alone, config):
+    """Requests arriving every 2 steps, 4 in flight: they join a running batch (a step that
+    prefills one while verifying others), leave it, and their slots are reused; on the CPU in
+    bf16 every request gives the tokens, logprobs, top-k and acceptance it gives alone."""
+    ref = alone(config)
+    res = engine.run_workload(_build("concurrency", "4", corpus, inputs, config), config, 5)
+    assert len(res.completions) == 8
+    for c in res.completions:
+        a = ref[c.prompt_id.rsplit(":", 1)[1]]
+        assert _bits(c) == _bits(a), c.prompt_id
+        assert c.prompt_ids.tolist() == a.prompt_ids.tolist()
+        if config.is_baseline:
+            assert c.spec is None
+        else:
+            assert c.spec.accepted_per_pos == a.spec.accepted_per_pos, c.prompt_id
+            assert c.spec.iterations == a.spec.iterations
+    p = res.proof
+    assert p["max_batch"] == 4 and p["mixed_steps"] > 0 and p["slot_reuses"] > 0
+    assert p["requests_served"] >= 8 and "prefix_hits" not in p and "preemptions" not in p
+
+
+@pytest.mark.slow
+def test_concurrency_in_fp32_gives_the_tokens_alone(corpus, inputs):
+    """fp32's GEMMs are not row-invariant: the tokens are those alone, logprobs within 1e-4."""
+    eng = ReferenceEngine(engine_args={"threads": "1", "dtype": "fp32"})
+    for config in (SpecConfig(), SpecConfig("mtp", 3)):
+        ps = list(corpus.prompts)
+        ref = {c.prompt_id: c for c in eng.generate(ps, [inputs[p.id].tolist() for p in ps], config, 5)}
+        res = eng.run_workload(_build("concurrency", "8", corpus, inputs, config), config, 5)
+        for c in res.completions:
+            a = ref[c.prompt_id.rsplit(":", 1)[1]]
+            assert c.token_ids.tolist() == a.token_ids.tolist(), (config.name, c.prompt_id)
+            np.testing.assert_allclose(c.logprobs, a.logprobs, atol=1e-4)
+        assert res.proof["max_batch"] > 4
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+def test_prefix_cache_hit_is_a_miss_and_near_cold(corpus, inputs, alone, config):
+    """Conversations (turn 2 = turn 1 + its answer + new text), a poison prefix and the probe:
+    with the cache on, a hit restores the K/V and the GDN + conv state a miss computed at the
+    block boundary, so it gives the miss's bits; a miss prefills in pieces ending at block
+    boundaries (to keep their state), not the same sum as one prefill, so against the cache off
+    the comparison is classified: no divergence beyond a near-tie."""
+    outputs = {k: v.token_ids for k, v in alone(config).items()}
+    eng = ReferenceEngine(engine_args={"threads": "1"})  # an empty prefix cache
+    cold = eng.run_workload(_build("prefix_cache", "cold", corpus, inputs, config, outputs), config, 5)
+    hit = eng.run_workload(_build("prefix_cache", "hit", corpus, inputs, config, outputs), config, 5)
+    assert "prefix_hits" not in cold.proof
+    assert hit.proof["prefix_hits"] > 0 and hit.proof["prefix_hit_tokens"] >= 16 * hit.proof["prefix_hits"]
+    fresh = ReferenceEngine(engine_args={"threads": "1"}).with_args()
+    for c, h in zip(cold.completions, hit.completions):
+        assert c.prompt_id == h.prompt_id
+        assert not _high(c, h), h.prompt_id
+        req = next(r for r in _build("prefix_cache", "hit", corpus, inputs, config, outputs).requests
+                   if r.id == h.prompt_id)
+        miss = fresh.with_args().run_workload(Workload("prefix_cache", "miss", [Request(req.id, req.prompt,
+                                              req.prompt_ids)], 1, {"prefix_cache": "on"}), config, 5)
+        assert miss.proof["prefix_hits"] == 0
+        assert _bits(miss.completions[0]) == _bits(h), h.prompt_id
+
+
+def _pressured(corpus, inputs, config, max_tokens=40):
+    """The first four prompts at 40 tokens past EOS, under a budget of exactly the blocks their
+    prompts take: all four are admitted and the first block any of them crosses preempts."""
+    ps = [Prompt(p.id, p.category, max_tokens, p.text, p.messages, True) for p in corpus.prompts[:4]]
+    reqs = [Request(f"kv:{p.id}", p, tuple(int(t) for t in inputs[p.id])) for p in ps]
+    budget = sum(blocks(len(r.prompt_ids) + config.k, 16) for r in reqs)
+    return (Workload("kv_pressure", "free", reqs, 4),
+            Workload("kv_pressure", "pressure", reqs, 4, {"kv_blocks": str(budget)}))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+def test_kv_pressure_preempts_recomputes_and_keeps_the_tokens(engine, corpus, inputs, config):
+    """The newest request is preempted when a step needs more blocks than the budget and
+    recomputed later (prompt + its tokens prefilled, then it goes on): the recompute's state
+    comes from the prefill path, not decode's, so the comparison is classified; every token
+    after the first is still explained by a step (a recompute counts as an iteration)."""
+    free_wl, pressure_wl = _pressured(corpus, inputs, config)
+    free = engine.run_workload(free_wl, config, 5)
+    pressed = engine.run_workload(pressure_wl, config, 5)
+    assert "preemptions" not in free.proof
+    assert pressed.proof["preemptions"] > 0 and pressed.proof["recomputed_tokens"] > 0
+    for a, b in zip(free.completions, pressed.completions):
+        assert a.n_tokens == b.n_tokens == 40
+        assert not _high(a, b), b.prompt_id
+        if not config.is_baseline:
+            assert _consistent(b, config.k), b.prompt_id
+
+
+def test_long_lived_counts_every_request(corpus, inputs):
+    """requests_served counts generate() and workloads alike, since the engine started."""
+    eng = ReferenceEngine(engine_args={"threads": "1"})
+    ps = list(corpus.prompts)
+    eng.generate(ps, [inputs[p.id].tolist() for p in ps], SpecConfig(), 5)
+    assert eng.requests_served == len(ps)
+    wl = _build("long_lived", "12", corpus, inputs, SpecConfig())
+    res = eng.run_workload(wl, SpecConfig(), 5)
+    assert res.proof["requests_served"] == eng.requests_served == len(ps) + 12 + len(ps)
+    assert res.proof["slot_reuses"] > 0
