@@ -50,6 +50,9 @@ class Case:
     repeats: int = 1  # 2 where determinism is the point
     together: int = 0  # copies of each prompt in a run of the corpus all at once (0: none)
     corpus: str | None = None  # None: the corpus under test (--corpus)
+    #: workload axis levels run after the repeats (slots "axis-<axis>-<level>", as `speccheck
+    #: run --axes`), clean and faulty, and judged by the axis checks
+    axes: tuple[str, ...] = ()
 
 
 #: every fault, the bug it models and the check expected to catch it: the one place to edit
@@ -99,6 +102,26 @@ CASES: tuple[Case, ...] = (
     # the first request of a prompt fills the prefix cache and is right; the repeat hits it
     Case("prefix-cache-overreach", "prefix caching x spec decode: a prefix hit reuses hybrid "
          "state past the prompt (vLLM #43559, #43650, #53912)", "deterministic", repeats=2),
+    # the serving regime (reference/serving.py): each through the workload axis it lives in
+    Case("join-contaminates", "concurrency: a request joining a running batch reads a neighbour's "
+         "hybrid state row (SGLang #36548, #35150)", "axis_concurrency",
+         axes=("axis-concurrency-4",)),
+    Case("padded-row-real", "concurrency: padding rows of a batch not of a capture size write "
+         "their state into a real row (vLLM #45100)", "axis_concurrency",
+         axes=("axis-concurrency-4",)),
+    Case("slot-residue", "long life: a reused state slot leaks the previous request's conv "
+         "window (vLLM #35800, #36872)", "axis_concurrency", axes=("axis-concurrency-4",)),
+    Case("prefix-wrong-block", "prefix caching x hybrid state: a hit restores another block's "
+         "GDN state (vLLM #43559, #53912)", "axis_prefix_cache",
+         axes=("axis-prefix_cache-cold", "axis-prefix_cache-hit")),
+    Case("short-prompt-verify", "shapes: a prefill of 1 + K tokens taken for a verify loses its "
+         "GDN state (vLLM #53051)", "axis_shapes", axes=("axis-shapes-k",)),
+    # acceptance only, under KV pressure: the axis checks compare tokens, and the acceptance
+    # replay judges the first repeat, so nothing yet judges an axis run's acceptance: MISSED
+    # until one does (the pressure level does preempt on the selftest corpus)
+    Case("preempt-loses-draft-state", "preemption: a recomputed request resumes without its "
+         "drafter state (acceptance only)", "axis_kv_pressure", method="dflash2",
+         axes=("axis-kv_pressure-free", "axis-kv_pressure-pressure")),
     Case("drafter-noise", "acceptance only: the drafter's logits perturbed (a drafter-side "
          "numerics bug), tokens exact", "acceptance_not_regressed", method="mtp"),
 )
@@ -217,14 +240,15 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
             return bases[name]
 
         def run(args: dict[str, str], config: SpecConfig, repeats: int, together: int,
-                name: str) -> Suite:
+                name: str, axes: tuple[str, ...] = ()) -> Suite:
             c, stored, base_suite, base, base_scores = baseline(name)
             variant = engine.with_args(**args)
             suite = suite_for(args, name)
             # recorded as `speccheck run` records it, so that the verdict demands every run
             plan = RunPlan(engine="reference", engine_args=args, corpus=name, repeats=1,
                            configs=[SpecConfig()], fresh_process_repeat=False, attribute=False)
-            spec = replace(plan, configs=[config], repeats=repeats, concurrent=together)
+            spec = replace(plan, configs=[config], repeats=repeats, concurrent=together,
+                           axes=tuple(axes))
             suite.extend_plan({**plan.planned(), **spec.planned()}, spec.run_args())
             if suite is not base_suite and suite.root != base_suite.root:
                 suite.write_run(base)
@@ -239,7 +263,18 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
             clean = engine.with_args(**{k: v for k, v in args.items() if k != "fault"})
             replay_configs(clean, suite, [config], {p.id: p.max_tokens for p in c.prompts},
                            log=lambda m: None)
+            run_axes(suite, spec, variant, c, stored, config, axes)
             return suite
+
+        def run_axes(suite, spec, variant, c, stored, config, axes) -> None:
+            """The axis levels, as `speccheck run` runs them; an axis judged against the
+            baseline's run of the same requests (shapes) gets the clean baseline's run too."""
+            from speccheck.runner import run_axis
+
+            for slot in axes:
+                if slot.startswith("axis-shapes-") and not suite.is_complete("baseline", slot):
+                    run_axis(spec, engine, suite, c, stored, SpecConfig(), slot)
+                run_axis(spec, variant, suite, c, stored, config, slot)
 
         def setting(case: Case) -> tuple[SpecConfig, dict[str, str], str]:
             m = case.method or method
@@ -250,17 +285,17 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
 
         # the clean engine under every setting a fault uses, with every variant of the runs
         wanted = [cases[f] for f in names if f in cases]
-        settings: dict[str, tuple[SpecConfig, dict[str, str], str, int, int]] = {}
+        settings: dict[str, tuple] = {}
         for case in wanted:
             config, args, name = setting(case)
             key = _label(config, args, name if name != corpus else None)
-            _, _, _, reps, tog = settings.get(key, (config, args, name, 1, 0))
+            _, _, _, reps, tog, axes = settings.get(key, (config, args, name, 1, 0, ()))
             settings[key] = (config, args, name, max(reps, case.repeats),
-                             max(tog, case.together))
+                             max(tog, case.together), tuple(dict.fromkeys(axes + case.axes)))
         clean, golden = [], {}
-        for key, (config, args, name, reps, tog) in settings.items():
+        for key, (config, args, name, reps, tog, axes) in settings.items():
             log(f"clean {key}")
-            suite = run(args, config, reps, tog, name)
+            suite = run(args, config, reps, tog, name, axes)
             try:
                 result, failed, messages = _failed_checks(suite, config.name, reps, None)
                 tpi = result.acceptance.tokens_per_iter if result.acceptance else None
@@ -284,7 +319,8 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
             config, args, on = setting(case)
             key = _label(config, args, on if on != corpus else None)
             log(f"fault {name} ({key})")
-            suite = run({**args, "fault": name}, config, case.repeats, case.together, on)
+            suite = run({**args, "fault": name}, config, case.repeats, case.together, on,
+                        case.axes)
             # judged like a user with a golden: tokens/iteration of the clean engine here
             gold = {config.name: golden[key]} if golden.get(key) else None
             try:

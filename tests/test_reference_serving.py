@@ -1,7 +1,8 @@
 """The reference engine as a serving engine (reference/serving.py, Engine.run_workload):
 requests joining a running batch give the bits they give alone, a prefix-cache hit gives the
 bits of a miss and the tokens of a cold prefill, preemption and recompute give the unpressured
-tokens, and each axis proves it was exercised."""
+tokens, each axis proves it was exercised, and each planted fault of this regime changes
+outputs in it and nowhere else."""
 from __future__ import annotations
 
 import numpy as np
@@ -192,3 +193,64 @@ def test_long_lived_counts_every_request(corpus, inputs):
     res = eng.run_workload(wl, SpecConfig(), 5)
     assert res.proof["requests_served"] == eng.requests_served == len(ps) + 12 + len(ps)
     assert res.proof["slot_reuses"] > 0
+
+
+# ------------------------------------------------------------------ planted faults
+
+def _short(corpus, inputs, config):
+    """Every other request a prompt of 1 + K tokens, joining others."""
+    reqs = [Request(f"s{i}:{p.id}", p,
+                    tuple(int(t) for t in (inputs[p.id][: config.k + 1] if i % 2 else inputs[p.id])),
+                    arrive_after=2 * i)
+            for i, p in enumerate(corpus.prompts)]
+    return Workload("concurrency", "short", reqs, 4)
+
+
+#: fault -> (config, the workload of its regime)
+REGIME = {
+    "join-contaminates": (SpecConfig("mtp", 3), lambda c, i, cfg, o: _build("concurrency", "4", c, i, cfg)),
+    "padded-row-real": (SpecConfig(), lambda c, i, cfg, o: _build("concurrency", "4", c, i, cfg)),
+    "slot-residue": (SpecConfig(), lambda c, i, cfg, o: _build("concurrency", "8", c, i, cfg)),
+    "prefix-wrong-block": (SpecConfig(), lambda c, i, cfg, o: _build("prefix_cache", "hit", c, i, cfg, o)),
+    "short-prompt-verify": (SpecConfig("mtp", 3), lambda c, i, cfg, o: _short(c, i, cfg)),
+    "preempt-loses-draft-state": (SpecConfig("dflash2", 7), lambda c, i, cfg, o: _pressured(c, i, cfg)[1]),
+}
+
+
+@pytest.mark.parametrize("fault", list(REGIME))
+def test_serving_fault_changes_its_regime_only(engine, corpus, inputs, alone, fault):
+    """With the fault on, a prompt alone and the corpus all at once give the clean bits (the
+    default run stays clean); in its regime the outputs change (preempt-loses-draft-state: the
+    drafter only, so acceptance falls; the tokens change only where other verify steps flip a
+    near-tie)."""
+    config, build = REGIME[fault]
+    ps = list(corpus.prompts)
+    ids = [inputs[p.id].tolist() for p in ps]
+    faulty = engine.with_args(fault=fault)
+    for clean_run, faulty_run in ((alone(config).values(), faulty.generate(ps, ids, config, 5)),
+                                  (engine.generate_together(ps, ids, config, 5),
+                                   faulty.generate_together(ps, ids, config, 5))):
+        assert [_bits(c) for c in clean_run] == [_bits(c) for c in faulty_run]
+    wl = build(corpus, inputs, config, {k: v.token_ids for k, v in alone(config).items()})
+    clean = engine.with_args().run_workload(wl, config, 5).completions  # fresh prefix caches
+    bad = faulty.run_workload(wl, config, 5).completions
+    if fault == "preempt-loses-draft-state":  # other drafts move the verify steps: near-ties only
+        assert not [b.prompt_id for c, b in zip(clean, bad) if _high(c, b)]
+        assert sum(c.spec.accepted_tokens for c in bad) < sum(c.spec.accepted_tokens for c in clean)
+    else:
+        changed = [c.prompt_id for c, b in zip(clean, bad) if c.token_ids.tolist() != b.token_ids.tolist()]
+        assert changed, f"{fault} left every output of its regime unchanged"
+
+
+def test_short_prompt_verify_in_generate_needs_1_plus_k_tokens(engine, corpus, inputs):
+    """generate() plants it too (vLLM takes any prefill of 1 + K tokens for a verify): a prompt
+    of 1 + K tokens (the shapes axis sends them) decodes otherwise, one of K or K + 2 does not."""
+    config = SpecConfig("mtp", 3)
+    faulty = engine.with_args(fault="short-prompt-verify")
+    p = corpus.prompts[0]
+    moved = {}
+    for n in (3, 4, 5):
+        ids = inputs[p.id][:n].tolist()
+        want, got = (e.generate([p], [ids], config, 5)[0] for e in (engine, faulty))
+        moved[n] = _bits(want) != _bits(got)
+    assert moved == {3: False, 4: True, 5: False}

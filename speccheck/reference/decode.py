@@ -74,6 +74,25 @@ FAULTS = {
     "drafter-noise": "the drafter's logits carry a fixed pseudo-random perturbation per draft "
                      "position (a drafter-only numerics bug: a wrong scale, a lossy drafter "
                      "kernel); acceptance falls about a fifth, tokens stay exact",
+    # the serving regime's (reference/serving.py, run_workload; generate() sees only
+    # short-prompt-verify, on a prompt of 1 + K tokens)
+    "join-contaminates": "a request that joins a running batch takes a neighbour's GDN/conv "
+                         "state row for its first step (SGLang #36548, #35150: wrong only at "
+                         "concurrency)",
+    "slot-residue": "a reused state slot keeps the previous request's conv window: the next "
+                    "request's prefill starts from it (state leaking across requests in a "
+                    "long-lived server, vLLM #35800, #36872)",
+    "prefix-wrong-block": "a prefix-cache hit restores the GDN state of the block allocated "
+                          "after the boundary's (vLLM #43559, #53912; prefix_cache=on)",
+    "short-prompt-verify": "a prefill of 1 + K tokens is taken down the verify path and keeps "
+                           "only its first position's GDN state (vLLM #53051; prompts of 1 + K "
+                           "tokens, or what a prefix hit leaves to prefill)",
+    "preempt-loses-draft-state": "a request recomputed after preemption resumes with its "
+                                 "drafter state lost, not rebuilt from the recompute (acceptance "
+                                 "falls; tokens move at near-ties only; kv_blocks)",
+    "padded-row-real": "a batch not of a CUDA-graph capture size (1, 2, 4, 8, 16, ...) is "
+                       "padded; the padding rows write their state into the last row's slot "
+                       "(vLLM #45100)",
 }
 
 
@@ -257,21 +276,21 @@ class Decoder:
     def _t(self, ids) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
-    def _prefill(self, prompts, max_len, top_k, aux_layers=()):
+    def _prefill(self, prompts, max_len, top_k, aux_layers=(), verify_k=0):
         """Each prompt alone through the prefill path (as a server prefills a request when
         it arrives), then all of them as one batch (:meth:`Cache.join`, each sequence at its
         own length). Returns (cache, hidden [P_b,H] per prompt, aux {layer: [P_b,H]} per
         prompt, log-prob rows of each prompt's next token [B,V])."""
         caches, hidden, aux = [], [], []
         for p in prompts:
-            cache, h, a = self._prefill_one(p, max_len, tuple(aux_layers))
+            cache, h, a = self._prefill_one(p, max_len, tuple(aux_layers), verify_k)
             caches.append(cache)
             hidden.append(h)
             aux.append(a)
         rows = torch.log_softmax(self.target.logits(torch.cat([h[-1:] for h in hidden])), -1)
         return (caches[0] if len(caches) == 1 else Cache.join(caches)), hidden, aux, rows
 
-    def _prefill_one(self, prompt, max_len, aux_layers):
+    def _prefill_one(self, prompt, max_len, aux_layers, verify_k=0):
         """(cache of ``max_len`` positions, hidden [P,H], aux {layer: [P,H]}) of one prompt.
 
         With ``prefix_cache`` a prompt this decoder prefilled before reuses what that prefill
@@ -280,6 +299,10 @@ class Decoder:
         of the corpus all at once), so a long prompt is prefilled once per process, not once
         per run; a fresh-process repeat still prefills everything itself. The drafters'
         layers are always kept, so that the baseline's prefill serves them too."""
+        if self.knobs.fault == "short-prompt-verify" and verify_k and len(prompt) == verify_k + 1:
+            cache = Cache(len(self.target.layers), max_len)
+            h, a = self._prefill_as_verify(prompt, cache, aux_layers)
+            return cache, h, a
         memo, key = self._prefilled, tuple(prompt)
         on = self.knobs.prefix_cache
         if on and key in memo and set(aux_layers) <= memo[key][2].keys():
@@ -296,6 +319,23 @@ class Decoder:
             while sum(map(len, memo)) > PREFIX_CACHE_TOKENS and len(memo) > 1:
                 memo.popitem(last=False)
         return cache, h, {i: a[i] for i in aux_layers}
+
+    def _prefill_as_verify(self, ids, cache: Cache, layers):
+        """(fault short-prompt-verify) A prefill of 1 + K tokens taken for a verify: the verify's
+        GDN form and per-position states, of which the spec path keeps the state after the
+        accepted count a new request starts at (1): the GDN updates of the other K positions are
+        lost (vLLM #53051). K/V and the conv window keep every position. (hidden [T, H], aux)"""
+        h, a = self.target(self._t(ids)[None], cache, gdn_form=self.knobs.gdn_verify,
+                           attn_form=self.knobs.attn_verify, per_position=True, aux_layers=layers)
+        T = len(ids)
+        for i, p in cache.pending.items():
+            per_state, window = p[1], p[2]
+            k1 = window.shape[1] - len(per_state)
+            cache.conv[i] = window[:, T:T + k1]
+            cache.gdn[i] = per_state.at(0)
+        cache.pending = {}
+        cache.length += T
+        return h[0], {i: a[i][0] for i in layers}
 
     def _generations(self, prompts, outs, counters, iterations, t0, t1, t2, cpu_s=None) -> list[Generation]:
         """Generation per sequence; batch times shared out (prefill by prompt tokens, decode
@@ -354,7 +394,7 @@ class Decoder:
         counters = [SpecCounters(accepted_per_pos=[0] * k) for _ in range(B)]
         iterations = [0] * B
         t0 = time.perf_counter()
-        cache, hidden, aux, rows = self._prefill(prompts, max_len, top_k, aux_ids)
+        cache, hidden, aux, rows = self._prefill(prompts, max_len, top_k, aux_ids, verify_k=k)
         x = rows.argmax(-1).tolist()
         tokens = [list(p) + [t] for p, t in zip(prompts, x)]
         for b, o in enumerate(outs):
