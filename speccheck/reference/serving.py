@@ -25,7 +25,7 @@ comparison is classified (by margin), not exact:
 The planted faults of this regime (decode.FAULTS; outside a Server they change nothing, but
 ``short-prompt-verify``, which generate() also plants on a prompt of 1 + K tokens):
 ``join-contaminates``, ``slot-residue``, ``prefix-wrong-block``, ``short-prompt-verify``,
-``preempt-loses-draft-state``, ``padded-row-real``.
+``padded-row-real``.
 """
 from __future__ import annotations
 
@@ -412,7 +412,7 @@ class Server:
     def _admit(self, s: _Seq, joined: bool) -> None:
         """Prefill a request into a free slot and emit its next token (its first, or after a
         recompute the one after the tokens it had)."""
-        dec, fault = self.dec, self.dec.knobs.fault
+        dec = self.dec
         slot = self.free.pop(0)
         reused = self.slot_used[slot]
         self.proof.slot_reuses += reused
@@ -440,12 +440,6 @@ class Server:
         self.pending[s.i] = (hidden if self.method == "mtp"
                              else torch.cat([aux[i] for i in self.aux_ids], -1))
         self.last_hidden[s.i] = hidden[-1:]
-        if recompute and fault == "preempt-loses-draft-state":
-            # planted: the drafter state went with the preemption and is not rebuilt: the
-            # request resumes on an empty drafter context, fed only its newest position
-            self._clear_draft_slot(slot)
-            self.pending[s.i] = self.pending[s.i][-1:]
-            s.fresh_draft = False
         s.preempted = False
 
     def _clear_draft_slot(self, slot: int) -> None:
