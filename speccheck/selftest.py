@@ -78,8 +78,10 @@ CASES: tuple[Case, ...] = (
          "divergences_are_low_confidence"),
     Case("accept-top2", "verifier: a draft accepted that is not the target's argmax",
          "divergences_are_low_confidence"),
+    # it shows only where a near-tie meets a verify: the selftest corpus's short memorised
+    # prompts have too few, so the case runs on ci (4 of 34 near-ties went to rank 2 there)
     Case("verify-samples", "temperature 0 not argmax: the verify draws at temperature 0.01",
-         "greedy_is_argmax"),
+         "greedy_is_argmax", corpus="ci"),
     Case("accepted-counts-bonus", "counters and metrics: impossible acceptance counts "
          "(vLLM #27077)", "counters_consistent"),
     Case("past-max-tokens", "output boundaries: emission past max_tokens", "same_stopping"),
@@ -129,6 +131,9 @@ class Row:
     expected: str
     failed: list[str]  # every check that failed
     error: str | None = None  # the evaluation crashed, or the fault has no case
+    #: for a fault of a workload axis: the checks that fail without that axis (the default
+    #: run's other checks on the same runs): none, or the axis would not be earning its place
+    without_axis: list[str] | None = None
 
     @property
     def caught(self) -> bool:
@@ -319,7 +324,8 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
             gold = {config.name: golden[key]} if golden.get(key) else None
             try:
                 _, failed, _ = _failed_checks(suite, config.name, case.repeats, gold)
-                rows.append(Row(name, case.models, key, case.check, failed))
+                without = [c for c in failed if not c.startswith("axis_")] if case.axes else None
+                rows.append(Row(name, case.models, key, case.check, failed, without_axis=without))
             except Exception as e:  # noqa: BLE001 - the gate crashing on a fault misses it
                 rows.append(Row(name, case.models, key, case.check, [],
                                 f"evaluation crashed: {type(e).__name__}: {e}"))
@@ -330,9 +336,12 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
 def selftest_text(result: SelftestResult) -> str:
     """The table: fault, the bug class it models, the check expected to catch it and the
     checks that failed, caught or missed; then the clean engine's verdict per setting."""
-    head = ("fault", "config", "expected check", "", "checks that failed", "models (bug class)")
+    head = ("fault", "config", "expected check", "", "checks that failed", "without its axis",
+            "models (bug class)")
     body = [(r.fault, r.config, r.expected, "caught" if r.caught else "MISSED",
-             r.error or (", ".join(r.failed) or "none"), r.models) for r in result.rows]
+             r.error or (", ".join(r.failed) or "none"),
+             "-" if r.without_axis is None else ("missed" if not r.without_axis else ", ".join(r.without_axis)),
+             r.models) for r in result.rows]
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
 
     def line(row) -> str:
