@@ -12,6 +12,11 @@ import numpy as np
 from speccheck.corpus import Corpus
 from speccheck.types import Prompt, Request, SpecConfig, Workload
 
+#: a serving axis's requests: prompts up to this many tokens, outputs up to SERVING_MAX_TOKENS
+#: (each is judged against its reference over the tokens both have)
+SERVING_PROMPT_TOKENS = 256
+SERVING_MAX_TOKENS = 32
+
 
 @dataclass(frozen=True)
 class AxisInput:
@@ -29,6 +34,13 @@ class AxisInput:
     seed: int = 0
     #: tokens per cache block of the engine (vLLM's block_size; the reference engine's)
     block_size: int = 16
+
+    def serving_prompts(self, n: int | None = None) -> list[Prompt]:
+        """The corpus prompts a serving axis sends: those of at most SERVING_PROMPT_TOKENS tokens
+        (a 2k-token OCR prompt in flight with others tests nothing more, at many times the cost),
+        all if none is that short; the first ``n``."""
+        short = [p for p in self.corpus.prompts if len(self.inputs[p.id]) <= SERVING_PROMPT_TOKENS]
+        return (short or list(self.corpus.prompts))[:n]
 
     def request(self, rid: str, prompt: Prompt, ids: Sequence[int], max_tokens: int | None = None,
                 **kw) -> Request:

@@ -1,7 +1,7 @@
 """concurrency: a ladder of requests in flight, arriving while others decode."""
 from __future__ import annotations
 
-from speccheck.axes._registry import AxisInput, AxisSpec
+from speccheck.axes._registry import SERVING_MAX_TOKENS, AxisInput, AxisSpec
 from speccheck.types import Workload
 
 #: every this many requests, a canary: the same first prompt again, as users interleave them
@@ -16,11 +16,12 @@ def build(inp: AxisInput) -> Workload:
     with verifies, finished requests' slots are reused. Each request is judged against the same
     prompt alone (the config's first repeat)."""
     level = int(inp.level)
-    prompts = list(inp.corpus.prompts)
+    prompts = inp.serving_prompts()
     reqs = []
     for i in range(2 * level):
         p = prompts[0] if i % CANARY_EVERY == CANARY_EVERY - 1 else prompts[i % len(prompts)]
-        reqs.append(inp.request(f"c{level}/{i:03d}:{p.id}", p, inp.inputs[p.id], arrive_after=GAP * i))
+        reqs.append(inp.request(f"c{level}/{i:03d}:{p.id}", p, inp.inputs[p.id],
+                                max_tokens=min(p.max_tokens, SERVING_MAX_TOKENS), arrive_after=GAP * i))
     return Workload("concurrency", inp.level, reqs, max_in_flight=level)
 
 

@@ -1,7 +1,9 @@
 """kv_pressure: a KV block budget small enough that the scheduler preempts and recomputes."""
 from __future__ import annotations
 
-from speccheck.axes._registry import AxisInput, AxisSpec
+from dataclasses import replace
+
+from speccheck.axes._registry import SERVING_MAX_TOKENS, AxisInput, AxisSpec
 from speccheck.types import Workload
 
 IN_FLIGHT = 4
@@ -12,7 +14,8 @@ def build(inp: AxisInput) -> Workload:
     every prompt but not every output (``pressure``: at least the prompts' own blocks, about half
     of what they need at their longest, below that): as they grow the newest is preempted and
     recomputed. Each pressured request must give its free tokens."""
-    prompts = list(inp.corpus.prompts)[:IN_FLIGHT]
+    prompts = [replace(p, max_tokens=min(p.max_tokens, SERVING_MAX_TOKENS))
+               for p in inp.serving_prompts(IN_FLIGHT)]
     reqs = [inp.request(f"kv:{p.id}", p, inp.inputs[p.id]) for p in prompts]
     knobs = {}
     if inp.level == "pressure":

@@ -18,7 +18,8 @@ def build(inp: AxisInput) -> Workload:
     reqs = [inp.request(f"warm{i:04d}:{prompts[i % len(prompts)].id}", prompts[i % len(prompts)],
                         inp.inputs[prompts[i % len(prompts)].id], max_tokens=WARMUP_TOKENS)
             for i in range(n)]
-    reqs += [inp.request(f"probe:{p.id}", p, inp.inputs[p.id]) for p in prompts[:PROBES]]
+    # the probe decodes as the repeats do (its acceptance is compared with theirs)
+    reqs += [inp.request(f"probe:{p.id}", p, inp.inputs[p.id]) for p in inp.serving_prompts(PROBES)]
     return Workload("long_lived", inp.level, reqs)
 
 

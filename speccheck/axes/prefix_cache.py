@@ -1,9 +1,11 @@
 """prefix_cache: conversations whose next turn reuses the cached prefix, and a poison prefix."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-from speccheck.axes._registry import AxisInput, AxisSpec
+from speccheck.axes._registry import SERVING_MAX_TOKENS, AxisInput, AxisSpec
 from speccheck.types import Workload
 
 CONVERSATIONS = 3
@@ -17,7 +19,8 @@ def build(inp: AxisInput) -> Workload:
     shares turn 1's prefix with another ending, and turn 2 again as the probe. Level ``cold``
     runs it with the prefix cache off, ``hit`` with it on: each hit request must give the cold
     tokens."""
-    prompts = [p for p in inp.corpus.prompts if p.id in inp.outputs][:CONVERSATIONS + 1]
+    prompts = [replace(p, max_tokens=min(p.max_tokens, SERVING_MAX_TOKENS))
+               for p in inp.serving_prompts() if p.id in inp.outputs][:CONVERSATIONS + 1]
     reqs = []
     for i, p in enumerate(prompts[:CONVERSATIONS]):
         other = prompts[(i + 1) % len(prompts)]
