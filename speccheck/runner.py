@@ -95,18 +95,28 @@ def run_one(engine: Engine, suite: Suite, corpus: Corpus, inputs: dict[str, np.n
     except EngineUsageError:
         raise
     except Exception as e:  # noqa: BLE001 - any engine crash is recorded, not fatal to the matrix
-        record.status = "failed"
-        record.error = f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=8))
-    # after generate(): some facts (kernels chosen, GPU, K notes) are known only once it ran
-    try:
-        record.identity = {**engine.identity(), "speccheck_version": __version__}
-    except Exception as e:  # noqa: BLE001
-        record.identity = {"engine": engine.name, "identity_error": str(e)}
+        _failed(record, e)
+    _identify(record, engine)
     if engine.last_call_fresh_process is not None:
         record.fresh_process = engine.last_call_fresh_process
     record.wall_s = time.perf_counter() - t0
     suite.write_run(record)
     return record
+
+
+def _failed(record: RunRecord, e: BaseException) -> None:
+    """An engine crash, stored as the run's failure (with where it happened)."""
+    record.status = "failed"
+    record.error = f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=8))
+
+
+def _identify(record: RunRecord, engine: Engine) -> None:
+    """The engine's identity, read after the run: some facts (kernels chosen, GPU, K notes) are
+    known only once it ran."""
+    try:
+        record.identity = {**engine.identity(), "speccheck_version": __version__}
+    except Exception as e:  # noqa: BLE001
+        record.identity = {"engine": engine.name, "identity_error": str(e)}
 
 
 def _summary_line(record: RunRecord) -> str:
@@ -270,12 +280,8 @@ def run_axis(plan: RunPlan, engine: Engine, suite: Suite, corpus: Corpus, inputs
     except EngineUsageError:
         raise
     except Exception as e:  # noqa: BLE001 - recorded, not fatal to the matrix
-        record.status = "failed"
-        record.error = f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exc(limit=8))
-    try:
-        record.identity = {**engine.identity(), "speccheck_version": __version__}
-    except Exception as e:  # noqa: BLE001
-        record.identity = {"engine": engine.name, "identity_error": str(e)}
+        _failed(record, e)
+    _identify(record, engine)
     record.wall_s = time.perf_counter() - t0
     suite.write_run(record)
     return record
