@@ -175,7 +175,8 @@ REFERENCE_ARG_KEYS = (
     "cuda_graphs=on|off, compile=on|off (torch.compile of the CUDA graph steps), "
     "prefix_cache=on|off, threads=N, batch=N, no_draft_every=N, "
     "fault=NAME (planted bug), "
-    "dflash2_selector=on|off, dflash2_top_k=N, dflash2_walk=fp32|bf16")
+    "dflash2_selector=on|off, dflash2_top_k=N, dflash2_walk=fp32|bf16, "
+    "thinking=on|off (chat prompts in the template's thinking mode)")
 ENGINE_ARG_HELP = (
     f"Engine option key=value (repeatable). reference: {REFERENCE_ARG_KEYS}. vllm: worker=per-call|"
     "per-config, timeout_s=N, warmup=true|false, python=PATH (the worker's interpreter), "

@@ -119,7 +119,7 @@ def test_runs_made_with_other_weights_are_redone(tmp_path):
     """A stored run whose weights fingerprint differs from the engine's now is stale: `run` redoes it."""
     st = tmp_path / "st"
     args = ["run", "--store", str(st), "--corpus", "smoke", "--method", "baseline", "--repeats", "1",
-            "--no-attribution"]
+            "--no-attribution", "--axes", "none"]
     assert CliRunner().invoke(main, args).exit_code == 0
     manifest = next(st.rglob("manifest.json"))
     m = json.loads(manifest.read_text())

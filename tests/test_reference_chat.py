@@ -10,13 +10,13 @@ from speccheck.reference.engine import ReferenceEngine
 def test_chat_template_keeps_the_ids_and_adds_thinking():
     """Chat prompts render through the template; with thinking off it is Prompt.as_text
     (ids of every recorded prompt unchanged), with thinking on the assistant turn opens a
-    <think> block. The identity names the template only once a chat prompt was rendered."""
+    <think> block. The identity always names the template and its mode."""
     eng = ReferenceEngine(engine_args={"threads": "1"})
     corpus = load_corpus("smoke")
     text = next(p for p in corpus.prompts if p.text)
     chat = next(p for p in corpus.prompts if p.messages)
     eng.tokenize(text)
-    assert "chat_template" not in eng.identity()
+    assert eng.identity()["chat_template"]["enable_thinking"] is False  # before any chat prompt too
     ids = eng.tokenize(chat)
     assert ids == eng.tokenizer.encode(chat.as_text()).ids
     assert eng.identity()["chat_template"]["enable_thinking"] is False

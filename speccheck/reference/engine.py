@@ -243,7 +243,6 @@ class ReferenceEngine(Engine):
         self._set_knobs()
         #: requests this engine has served since it started (generate() and workloads alike)
         self.requests_served = 0
-        self._chat_template_used = False
         #: the acceptance replay's teacher-forced passes (replay.forced), shared with variants
         self._replay_memo: OrderedDict = OrderedDict()
 
@@ -328,9 +327,9 @@ class ReferenceEngine(Engine):
             "batch": int(self.args["batch"]),
             "prefix_cache": self.args["prefix_cache"],
             "no_draft_every": int(self.args["no_draft_every"]),
-            # (only where a chat prompt was rendered: text-only runs' identities stay as they were)
-            **({"chat_template": chat_identity(self.args["thinking"] == "on")}
-               if getattr(self, "_chat_template_used", False) else {}),
+            # the template chat prompts render through (whether or not this engine rendered one
+            # yet: an identity that depends on what ran before would not compare)
+            "chat_template": chat_identity(self.args["thinking"] == "on"),
             "block_size": self.cfg.drafter.block_size,
             "dflash2": (None if self.dflash2 is None else
                         {"selector": self.args["dflash2_selector"],
@@ -345,7 +344,6 @@ class ReferenceEngine(Engine):
             return self.tokenizer.encode(prompt.as_text()).ids
         from .chat import render
 
-        self._chat_template_used = True
         return self.tokenizer.encode(render(prompt.messages, self.args["thinking"] == "on")).ids
 
     def max_positions(self) -> int | None:
