@@ -298,7 +298,8 @@ def diff(methods, k, configs, against, as_json, run_missing, corpus, suite, stor
         previous = latest.read_text() if latest.exists() else None
         if corpus is None:
             corpus = store.latest().meta["corpus"] if previous else "default"
-        plan = make_plan("reference", None, None, methods, k, configs, corpus, 2, 5, (), concurrent=2)
+        plan = make_plan("reference", None, None, methods, k, configs, corpus, 2, 5, (), concurrent=2,
+                         axes="none")  # what diff shows; the workload axes are `run`'s
         ran = run_suite(plan, store, log=lambda m: click.echo(m, err=True))
         if previous is not None and previous.strip() != ran.id:
             store.set_latest(previous.strip())  # diff looks; only `run` moves LATEST

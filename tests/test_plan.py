@@ -237,6 +237,7 @@ def test_pytest_plugin_fails_a_planned_config_it_was_not_asked_for(resumed, tmp_
     assert "mtp-k5 was planned but is not stored" in r.stdout
 
 
+@pytest.mark.slow
 def test_run_ignore_eos_decodes_every_budget_in_a_suite_of_its_own(tmp_path):
     """`speccheck run --ignore-eos` (here on smoke, whose chat prompt the reference model ends
     at once): every prompt decodes its full max_tokens, in a suite apart from the plain one."""
@@ -295,6 +296,7 @@ def test_attribution_paths_choose_kernel_paths_by_glob(tmp_path):
     assert "prefill gdn=triton" in said[-1] and "no kernel path matches" in said[-1]
 
 
+@pytest.mark.slow
 def test_attribution_paths_reach_the_attribution_step(tmp_path):
     """On the reference engine, a glob picks its gdn paths only: the stored attribution names no other."""
     from click.testing import CliRunner
@@ -370,6 +372,7 @@ def test_where_the_openai_engine_rescores_is_not_part_of_the_suite():
     assert sid(base_url="http://127.0.0.1:8000", tokenizer="/t/tokenizer.json") != base
 
 
+@pytest.mark.slow
 def test_rerun_attribution_reads_the_regenerated_baseline(tmp_path):
     """--attribution-mode rerun: each kernel path's token at a divergent position is what a
     baseline generated from scratch with that switch gives there (or nothing, where that
@@ -415,6 +418,7 @@ def test_rerun_attribution_reads_the_regenerated_baseline(tmp_path):
                                  "decode eager": {"enforce_eager": "true"}}
 
 
+@pytest.mark.slow
 def test_attribution_jobs_run_kernel_paths_at_once_with_the_same_result(tmp_path):
     """attribution_jobs > 1 (vLLM: a worker per kernel path) runs the paths on a thread pool;
     what it stores is what one path after another stores."""
@@ -477,6 +481,7 @@ def test_rerun_attribution_also_regenerates_the_spec_side(tmp_path):
         assert "the spec run with it gives the baseline token" in attribution_str(it)
 
 
+@pytest.mark.slow
 def test_attribution_stopped_half_way_resumes_with_the_paths_still_to_do(tmp_path, monkeypatch):
     """Each kernel path's tokens are stored as its engine run ends: a run killed after the
     first path (here: the second engine start raises KeyboardInterrupt, as Ctrl-C or a

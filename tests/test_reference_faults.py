@@ -169,6 +169,7 @@ def test_every_fault_documents_the_bug_it_models():
     assert all(doc and len(doc) < 300 for doc in FAULTS.values())
 
 
+@pytest.mark.slow
 def test_prefix_cache_overreach_corrupts_the_next_request_of_the_prompt(engine, corpus, baseline):
     """The first speculative request of a prompt decodes as the clean engine's (it filled the
     prefix cache); its repeat, a prefix hit, starts from the state the first one ended at and

@@ -130,6 +130,7 @@ def test_concurrency_in_fp32_gives_the_tokens_alone(corpus, inputs):
         assert res.proof["max_batch"] > 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 def test_prefix_cache_hit_is_a_miss_and_near_cold(corpus, inputs, alone, config):
     """Conversations (turn 2 = turn 1 + its answer + new text), a poison prefix and the probe:

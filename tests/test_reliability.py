@@ -616,6 +616,7 @@ def test_diff_k_without_method_is_an_error(store):
     assert "--method" in r.output
 
 
+@pytest.mark.slow
 def test_diff_run_honours_corpus_and_keeps_latest(store):
     latest = (store / "LATEST").read_text()
     r = invoke("diff", "--store", str(store), "--run", "--corpus", "smoke", "--config", "mtp-k2", "--json")
@@ -740,6 +741,7 @@ def _mutate(root: Path, data) -> str:
     return f"{how} {target.relative_to(root)}"
 
 
+@pytest.mark.slow
 @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 30)), deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_fuzz_damaged_stores_never_crash(made_store, tmp_path_factory, data):

@@ -3,6 +3,7 @@ re-scores, and the per-config time left in the progress line."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from speccheck.engines import make_engine
 from speccheck.plan import RunPlan
@@ -31,6 +32,7 @@ def test_progress_shows_each_configs_time_left():
     assert two.text().endswith("about 45 s left)")
 
 
+@pytest.mark.slow
 def test_fresh_repeat_runs_alongside_and_matches(tmp_path):
     """On the CPU reference engine (one thread, two or more cores) the last repeat runs in a
     fresh process beside the in-process runs: it is stored as fresh, every config's runs are

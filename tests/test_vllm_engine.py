@@ -625,6 +625,7 @@ def fake_vllm(tmp_path, monkeypatch, dirs):
     return dirs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("worker", ["per-call", "per-config"])
 def test_worker_protocol_with_fake_vllm(fake_vllm, worker, tmp_path, monkeypatch):
     """End to end through the subprocess worker, with the fake vLLM (test double)."""

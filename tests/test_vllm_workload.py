@@ -253,6 +253,7 @@ def check_outputs(result, workload, alone):
         assert (c.topk_ids[:, 0] == c.token_ids).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [SpecConfig(), SpecConfig("mtp", 3)], ids=lambda c: c.name)
 def test_serving_axes_through_run_workload(fake_vllm, config):  # noqa: F811
     """concurrency, prefix_cache and kv_pressure built by their axes from the smoke corpus and
