@@ -15,7 +15,8 @@ every config's output of it); then every step's drafts are computed from that al
 - MTP: the module over every position once (teacher forced: entry t takes the embedding of
   token t+1 and the target's hidden state at t; causal, so entry t is what a from-scratch pass
   over any longer prefix gives), then per step its own K-1 recursions on a private copy of the
-  attention cache cut at the step's position;
+  attention cache cut at the step's position (kept per position: a config of smaller K reads
+  the first slots of the chain a larger K made there, which are the same computation);
 - DFlash / DFlash2: the context K/V of every position once (a per-position projection), then
   per step one block forward [x, mask * K] over the context before it, by concatenation (the
   plain SDPA path), DFlash2's candidate selector walked here in torch.
@@ -88,6 +89,10 @@ class _Forced:
         self.extension: list[int] = []  # the target's greedy tokens past the end
         self.mtp = None  # (outputs [L-1, H], attention cache) of the MTP module, teacher forced
         self.ctx: dict[int, list] = {}  # id(drafter) -> per-layer context (K, V) of every position
+        #: step position -> MTP's draft chain there: [drafts, margins, its attention cache, its
+        #: last hidden state]; slot j depends on slots < j only, so a step at p drafting K
+        #: reads the first K of the chain, made as long as the largest K asked for there
+        self.chains: dict[int, list] = {}
 
     def _t(self, ids) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -123,6 +128,30 @@ class _Forced:
                 out = new if out is None else torch.cat([out, new])
             self.mtp = (out, cache)
         return self.mtp
+
+    def mtp_chain(self, p: int, k: int) -> tuple[list[int], list[float]]:
+        """MTP's K drafts of a step after position ``p`` and its margin at each slot: entry p-1
+        (token p, hidden state at p-1) drafts token p+1, then the module recurses on its own
+        hidden state and draft, on a private copy of the attention cache cut at p."""
+        mtp, target = self.e.mtp, self.target
+        chain = self.chains.get(p)
+        if chain is None:
+            out, cache = self.mtp_pass()
+            own = Cache(len(mtp.layers), cache.max_len)  # private: positions >= p are rewritten
+            own.k = [None if t is None else t.clone() for t in cache.k]
+            own.v = [None if t is None else t.clone() for t in cache.v]
+            own.length = p
+            mh = out[p - 1: p]
+            logits = target.rough_logits(mh)
+            chain = self.chains[p] = [[int(logits[0].argmax())], _margins(logits), own, mh]
+        drafts, margins, own, mh = chain
+        while len(drafts) < k:
+            mh = mtp(target.embed_tokens(self._t([drafts[-1]]))[None], mh[None], own)[0]
+            logits = target.rough_logits(mh)
+            drafts.append(int(logits[0].argmax()))
+            margins += _margins(logits)
+            chain[3] = mh
+        return drafts[:k], margins[:k]
 
     def context(self, net) -> list:
         """A block drafter's context K/V at every position (each position's alone)."""
@@ -180,25 +209,8 @@ class _Replayer:
     def draft(self, p: int) -> tuple[list[int], list[float]]:
         """The K drafts of a step after position ``p`` and the drafter's margin at each slot."""
         if self.method == "mtp":
-            return self._draft_mtp(p)
+            return self.f.mtp_chain(p, self.k)
         return self._draft_block(p)
-
-    def _draft_mtp(self, p: int) -> tuple[list[int], list[float]]:
-        mtp, target = self.e.mtp, self.target
-        out, cache = self.f.mtp_pass()
-        own = Cache(len(mtp.layers), cache.max_len)  # private: positions >= p are rewritten
-        own.k = [None if t is None else t.clone() for t in cache.k]
-        own.v = [None if t is None else t.clone() for t in cache.v]
-        own.length = p
-        mh = out[p - 1: p]  # entry p-1 (token p, hidden at p-1) drafts token p+1
-        drafts, margins = [], []
-        for j in range(self.k):
-            if j:
-                mh = mtp(target.embed_tokens(self._t([drafts[-1]]))[None], mh[None], own)[0]
-            logits = target.rough_logits(mh)
-            drafts.append(int(logits[0].argmax()))
-            margins += _margins(logits)
-        return drafts, margins
 
     def _draft_block(self, p: int) -> tuple[list[int], list[float]]:
         k, net, target = self.k, self.net, self.target
