@@ -29,3 +29,15 @@ def test_importing_speccheck_and_its_engine_loads_no_training_code():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT / "tests")
     assert out.stdout.strip() == "[]"
+
+
+def test_every_package_is_in_the_distribution():
+    """`pip install .` (not editable) ships only the packages pyproject.toml lists: a new
+    subpackage left out of that list imports from a checkout and fails in every install."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts)
+             for p in (ROOT / "speccheck").rglob("__init__.py")}
+    assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
