@@ -72,7 +72,7 @@ def test_bench_verify_builds_a_tiny_store_and_its_benchmarks_run(tmp_path, capsy
     assert m and int(m[1]) == 12 * 4 * 4, out  # 4 configs x (r0, r1, 2 copies all at once)
     env = {**os.environ, "BENCH_VERIFY_PROMPTS": "12", "BENCH_VERIFY_MIN_LEN": "16",
            "BENCH_VERIFY_MAX_LEN": "48", "BENCH_VERIFY_CACHE": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "--benchmark-disable",
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "--benchmark-disable",
                         str(BENCHMARKS / "test_bench_verify.py")],
                        cwd=BENCHMARKS.parent, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "7 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]

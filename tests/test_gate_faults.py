@@ -2,8 +2,10 @@
 fail, naming the check that caught it; the clean engine passes.
 
 `speccheck selftest` runs every fault against the check named for it in
-speccheck/selftest.py (CASES); the four oldest faults also go through the real
-`speccheck run` + `speccheck gate`, as a user would run them."""
+speccheck/selftest.py (CASES); the clean engine and one fault also go through the real
+`speccheck run` + `speccheck gate`, as a user would run them (the route is the same for every
+fault; what differs is the judging, which the selftest covers). The selftest's tests share one
+run: `xdist_group` keeps them on one worker (`--dist loadgroup` in pyproject's addopts)."""
 import json
 
 import pytest
@@ -13,16 +15,7 @@ import speccheck.selftest as st
 from speccheck.cli import main
 from speccheck.reference.decode import FAULTS
 
-CAUGHT_BY = {
-    "stale-state": "divergences_are_low_confidence",
-    "bonus-off-by-one": "divergences_are_low_confidence",
-    "accept-top2": "divergences_are_low_confidence",
-    "nondeterministic": "deterministic",
-    # its drift flips near-ties only, which ones depends on the CPU's bf16 kernels; what is
-    # certain is the drift, and logprobs_consistent needs code's ~700 positions to see it
-    "state-precision": "logprobs_consistent",
-}
-CORPUS = {"state-precision": "code"}  # the others: smoke
+CAUGHT_BY = {"stale-state": "divergences_are_low_confidence"}
 
 
 @pytest.mark.slow
@@ -31,10 +24,10 @@ def test_gate_catches_planted_fault(tmp_path, fault):
     st_dir = str(tmp_path / "st")
     args = ["--engine-arg", f"fault={fault}"] if fault else []
     # one repeat where determinism is not the point (the all-at-once run is the batch fault's)
-    repeats = "2" if fault in (None, "nondeterministic") else "1"
+    repeats = "2" if fault is None else "1"
     policy = [] if repeats == "2" else ["--set", "require_deterministic=false"]
     runner = CliRunner()
-    r = runner.invoke(main, ["run", "--store", st_dir, "--corpus", CORPUS.get(fault, "smoke"),
+    r = runner.invoke(main, ["run", "--store", st_dir, "--corpus", "smoke",
                              "--config", "mtp-k3",
                              "--no-attribution", "--repeats", repeats, "--concurrent", "0", *args])
     assert r.exit_code == 0, r.output
@@ -58,6 +51,7 @@ def selftest_result():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("selftest")
 def test_selftest_clean_engine_passes_every_check(selftest_result):
     assert selftest_result.clean
     for c in selftest_result.clean:
@@ -65,6 +59,7 @@ def test_selftest_clean_engine_passes_every_check(selftest_result):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("selftest")
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_selftest_catches(selftest_result, fault):
     row = next(r for r in selftest_result.rows if r.fault == fault)
@@ -73,6 +68,7 @@ def test_selftest_catches(selftest_result, fault):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("selftest")
 def test_selftest_table_and_exit_codes(selftest_result, tmp_path, monkeypatch):
     """The table names every fault, its check and the verdict; the CLI exits 0 when every
     fault is caught, 1 when one is missed (here: a case expecting the wrong check), 2 on a
