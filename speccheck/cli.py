@@ -379,7 +379,7 @@ def sweep(methods, k, engine, model, draft, corpus, repeats, engine_args, store_
     baseline), and print the seed's table, then per method the speedup model — measured and
     predicted speedup per K, the model checked on the Ks its fit left out — and the K it
     recommends, or that the top two are within noise. Use --repeats 3 or more for a spread."""
-    from speccheck.report import best_configs, speedup_table, sweep_table
+    from speccheck.report import recommendation, speedup_table, sweep_table
     from speccheck.runner import run_suite
 
     plan = make_plan(engine, model, draft, methods, k, (), corpus, repeats, 5, engine_args, no_attribution=True,
@@ -391,10 +391,8 @@ def sweep(methods, k, engine, model, draft, corpus, repeats, engine_args, store_
         settings = ("require_deterministic=false", *settings)
     _, result, _ = api.evaluate(store_dir, suite.id, policy_file, _settings(settings), [c.name for c in plan.configs])
     click.echo(sweep_table(result))
-    best = best_configs(result)
     for method in dict.fromkeys(c.method for c in plan.configs if not c.is_baseline):
-        click.echo(f"\nfastest measured {method}: {best[method]} (median warm tok/s of this sweep)" if method in best
-                   else f"\nfastest measured {method}: none (no passing {method} config is faster than the baseline)")
+        click.echo("\n" + recommendation(result, method))
         if method in result.speedup:
             click.echo(speedup_table(result.speedup[method]))
         else:

@@ -2,17 +2,17 @@
 (`speccheck run`, ``pytest -m spec``, :func:`speccheck.run`) and checked before any engine starts."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
-from speccheck.version import __version__
-from speccheck.config import MatrixError, build_matrix
-from speccheck.corpus import Corpus, load_corpus
-from speccheck.engines import ENGINES, RUN_ONLY_ARGS, EngineUsageError, engine_class
-from speccheck.store import suite_id
 from speccheck.axes import get as get_axis
 from speccheck.axes import registry as axes_registry
+from speccheck.config import MatrixError, build_matrix
+from speccheck.corpus import Corpus, load_corpus
+from speccheck.engines import RUN_ONLY_ARGS, EngineUsageError, engine_class
+from speccheck.store import suite_id
 from speccheck.types import SpecConfig, axis_slot
+from speccheck.version import __version__
 
 
 class PlanError(ValueError):
@@ -221,8 +221,7 @@ def make_plan(engine: str = "reference", model: str | None = None, draft: str | 
     # cheap errors first, before an engine (and torch) loads: the corpus, the engine's name,
     # the matrix's syntax
     load_corpus(corpus)
-    if engine not in ENGINES:
-        raise EngineUsageError(f"unknown engine {engine!r} (option --engine): choose one of {', '.join(ENGINES)}")
+    engine_class(engine)  # an unknown name: the one-paragraph error, before anything else
     build_matrix(methods, k, configs, offered=None, engine=engine)
     cls = engine_class(engine)
     cls.preflight(model, args, draft)  # e.g. vLLM not importable: one paragraph, not one per run

@@ -111,8 +111,14 @@ def test_sweep_prints_the_k_table_the_speedup_model_and_a_recommendation(tmp_pat
     assert re.search(r"validation: K=2 predicted from K=1,3 alone: K=2 [+-]\d+\.\d %", r.output), r.output
     # one round cannot tell how sure it is: the line says so (a runner-up within noise, or no
     # spread measured), whichever K this machine's load makes fastest
-    assert re.search(r"recommended mtp K(=[123]: \d\.\d\dx ± \d\.\d\d .*(one round measures no spread"
+    assert re.search(r"speedup model, best mtp K(=[123]: \d\.\d\dx ± \d\.\d\d .*(one round measures no spread"
                      r"|is within noise of it)|: none — no K is faster)", r.output), r.output
+    # the recommendation is the table's: the passing config with the best measured speedup
+    speedups = {row.split("|")[1].strip(): row for row in rows}
+    rec = re.search(r"^recommended mtp: (mtp-k\d) at (\d\.\d\d)x|^recommended mtp: none", r.output, re.M)
+    assert rec, r.output
+    if rec[1]:
+        assert f"{rec[2]}x" in speedups[rec[1]], (rec[0], speedups[rec[1]])
 
 
 def test_runs_made_with_other_weights_are_redone(tmp_path):

@@ -8,12 +8,12 @@ from pathlib import Path
 from speccheck.report.html import html_report, write_html
 from speccheck.report.text import (acceptance_str, attribution_str, best_configs, compared_configs,
                                    determinism_str, diff_text, divergence_line, markdown_report,
-                                   method_table, recommendation_line, speedup_table, sweep_table)
+                                   method_table, recommendation, recommendation_line, speedup_table, sweep_table)
 from speccheck.results import SuiteResult
 
 __all__ = ["acceptance_str", "attribution_str", "best_configs", "compared_configs", "determinism_str",
            "diff_text", "divergence_line", "html_report", "markdown_report", "method_table",
-           "recommendation_line", "speedup_table", "sweep_table", "write_html", "write_report"]
+           "recommendation", "recommendation_line", "speedup_table", "sweep_table", "write_html", "write_report"]
 
 
 def write_report(result: SuiteResult, out_dir: Path, detok=None, html: Path | None = None) -> tuple[Path, ...]:

@@ -17,7 +17,7 @@ from speccheck.checks import get as get_check
 from speccheck.checks import registry
 from speccheck.results import ConfigResult, SuiteResult
 from speccheck.report.text import (acceptance_str, attribution_str, best_configs, determinism_str,
-                              recommendation_line, speedup_table)
+                              recommendation, recommendation_line, speedup_table)
 from speccheck.report.svgplot import PALETTE, StripPoint, heat_grid, line_plot, log_strip
 from speccheck.verify import END, Divergence
 
@@ -153,13 +153,9 @@ def banner(result: SuiteResult) -> str:
         for _, divs in divergence_sets(r):
             for d in divs:
                 counts[d.classification.cls] = counts.get(d.classification.cls, 0) + 1
-    best = best_configs(result)
     facts = [f"divergences: {counts['near_tie']} near-tie, {counts['low_confidence']} low-confidence, "
              f"{counts['high_confidence']} high-confidence"]
-    if best:
-        by = {r.config: r for r in result.configs}
-        facts.append("fastest passing per method: " + ", ".join(
-            f"{_e(c)} {_num(by[c].speed.speedup, '{:.2f}x')}" for c in best.values()))
+    facts += [_e(recommendation(result, m)) for m in best_configs(result)]
     return (f'<div class="banner {state}" id="verdict"><span class="big">{head}</span>{_e(text)}'
             f'<div>{" · ".join(facts)}</div>'
             + (f"<ul>{''.join(items[:BANNER_ITEMS])}</ul>" if items else "")
@@ -221,9 +217,9 @@ def sweep_plots(result: SuiteResult) -> str:
 
 def speedup_notes(result: SuiteResult) -> str:
     """Per method swept over Ks: the K the speedup model recommends, its figures folded."""
-    return "".join(f"<p class='recommend'><b>{_e(recommendation_line(m))}</b></p><details><summary>"
-                   f"{_e(m.method)}: measured and predicted speedup per K</summary><pre>{_e(speedup_table(m))}"
-                   "</pre></details>" for m in result.speedup.values())
+    return "".join(f"<p class='recommend'><b>{_e(recommendation(result, m.method))}</b></p><details><summary>"
+                   f"{_e(m.method)}: the speedup model, measured and predicted speedup per K</summary>"
+                   f"<pre>{_e(speedup_table(m))}</pre></details>" for m in result.speedup.values())
 
 
 def acceptance_plot(result: SuiteResult) -> str:

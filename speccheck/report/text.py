@@ -196,18 +196,29 @@ def best_configs(result: SuiteResult) -> dict[str, str]:
     return {m: r.config for m, r in best.items()}
 
 
+def recommendation(result: SuiteResult, method: str) -> str:
+    """The one recommendation every output gives (report, HTML, sweep): the config of the
+    method with the best measured speedup among those that pass, with that figure -- the same
+    figure the config table shows."""
+    config = best_configs(result).get(method)
+    if config is None:
+        return f"recommended {method}: none (no {method} config that passes is faster than the baseline)"
+    speedup = next(r.speed.speedup for r in result.configs if r.config == config)
+    return f"recommended {method}: {config} at {speedup:.2f}x (the fastest measured config that passes)"
+
+
 def _line(a: float, b: float, var: str) -> str:
     return f"{a:.2f} {'+' if b >= 0 else '-'} {abs(b):.3f}·{var}"
 
 
 def recommendation_line(m: SpeedupModel) -> str:
-    """The K the speedup model recommends, with its uncertainty, and whether the runner-up is
-    indistinguishable from it."""
+    """The K the speedup model favours, with its uncertainty, and whether the runner-up is
+    indistinguishable from it (a model of the sweep; the recommendation is `recommendation`)."""
     if m.recommended is None:
-        return f"recommended {m.method} K: none — {m.note}" + (
+        return f"speedup model, best {m.method} K: none — {m.note}" + (
             "; within noise of the baseline" if m.baseline_within_noise else "")
     r = m.row(m.recommended)
-    text = (f"recommended {m.method} K={r.k}: {r.model:.2f}x ± {r.model_spread:.2f} modelled "
+    text = (f"speedup model, best {m.method} K={r.k}: {r.model:.2f}x ± {r.model_spread:.2f} modelled "
             f"(measured {r.measured:.2f}x ± {r.measured_spread:.2f}, {m.rounds} round(s))")
     if m.runner_up is not None:
         u = m.row(m.runner_up)
@@ -266,10 +277,9 @@ def markdown_report(result: SuiteResult, detok=None) -> str:
               f"| path noise | {noise_str(result).removeprefix('path noise ')} |",
               "", "## Configs", "", sweep_table(result), "",
               "## MTP vs DFlash vs DFlash2", "", method_table(result), ""]
-    best = best_configs(result)
-    if best:
-        lines += ["Best passing config per method (warm tok/s): "
-                  + ", ".join(f"{m}: **{c}**" for m, c in best.items()), ""]
+    methods = dict.fromkeys(SpecConfig.from_name(r.config).method for r in result.configs
+                            if r.config != "baseline")
+    lines += [f"- {recommendation(result, m)}" for m in methods] + ([""] if methods else [])
     for model in result.speedup.values():
         lines += [f"## Which K: {model.method}", "", speedup_table(model), ""]
     lines += ["## Divergences from the baseline", ""]

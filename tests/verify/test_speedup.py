@@ -239,7 +239,9 @@ def test_a_store_sweep_gets_a_model_on_the_cpu_clock(tmp_path):
     assert "## Which K: mtp" in text and "validation: K=2,3 predicted from K=1,4" in text
     assert res.to_dict()["speedup"]["mtp"]["clock"] == "cpu"
     from speccheck.report.html import html_report
-    assert "recommended mtp K: none — no K passes the gate" in html_report(res)  # not rescored
+    html = html_report(res)
+    assert "speedup model, best mtp K: none — no K passes the gate" in html  # not rescored
+    assert "recommended mtp: none (no mtp config that passes" in html
 
 
 def test_a_store_without_cpu_seconds_falls_back_to_the_wall_clock(tmp_path):
@@ -291,7 +293,7 @@ def test_the_recommendation_says_plainly_how_sure_it_is():
     clear = speedup_model("mtp", *synthetic(range(1, 8), [90, 80, 70, 30, 10, 3, 1], 100,
                                             lambda k: 1.0 + 0.1 * k, (1.0, 1.3, 0.9)))
     line = recommendation_line(clear)
-    assert line.startswith(f"recommended mtp K={clear.recommended}: ") and "clearly ahead of the runner-up" in line
+    assert line.startswith(f"speedup model, best mtp K={clear.recommended}: ") and "clearly ahead of the runner-up" in line
     table = speedup_table(clear)
     assert "validation: K=2,3,5,6 predicted from K=1,4,7 alone" in table and "max |error| 0.0 %" in table
     assert table.count("| fit |") == 3
@@ -302,7 +304,7 @@ def test_the_recommendation_says_plainly_how_sure_it_is():
     assert "is within noise of it — either will do" in recommendation_line(flat)
 
     slow = speedup_model("mtp", *synthetic(range(1, 4), [20, 5, 1], 100, lambda k: 1.3 + 0.2 * k, (1.0, 1.1)))
-    assert recommendation_line(slow).startswith("recommended mtp K: none — no K is faster than the baseline")
+    assert recommendation_line(slow).startswith("speedup model, best mtp K: none — no K is faster than the baseline")
 
 
 def test_the_emitted_share_falls_with_k_from_what_the_reference_run_emitted():
