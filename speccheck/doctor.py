@@ -133,7 +133,7 @@ def backend_findings(info: dict) -> list[Finding]:
     vv = _version("vllm")
     if vv is None:
         out.append(Finding(WARN, "vLLM", "not installed (only the reference and openai engines can run)",
-                           "pip install 'speccheck[vllm]' (or stage it: tools/stage-vllm.sh) for --engine vllm"))
+                           "pip install 'speccheck[vllm]' for --engine vllm (an offline host: install the wheels vLLM pins into a venv and pass --engine-arg python=VENV/bin/python)"))
     else:
         out.append(Finding(OK, "vLLM", vv))
     triton = _version("triton")

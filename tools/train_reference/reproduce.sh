@@ -21,13 +21,13 @@
 # tokenizer.json, so a tokenizer that differs on this Python does not spread to the weights.
 set -euo pipefail
 
-OUT=${1:?usage: reproduce.sh OUT_DIR}
+DEST=${1:?usage: reproduce.sh OUT_DIR}
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 SUMS="$REPO/speccheck/reference/weights/SHA256SUMS"
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+mkdir -p "$DEST"
+DEST=$(cd "$DEST" && pwd)
 export PYTHONPATH="$REPO/tools${PYTHONPATH:+:$PYTHONPATH}"
 
 train() { (cd "$REPO" && "$PY" -m train_reference.train "$@"); }
@@ -46,29 +46,29 @@ else
   TOKENIZER=()
 fi
 
-echo "== tokenizer -> $OUT/tokenizer.json"
-(cd "$REPO" && "$PY" -m train_reference.tokenizer_train --out "$OUT/tokenizer.json" "${TOKENIZER[@]}")
+echo "== tokenizer -> $DEST/tokenizer.json"
+(cd "$REPO" && "$PY" -m train_reference.tokenizer_train --out "$DEST/tokenizer.json" "${TOKENIZER[@]}")
 
-echo "== target, MTP and DFlash drafter, jointly -> $OUT/joint"
-train --out "$OUT/joint" "${DEV[@]}" "${JOINT[@]}"
+echo "== target, MTP and DFlash drafter, jointly -> $DEST/joint"
+train --out "$DEST/joint" "${DEV[@]}" "${JOINT[@]}"
 
-echo "== DFlash drafter on the frozen target's continuations -> $OUT/drafter"
-train --drafter-only --init "$OUT/joint" --out "$OUT/drafter" "${DEV[@]}" "${DRAFT[@]}"
+echo "== DFlash drafter on the frozen target's continuations -> $DEST/drafter"
+train --drafter-only --init "$DEST/joint" --out "$DEST/drafter" "${DEV[@]}" "${DRAFT[@]}"
 
-echo "== DFlash2 drafter, selector only -> $OUT/weights"
+echo "== DFlash2 drafter, selector only -> $DEST/weights"
 if [ "${QUICK:-0}" = 1 ]; then
   D2=("${DRAFT[@]}")
 else
   D2=(--seq 288 --gen-batch 1024 --gen-seconds 75 --batch 256 --anchors 32 --lr 2e-3 --minutes 4
       --probe 6)
 fi
-train --drafter dflash2 --train selector --init "$OUT/drafter" --out "$OUT/weights" "${DEV[@]}" "${D2[@]}"
-cp "$OUT/tokenizer.json" "$OUT/weights/tokenizer.json"  # the re-trained one, to compare
+train --drafter dflash2 --train selector --init "$DEST/drafter" --out "$DEST/weights" "${DEV[@]}" "${D2[@]}"
+cp "$DEST/tokenizer.json" "$DEST/weights/tokenizer.json"  # the re-trained one, to compare
 
 echo "== sha256 against $SUMS"
 differ=0
 while read -r want name; do
-  got=$(sha256sum "$OUT/weights/$name" | cut -d' ' -f1)
+  got=$(sha256sum "$DEST/weights/$name" | cut -d' ' -f1)
   if [ "$got" = "$want" ]; then
     echo "same     $name  $got"
   else
