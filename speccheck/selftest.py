@@ -118,6 +118,12 @@ CASES: tuple[Case, ...] = (
          axes=("axis-prefix_cache-cold", "axis-prefix_cache-hit")),
     Case("short-prompt-verify", "shapes: a prefill of 1 + K tokens taken for a verify loses its "
          "GDN state (vLLM #53051)", "axis_shapes", axes=("axis-shapes-k",)),
+    # acceptance only, and only after the recompute: judged per preempted request against the
+    # same request unpressured; on the default corpus the preempted request still has most of
+    # its output ahead (on the selftest corpus it is preempted a few tokens before its end)
+    Case("preempt-loses-draft-state", "preemption: a recomputed request resumes without its "
+         "drafter state (acceptance only)", "axis_kv_pressure", method="dflash2",
+         corpus="default", axes=("axis-kv_pressure-free", "axis-kv_pressure-pressure")),
     Case("drafter-noise", "acceptance only: the drafter's logits perturbed (a drafter-side "
          "numerics bug), tokens exact", "acceptance_not_regressed", method="mtp"),
 )

@@ -33,6 +33,9 @@ class AxisLevel:
     #: tokens/iteration of the compared requests and of their references (None: no counters)
     tpi: float | None = None
     ref_tpi: float | None = None
+    #: an axis's own statistic over this level (e.g. kv_pressure: the preempted requests'
+    #: acceptance against themselves unpressured), None where it has none
+    preempted: object | None = None
 
     @property
     def high(self) -> list[Divergence]:

@@ -1,12 +1,24 @@
-"""axis_kv_pressure: preemption and recompute under a KV budget change no token."""
+"""axis_kv_pressure: preemption and recompute under a KV budget change no token, and leave the
+preempted requests' acceptance where the same requests have it without pressure."""
 from __future__ import annotations
 
 from speccheck.axes import get as get_axis
-from speccheck.checks import CheckSpec, Context
+from speccheck.checks import CheckSpec, Context, PolicyKey
 from speccheck.checks._axes import judge_axis, measure_axis, prompt_of
+from speccheck.results import Check
 from speccheck.types import axis_slot
+from speccheck.verify.preempted import preempted_acceptance
 
 AXIS = get_axis("kv_pressure")
+
+POLICY = (
+    PolicyKey("preempted_acceptance_alpha", 0.05,
+              "the preempted requests' acceptance against the same requests without pressure "
+              "(paired per request, draft positions reached as trials, a Mantel-Haenszel test "
+              "stratified by request, two-sided): a change beyond max_acceptance_drop fails when "
+              "its p is below this (a clean recompute moves only its step boundaries; a drafter "
+              "that restarts cold after the recompute moves every step after it)", hi=1.0),
+)
 
 
 def reference(ctx: Context, run, c):
@@ -18,13 +30,41 @@ def reference(ctx: Context, run, c):
 
 
 def measure(ctx: Context):
-    return measure_axis(ctx, "kv_pressure", reference)
+    levels = measure_axis(ctx, "kv_pressure", reference)
+    for lv in levels:  # each preempted request's acceptance against itself without pressure
+        if not lv.slot.endswith("-pressure") or lv.failed:
+            continue
+        run = ctx.suite.load_axis(ctx.config, lv.slot)
+        pre = set((run.proof or {}).get("preempted_requests") or ())
+        pairs = []
+        for c in run.completions:
+            ref = reference(ctx, run, c) if c.prompt_id in pre else None
+            if (ref is not None and c.spec is not None and ref.spec is not None and c.spec.drafts
+                    and ref.spec.drafts and c.token_ids.tolist() == ref.token_ids.tolist()):
+                pairs.append((c.prompt_id, c.spec, ref.spec))
+        lv.proof["preempted_compared"] = len(pairs)
+        lv.preempted = preempted_acceptance(pairs) if pairs else None
+    return levels
 
 
-def judge(r, p):
-    return judge_axis("axis_kv_pressure", "kv_pressure", r, p, "differ from the run without pressure")
+def judge(r, p) -> Check:
+    check = judge_axis("axis_kv_pressure", "kv_pressure", r, p, "differ from the run without pressure")
+    for lv in r.measured.get("axis_kv_pressure") or []:
+        res = getattr(lv, "preempted", None)
+        if res is None or check.skipped:
+            continue
+        rows = ", ".join(f"{q.request} {q.change:+.0%}" for q in res.requests)
+        what = (f"{lv.label}: the preempted requests' acceptance (accepted per draft) {res.change:+.1%} "
+                f"against the same requests without pressure (p {res.p:.3g}, alpha "
+                f"{p.preempted_acceptance_alpha:g}; {rows})")
+        if res.significant(p.preempted_acceptance_alpha, p.max_acceptance_drop):
+            return Check("axis_kv_pressure", False,
+                         what + f": beyond chance and more than {p.max_acceptance_drop:.0%}, so the "
+                         "recompute did not restore the drafter's state; " + check.message)
+        check = Check(check.name, check.passed, f"{check.message}; {what}", skipped=check.skipped)
+    return check
 
 
 CHECK = CheckSpec(
     name="axis_kv_pressure", label="KV pressure", order=240, baseline=True, judge=judge, measure=measure,
-    guards=AXIS.guards, description=AXIS.description)
+    policy=POLICY, guards=AXIS.guards, description=AXIS.description)

@@ -87,6 +87,9 @@ FAULTS = {
     "short-prompt-verify": "a prefill of 1 + K tokens is taken down the verify path and keeps "
                            "only its first position's GDN state (vLLM #53051; prompts of 1 + K "
                            "tokens, or what a prefix hit leaves to prefill)",
+    "preempt-loses-draft-state": "a request recomputed after preemption resumes with its "
+                                 "drafter state lost, not rebuilt from the recompute (acceptance "
+                                 "falls; tokens move at near-ties only; kv_blocks)",
     "padded-row-real": "a batch not of a CUDA-graph capture size (1, 2, 4, 8, 16, ...) is "
                        "padded; the padding rows write their state into the last row's slot "
                        "(vLLM #45100)",

@@ -25,13 +25,13 @@ comparison is classified (by margin), not exact:
 The planted faults of this regime (decode.FAULTS; outside a Server they change nothing, but
 ``short-prompt-verify``, which generate() also plants on a prompt of 1 + K tokens):
 ``join-contaminates``, ``slot-residue``, ``prefix-wrong-block``, ``short-prompt-verify``,
-``padded-row-real``.
+``preempt-loses-draft-state``, ``padded-row-real``.
 """
 from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -225,6 +225,7 @@ class Proof:
     prefix_hit_tokens: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0
+    preempted: list = field(default_factory=list)  # request ids, once per preemption
 
 
 class Server:
@@ -381,7 +382,8 @@ class Server:
             out.update(prefix_hits=p.prefix_hits, prefix_hit_tokens=p.prefix_hit_tokens)
         if self.kv_blocks is not None:
             out.update(kv_blocks=self.kv_blocks, preemptions=p.preemptions,
-                       recomputed_tokens=p.recomputed_tokens)
+                       recomputed_tokens=p.recomputed_tokens,
+                       preempted_requests=sorted(set(p.preempted)))
         return out
 
     # ------------------------------------------------------------------ scheduling
@@ -401,6 +403,7 @@ class Server:
         self._release(s)
         s.state, s.preempted = "waiting", True
         self.proof.preemptions += 1
+        self.proof.preempted.append(s.req.id)
 
     def _release(self, s: _Seq) -> None:
         if s.slot is not None:
@@ -440,6 +443,12 @@ class Server:
         self.pending[s.i] = (hidden if self.method == "mtp"
                              else torch.cat([aux[i] for i in self.aux_ids], -1))
         self.last_hidden[s.i] = hidden[-1:]
+        if recompute and dec.knobs.fault == "preempt-loses-draft-state":
+            # planted: the drafter state went with the preemption and is not rebuilt: the
+            # request resumes on an empty drafter context, fed only its newest position
+            self._clear_draft_slot(slot)
+            self.pending[s.i] = self.pending[s.i][-1:]
+            s.fresh_draft = False
         s.preempted = False
 
     def _clear_draft_slot(self, slot: int) -> None:
