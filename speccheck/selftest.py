@@ -124,6 +124,9 @@ CASES: tuple[Case, ...] = (
     Case("preempt-loses-draft-state", "preemption: a recomputed request resumes without its "
          "drafter state (acceptance only)", "axis_kv_pressure", method="dflash2",
          corpus="default", axes=("axis-kv_pressure-free", "axis-kv_pressure-pressure")),
+    Case("async-stale-accepted", "async scheduling: the step planned ahead is placed by a stale "
+         "accepted count (vLLM #52071, #38556)", "axis_async_scheduling",
+         axes=("axis-async_scheduling-off", "axis-async_scheduling-on")),
     Case("drafter-noise", "acceptance only: the drafter's logits perturbed (a drafter-side "
          "numerics bug), tokens exact", "acceptance_not_regressed", method="mtp"),
 )

@@ -75,10 +75,10 @@ def _consistent(c, k: int) -> bool:
 
 
 def test_axes_and_knobs(engine, corpus, inputs):
-    assert engine.axes == {"concurrency", "prefix_cache", "kv_pressure", "long_lived"}
+    assert engine.axes == {"concurrency", "prefix_cache", "kv_pressure", "long_lived", "async_scheduling"}
     wl = _build("concurrency", "4", corpus, inputs, SpecConfig())
     for knobs, msg in (({"prefix_cache": "maybe"}, "prefix_cache"), ({"kv_blocks": "0"}, "kv_blocks"),
-                       ({"swap": "on"}, "swap")):
+                       ({"swap": "on"}, "swap"), ({"async_scheduling": "yes"}, "async_scheduling")):
         with pytest.raises(EngineUsageError, match=msg):
             engine.run_workload(Workload("concurrency", "x", wl.requests, 4, knobs), SpecConfig(), 5)
     with pytest.raises(EngineUsageError, match="shapes"):
@@ -184,6 +184,25 @@ def test_kv_pressure_preempts_recomputes_and_keeps_the_tokens(engine, corpus, in
             assert _consistent(b, config.k), b.prompt_id
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+def test_async_scheduling_plans_ahead_and_keeps_the_bits(engine, corpus, inputs, alone, config):
+    """With async scheduling the scheduler plans each step before the one in flight has
+    reported (placeholders fixed up afterwards, finishes seen a step late): every request
+    still gives the bits it gives alone, and the engine says it scheduled ahead."""
+    ref = alone(config)
+    res = engine.run_workload(_build("async_scheduling", "on", corpus, inputs, config), config, 5)
+    off = engine.run_workload(_build("async_scheduling", "off", corpus, inputs, config), config, 5)
+    for c in res.completions:
+        assert _bits(c) == _bits(ref[c.prompt_id.rsplit(":", 1)[1]]), c.prompt_id
+        if not config.is_baseline:
+            assert _consistent(c, config.k), c.prompt_id
+    p = res.proof
+    assert p["async_scheduling"] == 1 and p["steps_scheduled_ahead"] > 0
+    # a verify keeps fewer than its K + 1 placeholders whenever a draft is rejected
+    assert (p["placeholder_fixups"] > 0) == (not config.is_baseline)
+    assert "async_scheduling" not in off.proof and "steps_scheduled_ahead" not in off.proof
+
+
 def test_long_lived_counts_every_request(corpus, inputs):
     """requests_served counts generate() and workloads alike, since the engine started."""
     eng = ReferenceEngine(engine_args={"threads": "1"})
@@ -214,6 +233,8 @@ REGIME = {
     "slot-residue": (SpecConfig(), lambda c, i, cfg, o: _build("concurrency", "8", c, i, cfg)),
     "prefix-wrong-block": (SpecConfig(), lambda c, i, cfg, o: _build("prefix_cache", "hit", c, i, cfg, o)),
     "short-prompt-verify": (SpecConfig("mtp", 3), lambda c, i, cfg, o: _short(c, i, cfg)),
+    "async-stale-accepted": (SpecConfig("mtp", 3),
+                             lambda c, i, cfg, o: _build("async_scheduling", "on", c, i, cfg)),
 }
 
 
@@ -234,6 +255,10 @@ def test_serving_fault_changes_its_regime_only(engine, corpus, inputs, alone, fa
     bad = faulty.run_workload(wl, config, 5).completions
     changed = [c.prompt_id for c, b in zip(clean, bad) if c.token_ids.tolist() != b.token_ids.tolist()]
     assert changed, f"{fault} left every output of its regime unchanged"
+    if fault == "async-stale-accepted":  # and only with the switch on
+        off = _build("async_scheduling", "off", corpus, inputs, config)
+        assert [_bits(c) for c in engine.run_workload(off, config, 5).completions] == \
+            [_bits(c) for c in faulty.run_workload(off, config, 5).completions]
 
 
 def test_short_prompt_verify_in_generate_needs_1_plus_k_tokens(engine, corpus, inputs):

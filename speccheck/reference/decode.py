@@ -93,6 +93,10 @@ FAULTS = {
     "padded-row-real": "a batch not of a CUDA-graph capture size (1, 2, 4, 8, 16, ...) is "
                        "padded; the padding rows write their state into the last row's slot "
                        "(vLLM #45100)",
+    "async-stale-accepted": "with async scheduling, the step planned ahead is placed by the "
+                            "drafts rejected in the step before the one in flight (a stale "
+                            "accepted count): its positions are off whenever two steps in a row "
+                            "keep different counts (vLLM #52071, #38556; async_scheduling=on)",
 }
 
 

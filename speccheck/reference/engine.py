@@ -189,7 +189,7 @@ class ReferenceEngine(Engine):
     methods = ("mtp", "dflash", "dflash2")
     replays_acceptance = True
     #: the workload axes its serving loop runs (reference/serving.py)
-    axes = frozenset({"concurrency", "prefix_cache", "kv_pressure", "long_lived"})
+    axes = frozenset({"concurrency", "prefix_cache", "kv_pressure", "long_lived", "async_scheduling"})
 
     def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
                  draft: str | None = None) -> None:

@@ -25,7 +25,7 @@ comparison is classified (by margin), not exact:
 The planted faults of this regime (decode.FAULTS; outside a Server they change nothing, but
 ``short-prompt-verify``, which generate() also plants on a prompt of 1 + K tokens):
 ``join-contaminates``, ``slot-residue``, ``prefix-wrong-block``, ``short-prompt-verify``,
-``preempt-loses-draft-state``, ``padded-row-real``.
+``preempt-loses-draft-state``, ``padded-row-real``, ``async-stale-accepted``.
 """
 from __future__ import annotations
 
@@ -64,6 +64,11 @@ KNOBS = {
     "block_size": f"tokens per cache block (default {DEFAULT_BLOCK_SIZE})",
     "kv_blocks": "KV blocks for all running requests together (absent: no limit); the newest "
                  "request is preempted and later recomputed when a step needs more",
+    "async_scheduling": "on | off: the scheduler plans step n + 1 before step n's outputs are "
+                        "known (vLLM V1's async scheduling): each running request holds K + 1 "
+                        "placeholder tokens for the step in flight, fixed up by its rejected "
+                        "drafts when the step completes; finishes and freed slots are seen a "
+                        "step late; the worker places the step from the scheduler's count",
 }
 
 
@@ -76,7 +81,8 @@ def blocks(n_tokens: int, block_size: int) -> int:
 
 
 def parse_knobs(knobs: dict[str, str]) -> tuple[str | None, int, int | None]:
-    """(prefix_cache, block_size, kv_blocks) from a workload's knobs; ValueError names a bad one."""
+    """(prefix_cache, block_size, kv_blocks) from a workload's knobs; ValueError names a bad one
+    (async_scheduling: :func:`async_knob`)."""
     unknown = sorted(set(knobs) - set(KNOBS))
     if unknown:
         raise ValueError(f"workload knob(s) {', '.join(unknown)} unknown to the reference engine; "
@@ -84,6 +90,7 @@ def parse_knobs(knobs: dict[str, str]) -> tuple[str | None, int, int | None]:
     prefix = knobs.get("prefix_cache")
     if prefix not in (None, "on", "off"):
         raise ValueError(f"workload knob prefix_cache={prefix!r}: give on or off")
+    async_knob(knobs)
     out = []
     for key in ("block_size", "kv_blocks"):
         v = knobs.get(key)
@@ -91,6 +98,13 @@ def parse_knobs(knobs: dict[str, str]) -> tuple[str | None, int, int | None]:
             raise ValueError(f"workload knob {key}={v!r}: give a positive integer")
         out.append(None if v is None else int(v))
     return prefix, out[0] or DEFAULT_BLOCK_SIZE, out[1]
+
+
+def async_knob(knobs: dict[str, str]) -> bool:
+    v = knobs.get("async_scheduling", "off")
+    if v not in ("on", "off"):
+        raise ValueError(f"workload knob async_scheduling={v!r}: give on or off")
+    return v == "on"
 
 
 # --------------------------------------------------------------------------- state pools
@@ -226,6 +240,10 @@ class Proof:
     preemptions: int = 0
     recomputed_tokens: int = 0
     preempted: list = field(default_factory=list)  # request ids, once per preemption
+    #: async scheduling: steps planned while the step before was in flight, and the requests'
+    #: placeholder counts fixed up by rejected drafts when a step completed
+    scheduled_ahead: int = 0
+    placeholder_fixups: int = 0
 
 
 class Server:
@@ -300,11 +318,25 @@ class Server:
         self.pending: list = [None] * N
         self.last_hidden: list = [None] * N
         self.seqs = seqs
+        # the scheduler's view of each request: its token count with the placeholders of the
+        # steps scheduled and not completed (async scheduling: one step ahead), each such
+        # step's placeholders, the tokens its completed steps left, where it placed the
+        # request's latest step, whether that was while a step of it was in flight, and the
+        # placeholders its last two completed steps rejected
+        self.async_on = async_knob(dict(knobs or {}))
+        self.sched_len = [0] * N
+        self.flight: list[deque] = [deque() for _ in range(N)]
+        self.done_len = [0] * N
+        self.sched_pos = [0] * N
+        self.ahead = [False] * N
+        self.rejected = [0] * N
+        self.rejected_before = [0] * N
 
         arrivals = deque(sorted(seqs, key=lambda s: (s.req.arrive_after, s.i)))
         waiting: deque[_Seq] = deque()
         running: list[_Seq] = []
         done, step, order = 0, 0, 0
+        in_flight: list[_Seq] = []  # async: the requests of the step whose outputs are not seen yet
         while done < N:
             now = time.perf_counter()
             while arrivals and arrivals[0].req.arrive_after <= step:
@@ -346,19 +378,25 @@ class Server:
                     self._admit(s, joined=bool(decoding))
                     running.append(s)
                     admitted.append(s)
-            live = [s for s in decoding if s.out.finish is None]
+            self._schedule(decoding)
+            finished = []
+            if self.async_on:  # planned; now the outputs of the step in flight arrive
+                self.proof.scheduled_ahead += bool(in_flight and decoding)
+                finished = self._complete(in_flight, running, waiting)
+            # (async) a request that the step in flight finished was scheduled all the same; its
+            # row is dropped, as vLLM discards its output
+            live = [s for s in decoding if s.out.finish is None and s.state == "running"]
             if live:
                 self._step(live)
             if live or admitted:
                 self.proof.steps += 1
                 self.proof.max_batch = max(self.proof.max_batch, len(live) + len(admitted))
                 self.proof.mixed_steps += bool(live and admitted)
-            finished = [s for s in running if s.out.finish is not None]
-            for s in finished:
-                running.remove(s)
-                self._release(s)
-                s.state, s.t_done = "done", time.perf_counter()
-                done += 1
+            if self.async_on:
+                in_flight = live
+            else:
+                finished = self._complete(live, running, waiting)
+            done += len(finished)
             if not (running or admitted or finished or arrivals or preempted) and waiting:
                 raise RuntimeError("workload cannot finish: nothing runs and nothing can be admitted ("
                                  + ", ".join(s.req.id for s in waiting) + " wait: on a request "
@@ -384,6 +422,9 @@ class Server:
             out.update(kv_blocks=self.kv_blocks, preemptions=p.preemptions,
                        recomputed_tokens=p.recomputed_tokens,
                        preempted_requests=sorted(set(p.preempted)))
+        if self.async_on:
+            out.update(async_scheduling=1, steps_scheduled_ahead=p.scheduled_ahead,
+                       placeholder_fixups=p.placeholder_fixups)
         return out
 
     # ------------------------------------------------------------------ scheduling
@@ -395,8 +436,57 @@ class Server:
 
     def _blocks_needed(self, running: list[_Seq]) -> int:
         """Blocks the running requests hold once this step has written its positions: a
-        decode writes the last token, a verify K + 1 positions from it (vLLM's lookahead slots)."""
-        return sum(blocks(len(self.tokens[s.i]) + self.k, self.block_size) for s in running)
+        decode writes the last token, a verify K + 1 positions from it (vLLM's lookahead slots);
+        counted on the scheduler's view (async: with the placeholders of the step in flight)."""
+        return sum(blocks(self.sched_len[s.i] + self.k, self.block_size) for s in running)
+
+    def _schedule(self, decoding: list[_Seq]) -> None:
+        """Place each running request's next step where the scheduler's count says it starts
+        (with async scheduling, before the step in flight has said how many drafts it kept),
+        and hold its placeholders: K + 1 tokens (a verify keeps at most that), 1 decoding."""
+        for s in decoding:
+            i = s.i
+            self.ahead[i] = bool(self.flight[i])
+            self.sched_pos[i] = self.sched_len[i] - 1
+            self.flight[i].append(1 + self.k)
+            self.sched_len[i] += 1 + self.k
+
+    def _complete(self, stepped: list[_Seq], running: list[_Seq], waiting) -> list[_Seq]:
+        """A step's outputs reach the scheduler: each request's placeholders are fixed up by
+        what the step rejected, and the requests it finished leave (their slots freed)."""
+        for s in stepped:
+            i = s.i
+            if self.flight[i]:
+                held = self.flight[i].popleft()
+                rejected = held - (len(self.tokens[i]) - self.done_len[i])
+                self.sched_len[i] -= rejected
+                self.rejected_before[i], self.rejected[i] = self.rejected[i], rejected
+                self.proof.placeholder_fixups += rejected > 0
+            self.done_len[i] = len(self.tokens[i])
+        finished = [s for s in running if s.out.finish is not None]
+        finished += [s for s in stepped if s.out.finish is not None and s.state == "waiting"]
+        for s in finished:
+            if s in running:
+                running.remove(s)
+            else:  # (async) preempted while the step that finished it was in flight
+                waiting.remove(s)
+            self._release(s)
+            s.state, s.t_done = "done", time.perf_counter()
+        return finished
+
+    def _placed(self, live: list[_Seq], c: Cache) -> None:
+        """(async scheduling) The worker places each row where the scheduler put its step,
+        corrected by the drafts the step in flight then rejected: its state's own length when
+        right; the fault async-stale-accepted corrects by the step before's count."""
+        stale = self.dec.knobs.fault == "async-stale-accepted"
+        for j, s in enumerate(live):
+            i = s.i
+            fix = (self.rejected_before[i] if stale else self.rejected[i]) if self.ahead[i] else 0
+            pos = min(max(self.sched_pos[i] - fix, 0), self.max_len - 1 - self.k)
+            if not stale and pos != int(c.lengths[j]):
+                raise RuntimeError(f"async scheduling: request {s.req.id} placed at {pos}, its state "
+                                   f"is at {int(c.lengths[j])} (placeholder fix-up wrong)")
+            c.lengths[j] = pos
 
     def _preempt(self, s: _Seq) -> None:
         """Drop a running request's state (its slot freed); it waits to be recomputed."""
@@ -434,6 +524,10 @@ class Server:
             self.iterations[s.i] += 1  # a target forward that emitted one token, no draft
         self.tokens[s.i] = ids + [tok]
         self.x[s.i] = tok
+        # the scheduler knows a prefill's one token: no placeholder in flight
+        self.sched_len[s.i] = self.done_len[s.i] = len(self.tokens[s.i])
+        self.flight[s.i].clear()
+        self.rejected[s.i] = self.rejected_before[s.i] = 0
         _put(self.pool, slot, cache)
         s.slot, s.state, s.joined = slot, "running", joined
         s.fresh_draft = True
@@ -565,6 +659,8 @@ class Server:
         """The running requests' target state as one batch, with the planted faults of
         joining a running batch."""
         c = _gather(self.pool, [s.slot for s in live])
+        if self.async_on:
+            self._placed(live, c)
         if self.dec.knobs.fault == "join-contaminates" and len(live) > 1:
             for j, s in enumerate(live):
                 if s.joined:  # planted: a neighbour's GDN / conv row for its first step
