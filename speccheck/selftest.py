@@ -127,6 +127,10 @@ CASES: tuple[Case, ...] = (
     Case("async-stale-accepted", "async scheduling: the step planned ahead is placed by a stale "
          "accepted count (vLLM #52071, #38556)", "axis_async_scheduling",
          axes=("axis-async_scheduling-off", "axis-async_scheduling-on")),
+    Case("thinking-no-rollback", "chat template: a request rendered in thinking mode is verified "
+         "without GDN state rollback (divergence only with thinking on: #54928, #38009)",
+         "axis_chat_thinking", method="dflash2",
+         axes=("axis-chat_thinking-off", "axis-chat_thinking-on")),
     Case("drafter-noise", "acceptance only: the drafter's logits perturbed (a drafter-side "
          "numerics bug), tokens exact", "acceptance_not_regressed", method="mtp"),
 )
@@ -277,10 +281,11 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
         def run_axes(suite, spec, variant, c, stored, config, axes) -> None:
             """The axis levels, as `speccheck run` runs them; an axis judged against the
             baseline's run of the same requests (shapes) gets the clean baseline's run too."""
+            from speccheck.axes import get as get_axis
             from speccheck.runner import run_axis
 
             for slot in axes:
-                if slot.startswith("axis-shapes-") and not suite.is_complete("baseline", slot):
+                if get_axis(slot.split("-")[1]).against_baseline and not suite.is_complete("baseline", slot):
                     run_axis(spec, engine, suite, c, stored, SpecConfig(), slot)
                 run_axis(spec, variant, suite, c, stored, config, slot)
 

@@ -75,7 +75,8 @@ def _consistent(c, k: int) -> bool:
 
 
 def test_axes_and_knobs(engine, corpus, inputs):
-    assert engine.axes == {"concurrency", "prefix_cache", "kv_pressure", "long_lived", "async_scheduling"}
+    assert engine.axes == {"concurrency", "prefix_cache", "kv_pressure", "long_lived", "async_scheduling",
+                           "chat_thinking"}
     wl = _build("concurrency", "4", corpus, inputs, SpecConfig())
     for knobs, msg in (({"prefix_cache": "maybe"}, "prefix_cache"), ({"kv_blocks": "0"}, "kv_blocks"),
                        ({"swap": "on"}, "swap"), ({"async_scheduling": "yes"}, "async_scheduling")):
@@ -203,6 +204,30 @@ def test_async_scheduling_plans_ahead_and_keeps_the_bits(engine, corpus, inputs,
     assert "async_scheduling" not in off.proof and "steps_scheduled_ahead" not in off.proof
 
 
+def test_chat_thinking_renders_through_the_template_and_proves_it(engine, corpus, inputs):
+    """The engine renders each request's messages itself (the ids sent are not used), with
+    enable_thinking as the level says, and counts what it rendered from the rendered ids."""
+    from speccheck.reference.chat import render
+
+    config = SpecConfig("mtp", 3)
+    for level in ("off", "on"):
+        wl = _build("chat_thinking", level, corpus, inputs, config)
+        res = engine.run_workload(wl, config, 5)
+        assert res.proof["chat_rendered"] == len(wl.requests) == len(res.completions)
+        assert res.proof["thinking_prompts"] == (len(wl.requests) if level == "on" else 0)
+        for r, c in zip(wl.requests, res.completions):
+            want = engine.tokenizer.encode(render(r.prompt.messages, level == "on")).ids
+            assert c.prompt_ids.tolist() == want
+            assert engine.detokenize(want).endswith("<think>\n") == (level == "on")
+    text = Workload("chat_thinking", "on", [Request("t", Prompt("t", "x", 4, "plain"), (5, 6))],
+                    knobs={"chat_template": "on", "thinking": "on"})
+    with pytest.raises(EngineUsageError, match="needs chat messages"):
+        engine.run_workload(text, config, 5)
+    for knobs in ({"thinking": "on"}, {"chat_template": "on", "thinking": "maybe"}):
+        with pytest.raises(EngineUsageError, match="thinking"):
+            engine.run_workload(Workload("chat_thinking", "x", wl.requests, None, knobs), config, 5)
+
+
 def test_long_lived_counts_every_request(corpus, inputs):
     """requests_served counts generate() and workloads alike, since the engine started."""
     eng = ReferenceEngine(engine_args={"threads": "1"})
@@ -233,9 +258,15 @@ REGIME = {
     "slot-residue": (SpecConfig(), lambda c, i, cfg, o: _build("concurrency", "8", c, i, cfg)),
     "prefix-wrong-block": (SpecConfig(), lambda c, i, cfg, o: _build("prefix_cache", "hit", c, i, cfg, o)),
     "short-prompt-verify": (SpecConfig("mtp", 3), lambda c, i, cfg, o: _short(c, i, cfg)),
+    "thinking-no-rollback": (SpecConfig("dflash2", 7),
+                             lambda c, i, cfg, o: _build("chat_thinking", "on", c, i, cfg)),
     "async-stale-accepted": (SpecConfig("mtp", 3),
                              lambda c, i, cfg, o: _build("async_scheduling", "on", c, i, cfg)),
 }
+
+
+#: faults of an axis with an off level: they show with the switch on only
+SWITCHED = {"async-stale-accepted": "async_scheduling", "thinking-no-rollback": "chat_thinking"}
 
 
 @pytest.mark.parametrize("fault", list(REGIME))
@@ -255,8 +286,8 @@ def test_serving_fault_changes_its_regime_only(engine, corpus, inputs, alone, fa
     bad = faulty.run_workload(wl, config, 5).completions
     changed = [c.prompt_id for c, b in zip(clean, bad) if c.token_ids.tolist() != b.token_ids.tolist()]
     assert changed, f"{fault} left every output of its regime unchanged"
-    if fault == "async-stale-accepted":  # and only with the switch on
-        off = _build("async_scheduling", "off", corpus, inputs, config)
+    if fault in SWITCHED:  # and only with the switch on
+        off = _build(SWITCHED[fault], "off", corpus, inputs, config)
         assert [_bits(c) for c in engine.run_workload(off, config, 5).completions] == \
             [_bits(c) for c in faulty.run_workload(off, config, 5).completions]
 

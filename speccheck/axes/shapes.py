@@ -38,7 +38,7 @@ def build(inp: AxisInput) -> Workload:
 
 
 AXIS = AxisSpec(
-    name="shapes", order=10, levels=("k",), build=build, runs_on="runner",
+    name="shapes", order=10, levels=("k",), build=build, runs_on="runner", against_baseline=True,
     guards="a prompt of length 1 + K taken down the verify path at prefill (vLLM #53051); lengths "
            "just past a cache block or a graph size read padding as real (vLLM #45100); output "
            "budgets of 1, K, K + 1 cut inside accepted drafts",

@@ -32,6 +32,39 @@ class ScoringUnavailable(EngineError):
 OnTokens = Callable[[list, list, list, list], None]
 
 
+#: the tag a chat template opens a model's reasoning with (Qwen3's family and most others)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def rendered_thinking(with_thinking: str, without: str) -> bool:
+    """Whether a chat template rendered thinking mode for a conversation: its rendering with
+    ``enable_thinking`` differs from the one without (Qwen3 closes an empty think block when
+    it is off; the reference template opens one when it is on), or it leaves a think block
+    open for the model. A template that ignores the switch renders both alike: False."""
+    i = with_thinking.rfind(THINK_OPEN)
+    return with_thinking != without or (i >= 0 and THINK_CLOSE not in with_thinking[i:])
+
+
+#: workload knobs of the chat-template axis, which every engine that serves it reads itself:
+#: ``chat_template=on`` renders each request's messages through the engine's own template
+#: (the request's token ids are not used), ``thinking=on|off`` its enable_thinking
+CHAT_KNOBS = ("chat_template", "thinking")
+
+
+def chat_knobs(knobs: dict[str, str]) -> tuple[bool | None, dict[str, str]]:
+    """(enable_thinking, or None where no rendering is asked; the other knobs)."""
+    rest = {k: v for k, v in knobs.items() if k not in CHAT_KNOBS}
+    render, thinking = knobs.get("chat_template"), knobs.get("thinking", "off")
+    if render is None:
+        if "thinking" in knobs:
+            raise EngineUsageError("workload knob thinking without chat_template=on")
+        return None, rest
+    if render != "on" or thinking not in ("on", "off"):
+        raise EngineUsageError(f"workload knobs chat_template={render}, thinking={thinking}: give "
+                               "chat_template=on and thinking=on or off")
+    return thinking == "on", rest
+
+
 class Engine(ABC):
     name: ClassVar[str]
     #: run every config in a fresh subprocess (GPU memory and engine state released between

@@ -93,6 +93,10 @@ FAULTS = {
     "padded-row-real": "a batch not of a CUDA-graph capture size (1, 2, 4, 8, 16, ...) is "
                        "padded; the padding rows write their state into the last row's slot "
                        "(vLLM #45100)",
+    "thinking-no-rollback": "a request whose prompt the chat template rendered in thinking "
+                            "mode is verified on a path that keeps the rejected drafts' GDN "
+                            "state (a verify path keyed on the reasoning mode; the thinking-mode "
+                            "divergences of #54928, #38009; chat template, thinking on)",
     "async-stale-accepted": "with async scheduling, the step planned ahead is placed by the "
                             "drafts rejected in the step before the one in flight (a stale "
                             "accepted count): its positions are off whenever two steps in a row "

@@ -25,8 +25,9 @@ from typing import Sequence
 
 import torch
 
-from speccheck.engines.base import Engine, EngineError, EngineUsageError, OnTokens
-from speccheck.types import (Completion, Prompt, Replay, Scored, SpecConfig, Workload,
+from speccheck.engines.base import (Engine, EngineError, EngineUsageError, OnTokens, chat_knobs,
+                                    rendered_thinking)
+from speccheck.types import (Completion, Prompt, Replay, Request, Scored, SpecConfig, Workload,
                              WorkloadResult)
 
 from .chat import identity as chat_identity
@@ -189,7 +190,8 @@ class ReferenceEngine(Engine):
     methods = ("mtp", "dflash", "dflash2")
     replays_acceptance = True
     #: the workload axes its serving loop runs (reference/serving.py)
-    axes = frozenset({"concurrency", "prefix_cache", "kv_pressure", "long_lived", "async_scheduling"})
+    axes = frozenset({"concurrency", "prefix_cache", "kv_pressure", "long_lived", "async_scheduling",
+                      "chat_thinking"})
 
     def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
                  draft: str | None = None) -> None:
@@ -412,10 +414,13 @@ class ReferenceEngine(Engine):
         server = self.__dict__.get("_server")
         if server is None or server.dec is not self.decoder:  # a with_args variant: its own
             server = self._server = Server(self.decoder)
-        reqs = list(workload.requests)
+        thinking, knobs = chat_knobs(workload.knobs)
+        reqs, chat_proof, thinking_ids = list(workload.requests), {}, frozenset()
+        if thinking is not None:
+            reqs, chat_proof, thinking_ids = self._render_chat(reqs, thinking)
         try:
             gens, proof = server.serve(reqs, config.method, config.k, top_k,
-                                       workload.max_in_flight, workload.knobs)
+                                       workload.max_in_flight, knobs, thinking_ids)
         except ValueError as e:
             raise EngineUsageError(f"{workload.axis} workload {workload.level}: {e}") from e
         except RuntimeError as e:
@@ -423,11 +428,30 @@ class ReferenceEngine(Engine):
                               f"{workload.level}: {e}") from e
         self.requests_served += len(reqs)
         proof["requests_served"] = self.requests_served
+        proof.update(chat_proof)
         return WorkloadResult(
             [Completion(r.id, list(r.prompt_ids), g.token_ids, g.logprobs, g.topk_ids,
                         g.topk_logprobs, self.detokenize(g.token_ids), g.finish_reason, g.ttft_s,
                         g.decode_s, replace(g.spec, iterations=g.iterations) if g.spec else None)
              for r, g in zip(reqs, gens)], proof)
+
+    def _render_chat(self, reqs: list[Request], thinking: bool):
+        """Each request's messages rendered through the chat template with enable_thinking as
+        asked (the token ids it came with are not used); the proof counts the prompts rendered
+        and, read back from the rendered ids, those rendered in thinking mode."""
+        from .chat import render
+
+        out, rendered, ids_thinking = [], 0, set()
+        for r in reqs:
+            if not r.prompt.messages:
+                raise EngineUsageError(f"request {r.id}: chat_template=on needs chat messages")
+            ids = self.tokenizer.encode(render(r.prompt.messages, thinking)).ids
+            without = self.detokenize(self.tokenizer.encode(render(r.prompt.messages, False)).ids)
+            rendered += 1
+            if thinking and rendered_thinking(self.detokenize(ids), without):
+                ids_thinking.add(r.id)
+            out.append(replace(r, prompt_ids=tuple(ids)))
+        return out, {"chat_rendered": rendered, "thinking_prompts": len(ids_thinking)}, frozenset(ids_thinking)
 
     def cache_block_size(self) -> int:
         from .serving import DEFAULT_BLOCK_SIZE

@@ -25,13 +25,14 @@ comparison is classified (by margin), not exact:
 The planted faults of this regime (decode.FAULTS; outside a Server they change nothing, but
 ``short-prompt-verify``, which generate() also plants on a prompt of 1 + K tokens):
 ``join-contaminates``, ``slot-residue``, ``prefix-wrong-block``, ``short-prompt-verify``,
-``preempt-loses-draft-state``, ``padded-row-real``, ``async-stale-accepted``.
+``preempt-loses-draft-state``, ``padded-row-real``, ``async-stale-accepted``,
+``thinking-no-rollback``.
 """
 from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -260,9 +261,10 @@ class Server:
 
     @torch.inference_mode()
     def serve(self, requests: list[Request], method: str, k: int, top_k: int,
-              max_in_flight: int | None = None, knobs: dict[str, str] | None = None
-              ) -> tuple[list[Generation], dict]:
-        """Every request to completion; (a Generation per request, in order; the proof)."""
+              max_in_flight: int | None = None, knobs: dict[str, str] | None = None,
+              thinking: frozenset[str] = frozenset()) -> tuple[list[Generation], dict]:
+        """Every request to completion; (a Generation per request, in order; the proof).
+        ``thinking``: the requests whose prompt the chat template rendered in thinking mode."""
         dec = self.dec
         prefix, bs, kv_blocks = parse_knobs(dict(knobs or {}))
         if method != "baseline":
@@ -318,6 +320,7 @@ class Server:
         self.pending: list = [None] * N
         self.last_hidden: list = [None] * N
         self.seqs = seqs
+        self.thinking = [r.id in thinking for r in requests]
         # the scheduler's view of each request: its token count with the placeholders of the
         # steps scheduled and not completed (async scheduling: one step ahead), each such
         # step's placeholders, the tokens its completed steps left, where it placed the
@@ -651,6 +654,18 @@ class Server:
         every = self.dec.knobs.no_draft_every
         plain = [s for s in live if every and (self.iterations[s.i] + 1) % every == 0]
         verify = [s for s in live if s not in plain]
+        if self.dec.knobs.fault == "thinking-no-rollback":
+            # planted: requests in thinking mode verified on a path that keeps the rejected
+            # drafts' GDN state (the fault stale-state, for them only)
+            think = [s for s in verify if self.thinking[s.i]]
+            verify = [s for s in verify if not self.thinking[s.i]]
+            if think:
+                knobs = self.dec.knobs
+                self.dec.knobs = replace(knobs, fault="stale-state")
+                try:
+                    self._spec(think, True)
+                finally:
+                    self.dec.knobs = knobs
         for group, draft in ((verify, True), (plain, False)):
             if group:
                 self._spec(group, draft)

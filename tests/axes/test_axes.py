@@ -128,3 +128,63 @@ def test_a_planned_axis_run_that_is_missing_fails_ran(suite):  # noqa: F811
     res = evaluate_suite(suite, LOOSE, ["baseline", "mtp-k3"])
     c = res.get("mtp-k3").check("ran")
     assert not c.passed and "mtp-k3 axis shapes (k)" in c.message
+
+
+@pytest.mark.parametrize("proof, unproven", [
+    ({"chat_rendered": 0, "thinking_prompts": 0}, "chat_rendered = 0"),  # the template never applied
+    ({"chat_rendered": 2, "thinking_prompts": 2}, "chat_rendered = 2 of 3 requests"),
+    ({"chat_rendered": 3, "thinking_prompts": 1}, "thinking_prompts = 1 of 3 requests"),
+    ({"chat_rendered": 3}, "thinking_prompts = not read back")])
+def test_a_chat_prompt_not_rendered_in_thinking_mode_is_not_exercised(suite, proof, unproven):  # noqa: F811
+    """A rendering that did not happen (for every request, or some) fails the chat axis by
+    name, however well the tokens agree."""
+    slots = [axis_slot("chat_thinking", "off"), axis_slot("chat_thinking", "on")]
+    _plan_axes(suite, slots)
+    for name, spec in (("baseline", None), ("mtp-k3", MTP_COUNTERS)):
+        _axis_run(suite, name, "chat_thinking", "off", _requests("chat/off", spec),
+                  {"chat_rendered": 3, "thinking_prompts": 0})
+        _axis_run(suite, name, "chat_thinking", "on", _requests("chat/on", spec), proof)
+    res = evaluate_suite(suite, LOOSE, ["baseline", "mtp-k3"])
+    for name in ("baseline", "mtp-k3"):
+        c = res.get(name).check("axis_chat_thinking")
+        assert not c.passed and "chat_thinking (on) was not exercised" in c.message and unproven in c.message
+    # every request rendered in thinking mode and every token the baseline's: a pass
+    for name, spec in (("baseline", None), ("mtp-k3", MTP_COUNTERS)):
+        _axis_run(suite, name, "chat_thinking", "on", _requests("chat/on", spec),
+                  {"chat_rendered": 3, "thinking_prompts": 3})
+    assert evaluate_suite(suite, LOOSE, ["mtp-k3"]).get("mtp-k3").check("axis_chat_thinking").passed
+
+
+def test_async_scheduling_that_never_scheduled_ahead_is_not_exercised(suite):  # noqa: F811
+    """An engine that took the switch but scheduled nothing ahead (or ignored it) fails."""
+    slots = [axis_slot("async_scheduling", "off"), axis_slot("async_scheduling", "on")]
+    _plan_axes(suite, slots)
+    for name, spec in (("baseline", None), ("mtp-k3", MTP_COUNTERS)):
+        _axis_run(suite, name, "async_scheduling", "off", _requests("async/00", spec), {})
+        _axis_run(suite, name, "async_scheduling", "on", _requests("async/00", spec),
+                  {"async_scheduling": 1, "steps_scheduled_ahead": 0})
+    c = evaluate_suite(suite, LOOSE, ["mtp-k3"]).get("mtp-k3").check("axis_async_scheduling")
+    assert not c.passed and "async_scheduling (on) was not exercised: steps_scheduled_ahead = 0" in c.message
+
+
+def test_kv_pressure_judges_the_preempted_requests_acceptance(suite):  # noqa: F811
+    """Tokens the same, but the preempted request drafts far worse after its recompute: the
+    paired per-request test fails it; a request not preempted is not in the test."""
+    from speccheck.types import SpecCounters
+
+    slots = [axis_slot("kv_pressure", "free"), axis_slot("kv_pressure", "pressure")]
+    _plan_axes(suite, slots)
+    good = SpecCounters(drafts=17, draft_tokens=51, accepted_tokens=30, accepted_per_pos=[14, 10, 6])
+    cold = SpecCounters(drafts=26, draft_tokens=78, accepted_tokens=8, accepted_per_pos=[6, 2, 0])
+    _axis_run(suite, "baseline", "kv_pressure", "free", _requests("kv"), {})
+    _axis_run(suite, "baseline", "kv_pressure", "pressure", _requests("kv"), {"preemptions": 1})
+    free = _requests("kv", good)
+    _axis_run(suite, "mtp-k3", "kv_pressure", "free", free, {})
+    for preempted, fails in (("kv:a", True), ("kv:zz", False)):
+        pressed = _requests("kv", good)
+        pressed[0].spec = cold  # request kv:a
+        _axis_run(suite, "mtp-k3", "kv_pressure", "pressure", pressed,
+                  {"preemptions": 1, "preempted_requests": [preempted]})
+        c = evaluate_suite(suite, LOOSE, ["mtp-k3"]).get("mtp-k3").check("axis_kv_pressure")
+        assert ("the preempted requests' acceptance" in c.message
+                and "beyond chance" in c.message) == fails, c.message
