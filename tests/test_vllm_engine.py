@@ -438,6 +438,12 @@ class FakeEngine:
         self.stats = {"vllm:prefix_cache_queries": 0, "vllm:prefix_cache_hits": 0,
                       "vllm:num_preemptions": 0}
         self.num_running = 0
+        # async scheduling as vLLM's in-process engine core keeps it: a batch queue holding the
+        # step planned ahead while requests run (none at all when scheduling synchronously)
+        import collections
+        asynchronous = vllm_config.scheduler_config.async_scheduling
+        self.engine_core = SimpleNamespace(engine_core=SimpleNamespace(
+            batch_queue=collections.deque() if asynchronous else None))
 
     def add_request(self, request_id, prompt, params, arrival_time=None, **kwargs):
         kind = getattr(params.output_kind, "name", "CUMULATIVE")
@@ -509,13 +515,45 @@ class FakeEngine:
                                         outputs=[comp], finished=finished, metrics=None))
             if finished:
                 self.running.remove(r)
+        queue = self.engine_core.engine_core.batch_queue
+        if queue is not None:  # the next step is planned before this one's output is read
+            queue.clear()
+            if self.running or self.waiting:
+                queue.append("step planned ahead")
         return outs
+
+
+class FakeTokenizer:
+    """A Qwen3-style chat template (enable_thinking=False closes an empty think block; on, the
+    model opens its own) over a character-level encoding; FAKE_VLLM_CHAT_IGNORES_THINKING=1:
+    a template without the switch."""
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False,
+                            enable_thinking=True, **kwargs):
+        import os
+        text = "".join(f"<|im_start|>{m['role']}\\n{m['content']}<|im_end|>\\n" for m in messages)
+        if add_generation_prompt:
+            text += "<|im_start|>assistant\\n"
+            if enable_thinking is False and not os.environ.get("FAKE_VLLM_CHAT_IGNORES_THINKING"):
+                text += "<think>\\n\\n</think>\\n\\n"
+        return self.encode(text) if tokenize else text
+
+    def encode(self, text, add_special_tokens=True):
+        return [1 + ord(c) % (V - 1) for c in text]
 
 
 class LLM:
     def __init__(self, model, speculative_config=None, **kwargs):
         if "bogus_arg" in kwargs:
             raise TypeError("EngineArgs.__init__() got an unexpected keyword argument 'bogus_arg'")
+        import os
+        # async scheduling with speculation: FAKE_VLLM_ASYNC_SPEC=refuse raises as vLLM 0.10
+        # did, =disable turns it off as later releases do for a method they do not support
+        asynchronous = bool(kwargs.get("async_scheduling"))
+        if asynchronous and speculative_config and os.environ.get("FAKE_VLLM_ASYNC_SPEC") == "refuse":
+            raise ValueError("Currently, speculative decoding is not supported with async scheduling.")
+        if asynchronous and speculative_config and os.environ.get("FAKE_VLLM_ASYNC_SPEC") == "disable":
+            asynchronous = False
         self.spec = speculative_config
         self.kwargs = kwargs
         self.counts = [0, 0, 0]
@@ -533,13 +571,16 @@ class LLM:
                 distributed_executor_backend=kwargs.get("distributed_executor_backend")
                 or ("mp" if tp * pp > 1 else "uni"),
                 disable_custom_all_reduce=bool(kwargs.get("disable_custom_all_reduce"))),
-            scheduler_config=SimpleNamespace(max_num_batched_tokens=12),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=12, async_scheduling=asynchronous),
             speculative_config=SimpleNamespace(method=self.spec["method"],
                                                num_speculative_tokens=len(self.per_pos))
             if self.spec else None,
             additional_config=kwargs.get("additional_config") or {},
             cache_config=SimpleNamespace(
                 block_size=block, enable_prefix_caching=bool(kwargs.get("enable_prefix_caching")))))
+
+    def get_tokenizer(self):
+        return FakeTokenizer()
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         return [method(fake_worker(self.kwargs, self.spec), *args, **(kwargs or {}))]

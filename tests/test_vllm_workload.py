@@ -123,8 +123,11 @@ def test_workload_knobs_map_to_llm_arguments():
     assert workload_llm_kwargs({"prefix_cache": "on"}) == {"enable_prefix_caching": True}
     assert workload_llm_kwargs({"prefix_cache": "off", "kv_blocks": "9"}) == {
         "enable_prefix_caching": False, "num_gpu_blocks_override": 9}
+    assert workload_llm_kwargs({"async_scheduling": "on"}) == {"async_scheduling": True}
+    assert workload_llm_kwargs({"async_scheduling": "off"}) == {"async_scheduling": False}
     for bad in ({"prefix_cache": "maybe"}, {"kv_blocks": "0"}, {"kv_blocks": "-3"},
-                {"kv_blocks": "many"}, {"swap_space": "4"}):
+                {"kv_blocks": "many"}, {"swap_space": "4"}, {"async_scheduling": "auto"},
+                {"chat_template": "on"}):
         with pytest.raises(EngineUsageError):
             workload_llm_kwargs(bad)
 
@@ -344,7 +347,8 @@ def test_an_axis_the_engine_lacks_is_refused_before_any_worker(dirs, axis):  # n
     with pytest.raises(EngineUsageError, match=f"cannot run the {axis} workload axis"):
         eng.run_workload(wl, SpecConfig(), 5)
     assert eng._worker is None and eng._tmp_dir is None
-    assert eng.axes == frozenset({"concurrency", "prefix_cache", "kv_pressure"})
+    assert eng.axes == frozenset({"concurrency", "prefix_cache", "kv_pressure", "async_scheduling",
+                                  "chat_thinking"})
 
 
 @pytest.mark.parametrize("workload,match", [
@@ -356,6 +360,10 @@ def test_an_axis_the_engine_lacks_is_refused_before_any_worker(dirs, axis):  # n
      "after ones it lacks: b:p"),
     (Workload("concurrency", "2", [Request("a:p", Prompt("p", "x", 4, text="a"), (1, 2))] * 2),
      "names requests twice: a:p"),
+    (Workload("chat_thinking", "on", [Request("a:p", Prompt("p", "x", 4, text="a"), (1, 2))],
+              knobs={"chat_template": "on", "thinking": "on"}), "has none"),
+    (Workload("chat_thinking", "on", [Request("a:p", Prompt("p", "x", 4, text="a"), (1, 2))],
+              knobs={"thinking": "on"}), "without chat_template=on"),
 ])
 def test_bad_workloads_are_refused_before_any_worker(dirs, workload, match):  # noqa: F811
     eng = VllmEngine(model=str(dirs[0]))
@@ -463,3 +471,78 @@ def test_cli_gate_fails_a_level_whose_proof_vllm_does_not_report(fake_vllm, tmp_
     res = runner.invoke(main, ["gate", "--store", store])
     assert res.exit_code == 1, res.output
     assert "kv_pressure (pressure) was not exercised: preemptions = not read back" in res.output
+
+
+def test_proof_reads_async_scheduling_and_chat_rendering_back():
+    stats = {"requests_served": 6, "steps": 9, "mixed_steps": 0, "async_scheduling": True,
+             "steps_scheduled_ahead": 8, "chat_rendered": 6, "thinking_prompts": 6}
+    proof = workload_proof(stats, "0.26.0")
+    assert (proof["async_scheduling"], proof["steps_scheduled_ahead"]) == (1, 8)
+    assert (proof["chat_rendered"], proof["thinking_prompts"]) == (6, 6)
+    off = workload_proof({**stats, "async_scheduling": False, "steps_scheduled_ahead": None}, "0.26.0")
+    assert off["async_scheduling"] == 0 and "steps_scheduled_ahead" not in off
+    bare = workload_proof({"requests_served": 1, "steps": 1, "mixed_steps": 0}, "0.26.0")
+    assert not {"async_scheduling", "steps_scheduled_ahead", "chat_rendered"} & set(bare)
+
+
+def test_chat_rendering_as_llm_chat_does(fake):
+    """enable_thinking goes to the template; a Qwen3-style template closes an empty think block
+    with it off, so the two renderings differ: thinking mode rendered."""
+    from speccheck.engines.base import rendered_thinking
+    from speccheck.engines.vllm_worker import render_chat
+
+    tok = fake.LLM("m").get_tokenizer()
+    msgs = [{"role": "user", "content": "hi"}]
+    ids_on, on, off = render_chat(tok, msgs, True)
+    assert on.endswith("assistant\n") and off.endswith("</think>\n\n")
+    assert ids_on == tok.encode(on, add_special_tokens=False) and rendered_thinking(on, off)
+    _, off_text, flipped = render_chat(tok, msgs, False)
+    assert off_text == off and flipped == on
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [SpecConfig(), SpecConfig("mtp", 3)], ids=lambda c: c.name)
+def test_async_and_chat_axes_through_run_workload(fake_vllm, config, monkeypatch):  # noqa: F811
+    """async_scheduling and chat_thinking built by their axes and served by the worker with the
+    fake vLLM (test double): async on is read back (scheduler_config and the engine core's
+    batch queue), the chat prompts are rendered by the model's tokenizer with enable_thinking;
+    a vLLM that turns async scheduling off for speculation, or a template without the
+    switch, leaves the level unproven (proof 0: not exercised)."""
+    target, draft = fake_vllm
+    if not (target / "tokenizer.json").is_file():
+        pytest.skip("reference tokenizer not shipped yet")
+    eng = VllmEngine(model=str(target), draft=str(draft), engine_args={"worker": "per-config"})
+    try:
+        corpus, inputs, outputs, alone = corpus_inputs(eng, config)
+
+        def run(axis, level):
+            wl = get_axis(axis).build(AxisInput(corpus, inputs, config, level, (3,), outputs,
+                                                block_size=eng.cache_block_size()))
+            return wl, eng.run_workload(wl, config, 5)
+
+        wl, on = run("async_scheduling", "on")
+        check_outputs(on, wl, alone)
+        assert on.proof["async_scheduling"] == 1 and on.proof["steps_scheduled_ahead"] > 0
+        _, off = run("async_scheduling", "off")
+        assert off.proof["async_scheduling"] == 0 and "steps_scheduled_ahead" not in off.proof
+        for level in ("off", "on"):
+            wl, res = run("chat_thinking", level)
+            assert res.proof["chat_rendered"] == len(wl.requests)
+            assert res.proof["thinking_prompts"] == (len(wl.requests) if level == "on" else 0)
+            for r, c in zip(wl.requests, res.completions):
+                assert c.prompt_ids.tolist() != list(r.prompt_ids)  # rendered, not the corpus ids
+        monkeypatch.setenv("FAKE_VLLM_CHAT_IGNORES_THINKING", "1")
+        eng.close()
+        _, res = run("chat_thinking", "on")
+        assert res.proof["thinking_prompts"] == 0
+        if not config.is_baseline:
+            monkeypatch.setenv("FAKE_VLLM_ASYNC_SPEC", "disable")
+            eng.close()
+            _, res = run("async_scheduling", "on")
+            assert res.proof["async_scheduling"] == 0 and "steps_scheduled_ahead" not in res.proof
+            monkeypatch.setenv("FAKE_VLLM_ASYNC_SPEC", "refuse")
+            eng.close()
+            with pytest.raises(EngineError, match="not supported with async scheduling"):
+                run("async_scheduling", "on")
+    finally:
+        eng.close()

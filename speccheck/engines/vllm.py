@@ -55,7 +55,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from speccheck.engines.base import Engine, EngineError, EngineUsageError
+from speccheck.engines.base import Engine, EngineError, EngineUsageError, chat_knobs
 from speccheck.topology import physical_gpu_count, visible_gpus
 from speccheck.types import (Completion, Prompt, Scored, SpecConfig, SpecCounters, Workload,
                              WorkloadResult)
@@ -85,8 +85,15 @@ METRIC_NAMES: dict[tuple[int, ...], dict[str, str]] = {
 SPEC_KEYS = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos")
 #: workload knobs (Workload.knobs) -> the LLM(...) argument each sets, and how its value reads:
 #: ``prefix_cache=on|off`` -> ``enable_prefix_caching``; ``kv_blocks=N`` (blocks of
-#: cache_block_size() tokens) -> ``num_gpu_blocks_override``, the KV cache's block count
-WORKLOAD_KNOBS = {"prefix_cache": "enable_prefix_caching", "kv_blocks": "num_gpu_blocks_override"}
+#: cache_block_size() tokens) -> ``num_gpu_blocks_override``, the KV cache's block count;
+#: ``async_scheduling=on|off`` -> ``async_scheduling`` (set both ways: newer releases turn it on
+#: by default). With speculative decoding vLLM 0.10 refused it (ValueError at LLM(...): the
+#: axis run fails); later releases take it for the methods they support and silently turn it
+#: off for the others (the proof reads ``scheduler_config.async_scheduling`` back, so a level
+#: turned off is not exercised). The chat-template knobs (engines.base.CHAT_KNOBS) are no
+#: LLM(...) argument: the worker renders the requests' messages with the model's tokenizer
+WORKLOAD_KNOBS = {"prefix_cache": "enable_prefix_caching", "kv_blocks": "num_gpu_blocks_override",
+                  "async_scheduling": "async_scheduling"}
 OWN_OPTIONS = {"worker", "timeout_s", "warmup", "python", "score_path", "score_spec", "pad_batch",
                "attribution_jobs"}
 #: identity keys that say what vLLM resolved (read back from the worker), not what was asked
@@ -504,9 +511,9 @@ def workload_llm_kwargs(knobs: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, raw in knobs.items():
         value = str(raw).strip().lower()
-        if key == "prefix_cache":
+        if key in ("prefix_cache", "async_scheduling"):
             if value not in ("on", "off"):
-                raise EngineUsageError(f"workload knob prefix_cache={raw}: use on or off")
+                raise EngineUsageError(f"workload knob {key}={raw}: use on or off")
             out[WORKLOAD_KNOBS[key]] = value == "on"
         elif key == "kv_blocks":
             n = int(value) if value.isdigit() else 0
@@ -563,7 +570,13 @@ def workload_proof(stats: dict, version: str | None = None) -> dict[str, Any]:
     - ``prefix_hits`` / ``prefix_queries``: prompt tokens found in / looked up in the prefix
       cache (counter differences); ``preemptions``: requests preempted (counter difference).
       Each absent where vLLM does not report the counter.
-    - ``requests_served``, ``steps``: finished requests and engine steps of the loop."""
+    - ``requests_served``, ``steps``: finished requests and engine steps of the loop.
+    - ``async_scheduling``: 1 where vLLM resolved ``scheduler_config.async_scheduling`` on, 0
+      where off (asked or not); ``steps_scheduled_ahead``: steps after which the engine core
+      still held a batch in flight (its ``batch_queue``: the next step was scheduled before
+      this one's output was processed). Absent where not read back.
+    - ``chat_rendered`` / ``thinking_prompts``: prompts the worker rendered through the chat
+      template, and of those the ones rendered in thinking mode (base.rendered_thinking)."""
     names = metric_names(version)
     before, after = stats.get("metrics_before") or [], stats.get("metrics_after") or []
     proof: dict[str, Any] = {"requests_served": int(stats["requests_served"]),
@@ -580,6 +593,11 @@ def workload_proof(stats: dict, version: str | None = None) -> dict[str, Any]:
         delta = metric_delta(before, after, names[metric])
         if delta is not None:
             proof[key] = delta
+    if stats.get("async_scheduling") is not None:
+        proof["async_scheduling"] = int(bool(stats["async_scheduling"]))
+    for key in ("steps_scheduled_ahead", "chat_rendered", "thinking_prompts"):
+        if stats.get(key) is not None:
+            proof[key] = int(stats[key])
     return proof
 
 
@@ -1098,7 +1116,7 @@ class VllmEngine(Engine):
     # -- workload axes
 
     #: served through vLLM's own step loop (run_workload); shapes and long_lived are the runner's
-    axes = frozenset({"concurrency", "prefix_cache", "kv_pressure"})
+    axes = frozenset({"concurrency", "prefix_cache", "kv_pressure", "async_scheduling", "chat_thinking"})
 
     def cache_block_size(self) -> int:
         """Tokens per KV-cache block: as the last worker's vLLM resolved it (``cache_config.
@@ -1130,7 +1148,11 @@ class VllmEngine(Engine):
         problem = workload_problem(workload)
         if problem:
             raise EngineUsageError(problem)
-        knobs = workload_llm_kwargs(workload.knobs)
+        thinking, llm_knobs = chat_knobs(workload.knobs)
+        knobs = workload_llm_kwargs(llm_knobs)
+        if thinking is not None and any(not r.prompt.messages for r in workload.requests):
+            raise EngineUsageError(f"the {workload.axis} workload renders chat messages; a request "
+                                   "has none")
         draft = config.draft or self.draft
         problem = dflash2_problem(config, draft, self._vllm_version())
         if problem:
@@ -1146,7 +1168,11 @@ class VllmEngine(Engine):
                "step_gauges": sorted({names["requests_running"] for names in METRIC_NAMES.values()}),
                "requests": [{"id": r.id, "prompt": [int(t) for t in r.prompt_ids],
                              "max_tokens": int(r.prompt.max_tokens), "ignore_eos": bool(r.prompt.ignore_eos),
-                             "arrive_after": int(r.arrive_after), "after": r.after} for r in reqs]}
+                             "arrive_after": int(r.arrive_after), "after": r.after,
+                             **({"messages": [dict(m) for m in r.prompt.messages]}
+                                if thinking is not None else {})} for r in reqs]}
+        if thinking is not None:  # rendered in the worker by the model's own chat template
+            req["chat"] = {"enable_thinking": thinking}
         result = self._call(req, spec, DFLASH2_ENV if config.method == "dflash2" else {}, knobs)
         rows = result["requests"]
         if len(rows) != len(reqs):

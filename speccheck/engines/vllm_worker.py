@@ -21,6 +21,8 @@ import time
 import traceback
 from typing import Any
 
+from speccheck.engines.base import rendered_thinking
+
 SPEC_PREFIX = "vllm:spec_decode_"
 #: VLLM_* as the worker was started with (vLLM later sets some of its own, e.g. random
 #: shared-memory names, which are no setting of the user's)
@@ -435,6 +437,46 @@ def _produced(out: Any) -> int:
     return sum(len(c.token_ids) for c in (out.outputs or []))
 
 
+def batches_in_flight(engine: Any) -> int | None:
+    """Batches vLLM's engine core holds scheduled and not yet processed (its ``batch_queue``,
+    kept with async scheduling: a step n + 1 planned before step n's output), or None where
+    there is no such queue (synchronous scheduling, or a vLLM without it)."""
+    core = getattr(engine, "engine_core", None)
+    core = getattr(core, "engine_core", core)
+    queue = getattr(core, "batch_queue", None)
+    try:
+        return None if queue is None else len(queue)
+    except TypeError:
+        return None
+
+
+def chat_tokenizer(llm: Any, model: str) -> Any:
+    """The model's tokenizer (the one ``LLM.chat`` renders with): the LLM's own, else -- an LLM
+    started with skip_tokenizer_init -- vLLM's get_tokenizer for the model."""
+    try:
+        tok = llm.get_tokenizer()
+        if tok is not None:
+            return tok
+    except Exception:  # noqa: BLE001 - skip_tokenizer_init: load it as vLLM would
+        pass
+    try:
+        from vllm.tokenizers import get_tokenizer
+    except ImportError:
+        from vllm.transformers_utils.tokenizer import get_tokenizer
+    return get_tokenizer(model)
+
+
+def render_chat(tok: Any, messages: list[dict], thinking: bool) -> tuple[list[int], str, str]:
+    """A conversation through the tokenizer's chat template as ``LLM.chat`` renders it
+    (``chat_template_kwargs={"enable_thinking": ...}``, the generation prompt added, no
+    special tokens added on encoding): (ids, the text, the text with the switch flipped)."""
+    def text(flag: bool) -> str:
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                       enable_thinking=flag)
+    rendered = text(thinking)
+    return list(tok.encode(rendered, add_special_tokens=False)), rendered, text(not thinking)
+
+
 def serve_workload(engine: Any, items: list[dict], max_in_flight: int | None,
                    read_metrics: Any, step_gauges: Any = ()) -> tuple[list[dict], dict]:
     """Serve a workload through vLLM's engine step loop, as ``LLM.generate`` does it but with
@@ -451,7 +493,9 @@ def serve_workload(engine: Any, items: list[dict], max_in_flight: int | None,
     around it. Returns, per item in order, {"output": its final RequestOutput, "wall_s",
     and "metrics_before"/"metrics_after" (spec rows) where it was alone}, and the stats:
     steps, mixed_steps (a request's first token in the same step as another's further
-    tokens), max_unfinished, step_max, requests_served, metrics_before/after."""
+    tokens), max_unfinished, step_max, requests_served, metrics_before/after, and
+    steps_scheduled_ahead (steps after which a batch was still in flight: batches_in_flight;
+    None where the engine keeps no batch queue)."""
     ids = {f"{ID_PREFIX}{i}": it["id"] for i, it in enumerate(items)}
     vid = {own: v for v, own in ids.items()}
     pending = list(items)
@@ -460,6 +504,7 @@ def serve_workload(engine: Any, items: list[dict], max_in_flight: int | None,
     snap = read_metrics()
     first_snap = snap
     clock = steps = mixed = idle = 0
+    ahead: int | None = None
     max_unfinished = 0
     step_max: dict[str, float] = {}
     while pending or inflight:
@@ -490,6 +535,9 @@ def serve_workload(engine: Any, items: list[dict], max_in_flight: int | None,
         outs = engine.step() or []
         clock += 1
         steps += 1
+        held = batches_in_flight(engine)
+        if held is not None:
+            ahead = (ahead or 0) + (held > 0)
         snap = read_metrics()
         for name in step_gauges:
             v = _gauge(snap, name)
@@ -520,7 +568,7 @@ def serve_workload(engine: Any, items: list[dict], max_in_flight: int | None,
                 f"unfinished ({', '.join(list(inflight)[:3])}): one can never be scheduled (a KV "
                 "block budget smaller than one request needs?)")
     stats = {"steps": steps, "mixed_steps": mixed, "max_unfinished": max_unfinished,
-             "step_max": step_max, "requests_served": len(done),
+             "step_max": step_max, "requests_served": len(done), "steps_scheduled_ahead": ahead,
              "metrics_before": first_snap, "metrics_after": snap}
     return [done[it["id"]] for it in items], stats
 
@@ -633,11 +681,25 @@ class Worker:
                                                    req.get("stop_token_ids") or [],
                                                    bool(r.get("ignore_eos") or every), extra)}
                      for r in req["requests"]]
+            chat = req.get("chat")
+            thinking_ids = set()
+            if chat is not None:  # each request's messages through the model's chat template
+                tok, flag = chat_tokenizer(llm, req["model"]), bool(chat["enable_thinking"])
+                for it in items:
+                    it["prompt"], text, flipped = render_chat(tok, it["messages"], flag)
+                    if flag and rendered_thinking(text, flipped):
+                        thinking_ids.add(it["id"])
             done, stats = serve_workload(llm.llm_engine, items, req.get("max_in_flight"),
                                          lambda: metrics_to_dicts(llm.get_metrics()),
                                          req.get("step_gauges") or ())
             result["requests"] = [{**row, "output": request_output_to_dict(row["output"])}
                                   for row in done]
+            if chat is not None:
+                stats["chat_rendered"], stats["thinking_prompts"] = len(items), len(thinking_ids)
+            try:  # as resolved: vLLM may turn it off (or on, by default) whatever was asked
+                stats["async_scheduling"] = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
+            except AttributeError:
+                stats["async_scheduling"] = None
             result["workload"] = stats
             self.capture_workload(req, stats)
         else:
