@@ -538,3 +538,21 @@ def test_export_reference_cli_pads(tmp_path):
     r = CliRunner().invoke(main, ["export-reference", str(tmp_path / "q"), "--linear-head-dim", "96"])
     assert r.exit_code == 2 and "--linear-head-dim 96" in r.output
     assert not (tmp_path / "q" / "config.json").exists()
+
+
+def test_the_exported_tokenizer_renders_chat_as_the_reference(exported):
+    """transformers (what vLLM's LLM.chat renders with) gives the reference template's text and
+    ids, thinking off and on."""
+    transformers = pytest.importorskip("transformers")
+    from speccheck.reference.chat import render
+
+    out, _ = exported
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"},
+            {"role": "assistant", "content": "<think>\nhm\n</think>\nbecause"},
+            {"role": "user", "content": "and?"}]
+    for thinking in (False, True):
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                       enable_thinking=thinking)
+        assert text == render(msgs, thinking)
+        assert text.endswith("<think>\n") == thinking

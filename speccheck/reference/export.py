@@ -9,7 +9,7 @@ the reference engine, transformers' ``Qwen3_5ForCausalLM`` (the cross-check in
                                 ``pad_gdn_head_dims``)
     DIR/model.safetensors       model.language_model.* + mtp.* (no lm_head: tied embeddings)
     DIR/tokenizer.json          the reference tokenizer (``tokenizers`` library)
-    DIR/tokenizer_config.json   PreTrainedTokenizerFast + bos/eos/pad
+    DIR/tokenizer_config.json   PreTrainedTokenizerFast + bos/eos/pad + the chat template
     DIR/generation_config.json  bos/eos/pad
     DIR/drafter/config.json     DFlashDraftModel, model_type qwen3, dflash_config
     DIR/drafter/model.safetensors  layers.* fc hidden_norm norm (embed/lm_head shared with target)
@@ -288,8 +288,12 @@ def write_tokenizer_files(out: Path, tokenizer_json: Path, *, bos: int | None, e
 
     tok = Tokenizer.from_file(str(tokenizer_json))
     shutil.copyfile(tokenizer_json, out / "tokenizer.json")
+    from .chat import CHAT_TEMPLATE
+
+    # the reference's chat template (reference/chat.py), so that a server renders chat prompts,
+    # thinking mode included, as the reference engine does
     cfg: dict = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
-                 "clean_up_tokenization_spaces": False}
+                 "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
     for key, tid in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad)):
         if tid is not None:
             s = tok.id_to_token(tid)

@@ -22,6 +22,13 @@ comparison is classified (by margin), not exact:
 * a recompute after preemption prefills prompt + generated tokens, whose state decode and
   verify had computed step by step.
 
+With async scheduling (``async_scheduling=on``) the scheduler plans step n + 1 before step n's
+outputs are known, as vLLM V1's async scheduler does: each running request holds K + 1
+placeholder tokens for the step in flight, fixed up by the drafts that step rejected when its
+outputs arrive; finishes and freed slots are seen one step late; the worker places each row
+where the scheduler put it, corrected by the rejected count. The bits are those of synchronous
+scheduling.
+
 The planted faults of this regime (decode.FAULTS; outside a Server they change nothing, but
 ``short-prompt-verify``, which generate() also plants on a prompt of 1 + K tokens):
 ``join-contaminates``, ``slot-residue``, ``prefix-wrong-block``, ``short-prompt-verify``,
