@@ -88,9 +88,10 @@ SPEC_KEYS = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos")
 #: cache_block_size() tokens) -> ``num_gpu_blocks_override``, the KV cache's block count;
 #: ``async_scheduling=on|off`` -> ``async_scheduling`` (set both ways: newer releases turn it on
 #: by default). With speculative decoding vLLM 0.10 refused it (ValueError at LLM(...): the
-#: axis run fails); later releases take it for the methods they support and silently turn it
-#: off for the others (the proof reads ``scheduler_config.async_scheduling`` back, so a level
-#: turned off is not exercised). The chat-template knobs (engines.base.CHAT_KNOBS) are no
+#: axis run fails); later releases keep it for the methods of ``EagleModelTypes`` (eagle,
+#: eagle3, the MTP types and, from when it joined them, dflash) and ngram_gpu, and turn it off
+#: with a warning for the others (the proof reads ``scheduler_config.async_scheduling`` back, so
+#: a level turned off is not exercised). The chat-template knobs (engines.base.CHAT_KNOBS) are no
 #: LLM(...) argument: the worker renders the requests' messages with the model's tokenizer
 WORKLOAD_KNOBS = {"prefix_cache": "enable_prefix_caching", "kv_blocks": "num_gpu_blocks_override",
                   "async_scheduling": "async_scheduling"}
