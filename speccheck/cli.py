@@ -294,8 +294,7 @@ def diff(methods, k, configs, against, as_json, run_missing, corpus, suite, stor
         from speccheck.runner import run_suite
 
         store = Store(store_dir)
-        latest = store.root / "LATEST"
-        previous = latest.read_text() if latest.exists() else None
+        previous = store.latest_id()
         if corpus is None:
             corpus = store.latest().meta["corpus"] if previous else "default"
         plan = make_plan("reference", None, None, methods, k, configs, corpus, 2, 5, (), concurrent=2,
