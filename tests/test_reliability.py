@@ -372,6 +372,8 @@ def test_policy_values_are_range_checked(store, setting, needle):
 
 @pytest.mark.parametrize("toml,needle", [
     ("require_deterministic = 1", "true or false"),
+    ("require_deterministic = 0", "never with 0"),
+    ("agreement_alpha = 0", "above 0"),
     ("max_high_confidence = true", "boolean"),
     ("min_token_agreement = 99.5", "a fraction"),
     ("tie_floor = nan", "finite"),
