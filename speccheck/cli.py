@@ -689,7 +689,10 @@ def doctor(engine, model, k, tp, base_url, api_key_env):
     GPU memory vs the model's KV cache, a server, and with --tp N the multi-GPU preconditions;
     each finding with its fix (exit 1 if any FAIL)."""
     from speccheck.doctor import FAIL, diagnose
+    from speccheck.engines import ENGINES
 
+    if engine not in ENGINES:
+        raise EngineUsageError(f"unknown engine {engine!r} (option --engine): choose one of {', '.join(ENGINES)}.")
     findings = diagnose(engine, model, base_url, api_key_env, k, tp)
     for f in findings:
         click.echo(f.line())
@@ -703,9 +706,17 @@ def doctor(engine, model, k, tp, base_url, api_key_env):
               help="Pad the target's GDN key/value head dims to this (128: what FlashInfer's GDN "
                    "prefill kernel, vLLM's default on Hopper, requires); the same network, see the "
                    "speccheck key of its config.json.")
-def export_reference_cmd(out_dir, model, linear_head_dim):
+@click.option("--force", is_flag=True, help="Write into OUT_DIR even though it already holds files.")
+def export_reference_cmd(out_dir, model, linear_head_dim, force):
     """Write the reference checkpoint in the Hugging Face layouts vLLM loads (target + drafter)."""
     from speccheck.reference.export import ExportError, export_reference
+
+    out = Path(out_dir)
+    if out.is_dir() and not force and any(out.iterdir()):
+        held = ", ".join(sorted(p.name for p in out.iterdir())[:5])
+        raise PolicyError(f"export-reference {out_dir}: the directory already holds files ({held}); "
+                          "writing there would overwrite a checkpoint (config.json, weights). Give a new "
+                          "or empty directory, or pass --force to overwrite.")
 
     try:
         info = export_reference(out_dir, model, linear_head_dim)

@@ -220,6 +220,11 @@ def make_plan(engine: str = "reference", model: str | None = None, draft: str | 
     args.update({key: v for key, v in server.items() if v is not None})
     # cheap errors first, before an engine (and torch) loads: the corpus, the engine's name,
     # the matrix's syntax
+    if max_tokens is not None and load_corpus(corpus, max_tokens).hash == load_corpus(corpus).hash:
+        raise PlanError(f"--max-tokens {max_tokens}: corpus {corpus} gives every prompt its own max_tokens, "
+                        "so the option would be ignored; it sets max_tokens for corpora whose prompts carry "
+                        "none (Spec-Bench's question.jsonl). Drop --max-tokens, or edit max_tokens in a copy "
+                        "of the corpus (`speccheck corpus show` lists them).")
     load_corpus(corpus)
     engine_class(engine)  # an unknown name: the one-paragraph error, before anything else
     build_matrix(methods, k, configs, offered=None, engine=engine)
@@ -239,11 +244,15 @@ def make_plan(engine: str = "reference", model: str | None = None, draft: str | 
             probe.close()
     matrix = build_matrix(methods, k, configs, offered=cls.methods, engine=engine,
                           default_k=default_k, draft=draft, include_baseline=not cls.serves_one_config)
+    paths = tuple(g.strip() for g in (attribution_paths or "").split(",") if g.strip())
+    if attribution_paths is not None and (not paths or no_attribution):
+        raise PlanError(f"--attribution-paths {attribution_paths!r}: "
+                        + ("--no-attribution turns attribution off, so it would be ignored; drop one of them."
+                           if no_attribution else "names no kernel path; give globs like 'decode*,verify*'."))
     return RunPlan(engine=engine, model=model, draft=draft, engine_args=args, corpus=corpus,
                    configs=matrix, repeats=repeats, top_k=top_k, attribute=not no_attribution,
                    concurrent=concurrent, attribute_with=parse_attribute_with(attribute_with, cls),
                    max_tokens=max_tokens, ignore_eos=ignore_eos,
-                   attribution_paths=tuple(g.strip() for g in (attribution_paths or "").split(",")
-                                           if g.strip()),
+                   attribution_paths=paths,
                    attribution_mode=attribution_mode, axes=parse_axes(axes, cls.axes),
                    axes_on=axes_on)

@@ -171,6 +171,7 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
         raise
     try:
         check_context(engine, corpus)
+        check_attribution_paths(plan, engine)
         suite = open_planned()  # before any generation
     except BaseException:
         engine.close()
@@ -592,6 +593,21 @@ def _tpi(counters) -> str:
 
 
 # --- kernel-path attribution -------------------------------------------------------------------
+
+def check_attribution_paths(plan: RunPlan, engine: Engine) -> None:
+    """Every ``--attribution-paths`` glob must match a kernel path the engine offers, said before
+    anything runs (a typo would otherwise attribute with nothing, minutes later)."""
+    spec = [c for c in plan.configs if not c.is_baseline]
+    if not (plan.attribute and plan.attribution_paths and spec):
+        return
+    labels = list((engine.rerun_variants(spec, None) if plan.attribution_mode == "rerun"
+                   else engine.attribution_variants(spec, None))) + list(plan.attribute_with)
+    unmatched = [g for g in plan.attribution_paths if not any(fnmatch.fnmatchcase(x, g) for x in labels)]
+    if unmatched:
+        raise EngineUsageError(f"--attribution-paths: {', '.join(map(repr, unmatched))} matches no kernel path "
+                               f"of the {plan.engine} engine; it offers: {'; '.join(labels) or 'none'}. "
+                               "Give globs of those labels (e.g. 'gdn=*'), or drop the option.")
+
 
 def select_paths(variants: dict[str, dict[str, str]], globs: Sequence[str],
                  log: Log = _print) -> dict[str, dict[str, str]]:
