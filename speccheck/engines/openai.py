@@ -389,7 +389,7 @@ class _Waiting:
         self._stop.set()
 
     def touch(self) -> None:
-        """Something arrived: the server is alive."""
+        """Something whole arrived: the server is getting on with it."""
         self.last = time.monotonic()
 
     def left(self) -> float:
@@ -517,10 +517,10 @@ class OpenAIEngine(Engine):
 
     def _read_body(self, r: httpx.Response, wait: _Waiting) -> httpx.Response:
         """The whole answer, read as it arrives (a server that drips it slower than the total
-        deadline allows is given up on), as a response of its own."""
+        deadline allows is given up on), as a response of its own. Until it is whole it is still
+        awaited: the wait is said as for a server that sends nothing."""
         raw = []
         for chunk in r.iter_raw():
-            wait.touch()
             wait.check()
             raw.append(chunk)
         whole = httpx.Response(r.status_code, headers=r.headers, content=b"".join(raw), request=r.request)
@@ -611,11 +611,11 @@ class OpenAIEngine(Engine):
         that drips bytes without ever ending a line is given up on too)."""
         buf = b""
         for chunk in r.iter_bytes():
-            wait.touch()
             wait.check()
             buf += chunk
             *lines, buf = buf.split(b"\n")
             for line in lines:
+                wait.touch()  # a whole line: the stream moves (bytes that never end one do not)
                 yield line.decode("utf-8", errors="replace")
         if buf:
             yield buf.decode("utf-8", errors="replace")
@@ -834,10 +834,7 @@ class OpenAIEngine(Engine):
         return tokens
 
     def max_positions(self) -> int | None:
-        try:
-            n = self._server()["model"].get("max_model_len")
-        except Exception:  # noqa: BLE001 - unknown is allowed; the server will say
-            return None
+        n = self._server()["model"].get("max_model_len")  # a server that does not answer: said once
         return int(n) if isinstance(n, int) and n > 0 else None
 
     def tokenize(self, prompt: Prompt) -> list[int]:
