@@ -498,17 +498,22 @@ def compare(config_names, suite, store_dir, other_store, other_suite, policy_fil
     from speccheck.identity import changes_str
     from speccheck.report import divergence_line
 
-    a, b = api.open_suite(store_dir, suite), api.open_suite(other_store, other_suite)
+    a = api.open_suite(store_dir, suite)
+    try:
+        b = api.open_suite(other_store, other_suite)
+    except StoreError as e:
+        raise StoreError(f"--with-store {other_store}: {e}") from None
     if config_names:
         for name in config_names:
             for side, opt in ((a, "--store"), (b, "--with-store")):
-                if not side.is_complete(name, 0):
+                if not side.check_run(name, 0):
                     raise MatrixError(f"--config {name}: suite {side.id} ({opt}) holds no complete run of it "
                                       f"(stored: {', '.join(side.configs()) or 'none'}); run it there first "
                                       f"with `speccheck run --config {name}`.")
         names = list(config_names)
     else:
-        names = [c for c in a.configs() if a.is_complete(c, 0) and b.is_complete(c, 0)]
+        # a damaged first run on either side is an error (StoreError), never a config skipped
+        names = [c for c in a.configs() if c in b.configs() and a.check_run(c, 0) & b.check_run(c, 0)]
         if not names:
             raise MatrixError(f"suites {a.id} (--store) and {b.id} (--with-store) hold no config in common "
                               f"with a complete first run (stored: {', '.join(a.configs()) or 'none'} / "

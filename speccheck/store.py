@@ -505,6 +505,17 @@ class Suite:
         return self._read_once("manifest", self._run_files(config_name, repeat), lambda: read_manifest(
             self.run_dir(config_name, repeat), redo or self._redo_run(config_name, repeat)))
 
+    def run_manifest(self, config_name: str, repeat: int) -> dict:
+        """A stored run's manifest (verified; StoreError when damaged)."""
+        return self._manifest(config_name, repeat)
+
+    def check_run(self, config_name: str, repeat: int) -> bool:
+        """Whether a run is stored and complete; a damaged one is a StoreError, not False
+        (for the commands that must not skip what they cannot read)."""
+        if not os.path.lexists(self.run_dir(config_name, repeat) / "manifest.json"):
+            return False
+        return bool(self._manifest(config_name, repeat)["complete"])
+
     def run_identity(self, config_name: str, repeat: int) -> dict:
         return self._manifest(config_name, repeat)["identity"]
 
@@ -783,10 +794,26 @@ class Suite:
         run_args = (self.load_plan() or {}).get("run_args", [])
         return shlex.join(["speccheck", "run", *run_args, *options, "--store", str(self.root.parent.parent)])
 
+    def demand(self, config_name: str) -> dict | None:
+        """What the plan asks of a config, with the evidence every config of the suite is judged
+        on -- a fresh-process repeat, the corpus all at once -- raised to what any config of it
+        was planned with: one gate, one standard (a sweep into a `run`'s suite, which plans
+        neither, must not pass its configs on less evidence than the run's). None: not planned."""
+        configs = (self.load_plan() or {}).get("configs", {})
+        want = configs.get(config_name)
+        if want is None:
+            return None
+        want = dict(want)
+        fresh = any(w["fresh_process_repeat"] and w["repeats"] > 1 for w in configs.values())
+        if fresh and not want["fresh_process_repeat"]:
+            want["fresh_process_repeat"], want["repeats"] = True, max(want["repeats"], 2)
+        want["concurrent"] = want["concurrent"] or max((w["concurrent"] for w in configs.values()), default=0)
+        return want
+
     def resume_command(self, config_name: str) -> str:
         """The `speccheck run` that stores what the plan asks of this config (it resumes:
         complete runs are skipped)."""
-        want = (self.load_plan() or {}).get("configs", {}).get(config_name)
+        want = self.demand(config_name)
         options = ["--config", config_name]
         if want is not None:
             options += ["--repeats", str(want["repeats"]), "--concurrent", str(want["concurrent"])]
@@ -797,7 +824,7 @@ class Suite:
         """What is not stored of this config: every run, rescoring, acceptance replay and
         attribution the plan asked for; a config with no stored run at all is missing whether planned or not (it
         was demanded, or its one run was cut short). Empty when complete. Failed runs are not missing (they say why)."""
-        want = (self.load_plan() or {}).get("configs", {}).get(config_name)
+        want = self.demand(config_name)
         resume = f"re-run `{self.resume_command(config_name)}` to resume"
         if not self.repeats(config_name) and not (self.run_dir(config_name, TOGETHER) / "manifest.json").exists():
             if want is None:
@@ -1059,7 +1086,7 @@ class Store:
                 together = [TOGETHER] if (src.run_dir(name, TOGETHER) / "manifest.json").exists() else []
                 for r in src.repeats(name) + together + src.axis_slots(name):
                     what = f"{sid}: {name} {slot_label(r)}"
-                    if not src.is_complete(name, r):
+                    if not src.check_run(name, r):  # a damaged source run is said, not skipped
                         continue
                     if not dst.is_complete(name, r):
                         _copy_dir(src.run_dir(name, r), dst.run_dir(name, r))
@@ -1080,10 +1107,19 @@ class Store:
             plan = src.load_plan()
             if plan:
                 dst.extend_plan(plan["configs"], (dst.load_plan() or plan).get("run_args", []))
-            if not (self.root / "LATEST").exists():
-                self.set_latest(sid)
+        latest = self.latest_id()
+        if (latest is None or latest not in self.suite_ids()) and source.suite_ids():
+            # the source's last run is what a `gate` after the merge judges, not the first suite by name
+            theirs = source.latest_id()
+            self.set_latest(theirs if theirs in source.suite_ids() else source.suite_ids()[-1])
+            latest = self.latest_id()
+        others = [sid for sid in source.suite_ids() if sid != latest]
         if not said:
             said.append(f"nothing to copy: {self.root} already holds everything {source.root} holds")
+        if others:
+            said.append(f"`speccheck gate` judges suite {latest} (the store's LATEST); the other suites "
+                        f"merged are judged with --suite: " + "; ".join(f"`speccheck gate --suite {sid}`"
+                                                                      for sid in others))
         return said
 
     def latest(self) -> Suite:
