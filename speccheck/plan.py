@@ -186,7 +186,7 @@ ENGINE_ARG_HELP = (
     "sampling.NAME=value (SamplingParams), spec.NAME=value (extra speculative_config keys; the "
     "config itself comes from --method/--k/--draft), any other key a keyword argument of "
     "vllm.LLM (e.g. attention_backend, gpu_memory_utilization, max_model_len, dtype; JSON "
-    "values). openai: base_url, served_model, api_key_env, timeout, retries, backoff, "
+    "values). openai: base_url, served_model, api_key_env, timeout, deadline, retries, backoff, "
     "tokenizer, score_base_url.")
 
 def parse_attribute_with(items: Sequence[str], cls) -> dict[str, str]:
