@@ -286,10 +286,45 @@ def _plan_problem(plan) -> str | None:
         problem = _schema_problem(want, _PLAN_CONFIG_SCHEMA, f"config {name!r}")
         if problem:
             return problem
+        if not 1 <= want["repeats"] <= 100 or not 0 <= want["concurrent"] <= 64:
+            return f"config {name!r} plans {want['repeats']} repeats and {want['concurrent']} copies at once"
+        if not isinstance(want.get("axes", []), list) or not all(isinstance(a, str) for a in want.get("axes", [])):
+            return f"config {name!r}: 'axes' is not a list of axis slots"
         present = {key: types for key, types in _PLAN_CONFIG_OPTIONAL.items() if key in want}
         problem = _schema_problem(want, present, f"config {name!r}")
         if problem:
             return problem
+    return None
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 53
+
+
+def _seconds(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1e9  # a NaN fails too
+
+
+def _completion_problem(c: dict, i: int) -> str | None:
+    """What a completion's numbers cannot be: negative, NaN or infinite times, counters that
+    are not counts (each would be judged as a measurement)."""
+    for key in ("ttft_s", "decode_s"):
+        if not _seconds(c[key]):
+            return f"completion {i}: {key!r} is {c[key]!r}, not a number of seconds"
+    if c.get("decode_cpu_s") is not None and not _seconds(c["decode_cpu_s"]):
+        return f"completion {i}: 'decode_cpu_s' is {c['decode_cpu_s']!r}, not a number of seconds"
+    spec = c["spec"]
+    if spec:
+        bad = [k for k in ("drafts", "draft_tokens", "accepted_tokens") if not _count(spec.get(k, 0))]
+        if spec.get("iterations") is not None and not _count(spec["iterations"]):
+            bad.append("iterations")
+        if spec.get("draft_s") is not None and not _seconds(spec["draft_s"]):
+            bad.append("draft_s")
+        per_pos = spec.get("accepted_per_pos", [])
+        if not isinstance(per_pos, list) or not all(_count(n) for n in per_pos):
+            bad.append("accepted_per_pos")
+        if bad:
+            return f"completion {i}: spec counters {', '.join(bad)} are not counts"
     return None
 
 
@@ -301,10 +336,16 @@ def manifest_problem(m) -> str | None:
     cfg = m["config"]
     if not isinstance(cfg.get("method"), str) or not isinstance(cfg.get("k"), int):
         return "the manifest's config lacks method/k"
+    seen: set[str] = set()
     for i, c in enumerate(m["completions"]):
-        problem = _schema_problem(c, _COMPLETION_SCHEMA, f"completion {i}")
+        problem = _schema_problem(c, _COMPLETION_SCHEMA, f"completion {i}") or _completion_problem(c, i)
         if problem:
             return problem
+        if c["prompt_id"] in seen and not m.get("copies"):  # a run all at once holds each prompt N times
+            return f"completion {i} repeats prompt {c['prompt_id']!r}"
+        seen.add(c["prompt_id"])
+    if not _seconds(m.get("wall_s", 0.0)) or not _count(m.get("copies", 0)):
+        return f"the manifest's wall_s {m.get('wall_s')!r} or copies {m.get('copies')!r} is not a measurement"
     files = m.get("files")
     if files is None:
         return "the manifest lists no file checksums"
@@ -449,9 +490,12 @@ class Suite:
         path = self.root / "suite.json"
         m = self._read_once("json", (path, _sidecar(path)), lambda: _load_checked_json(
             path, "run `speccheck run` again into a fresh --store"))
-        if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("engine", "corpus", "corpus_hash")):
-            raise StoreError(f"{self.root / 'suite.json'}: lacks engine/corpus/corpus_hash; the suite is "
-                             "damaged: run `speccheck run` again into a fresh --store.")
+        if (not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("engine", "corpus", "corpus_hash"))
+                or not isinstance(m.get("engine_args") or {}, dict)
+                or not all(isinstance(m.get(k), (str, type(None))) for k in ("model", "draft"))):
+            raise StoreError(f"{self.root / 'suite.json'}: lacks engine/corpus/corpus_hash (strings), or its "
+                             "engine_args/model/draft are of the wrong type; the suite is damaged: run "
+                             "`speccheck run` again into a fresh --store.")
         return m
 
     def redo_hint(self, config_name: str | None = None, what: str = "that part") -> str:

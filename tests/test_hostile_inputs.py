@@ -375,6 +375,20 @@ ROWS = [
         c.file("runs/mtp-k2/r0/manifest.json").write_text(
             c.file("runs/mtp-k2/r0/manifest.json").read_text().replace('"repeat": 0', '"repeat": 1e999')),
         resum(c.file("runs/mtp-k2/r0/manifest.json")))), 2, "'repeat' is float"),
+    Row("spec counters of the wrong type, the sum matching", _store_row(lambda c: edit_json(
+        c.file("runs/mtp-k2/r0/manifest.json"), lambda m: m["completions"][0]["spec"].update(
+            accepted_per_pos="many"), keep_sum=True)), 2, "spec counters accepted_per_pos are not counts"),
+    Row("NaN timing, the sum matching", _store_row(lambda c: edit_json(
+        c.file("runs/mtp-k2/r0/manifest.json"), lambda m: m["completions"][1].update(decode_s=float("nan")),
+        keep_sum=True)), 2, "'decode_s' is nan, not a number of seconds"),
+    Row("a prompt stored twice, the sum matching", _store_row(lambda c: edit_json(
+        c.file("runs/baseline/r1/manifest.json"), lambda m: m["completions"][1].update(
+            prompt_id=m["completions"][0]["prompt_id"]), keep_sum=True)), 2, "repeats prompt"),
+    Row("plan of a billion repeats, its sum matching", _store_row(lambda c: edit_json(
+        c.file("plan.json"), lambda p: p["configs"]["mtp-k2"].update(repeats=10 ** 9), keep_sum=True)), 2,
+        "plans 1000000000 repeats"),
+    Row("suite.json engine_args a list, its sum matching", _store_row(lambda c: edit_json(
+        c.file("suite.json"), lambda m: m.update(engine_args=[1]), keep_sum=True)), 2, "engine_args/model/draft"),
     Row("manifest lists no file sums, its sum matching", _store_row(lambda c: edit_json(
         c.file("runs/baseline/r0/manifest.json"), lambda m: m.pop("files"), keep_sum=True)), 2, "no file checksums"),
     Row("manifest lists a file outside the run", _store_row(lambda c: edit_json(
@@ -489,6 +503,12 @@ ROWS = [
         "deadline='nan'"),
     Row("openai retries=1.5", _args(*OPENAI, "--store", "{store}", "--engine-arg", "retries=1.5"), 2,
         "retries='1.5' must be a whole number"),
+    Row("openai base_url that cannot parse", _args(*OPENAI, "--store", "{store}", "--base-url", "http://[::1"), 2,
+        "base_url='http://[::1' is not an http(s) URL"),
+    Row("openai base_url with port 99999", _args(*OPENAI, "--store", "{store}", "--base-url", "http://127.0.0.1:99999"),
+        2, "port of 1-65535"),
+    Row("pyproject.toml is a FIFO", lambda c: (os.mkfifo(c.tmp / "pyproject.toml"), ["gate", "--store", str(c.store)])[1],
+        2, "pyproject.toml: is not a regular file"),
     Row("doctor --engine foo", _args("doctor", "--engine", "foo"), 2, "unknown engine 'foo'"),
     Row("export-reference over a checkpoint", _export_over, 2, "already holds files (config.json)"),
     Row("selftest past the model's positions", _selftest_corpus, 2, "more than the 8192 the model holds"),

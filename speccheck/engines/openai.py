@@ -422,6 +422,18 @@ def _transport_error(e: httpx.TransportError) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
+def _check_url(url: str, key: str) -> None:
+    """An http(s) URL with a host and a port that can exist, else a usage error naming it."""
+    try:
+        u = httpx.URL(url)
+        ok = u.scheme in ("http", "https") and bool(u.host) and (u.port is None or 0 < u.port < 65536)
+    except (httpx.InvalidURL, ValueError, TypeError):
+        ok = False
+    if not ok:
+        raise EngineUsageError(f"--engine-arg {key}={url!r} is not an http(s) URL with a host and a port "
+                               f"of 1-65535: give e.g. {key}=http://127.0.0.1:8000")
+
+
 def _redact(url: str) -> str:
     """The URL without user:password@ (credentials never go into a store)."""
     u = httpx.URL(url)
@@ -446,9 +458,7 @@ class OpenAIEngine(Engine):
         a = self.engine_args
         # what every OpenAI client is given ends in /v1 (and OPENAI_BASE_URL usually does)
         self.base_url = server_root(a.get("base_url") or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL)
-        if not self.base_url.startswith(("http://", "https://")):
-            raise EngineUsageError(f"--engine-arg base_url={self.base_url!r} is not an http(s) "
-                                   "URL: give e.g. base_url=http://127.0.0.1:8000")
+        _check_url(self.base_url, "base_url")
         self._shown = _redact(self.base_url)  # for identity and messages
         self.api_key_env = str(a.get("api_key_env") or "OPENAI_API_KEY")
         self.timeout = self._number("timeout", 600.0, positive=True)
@@ -474,9 +484,8 @@ class OpenAIEngine(Engine):
                                     timeout=httpx.Timeout(self.timeout,
                                                           connect=min(self.timeout, 10.0)))
         self._score_url = server_root(a["score_base_url"]) if a.get("score_base_url") else None
-        if self._score_url and not self._score_url.startswith(("http://", "https://")):
-            raise EngineUsageError(f"--engine-arg score_base_url={self._score_url!r} is not an "
-                                   "http(s) URL")
+        if self._score_url:
+            _check_url(self._score_url, "score_base_url")
         self._info: dict | None = None
         self._retried = False  # a request was sent again: the server may have run it twice
         self._ttft_seen: set[bool] = set()  # whether generations so far had a measurable TTFT
