@@ -694,10 +694,11 @@ def doctor(engine, model, k, tp, base_url, api_key_env):
     GPU memory vs the model's KV cache, a server, and with --tp N the multi-GPU preconditions;
     each finding with its fix (exit 1 if any FAIL)."""
     from speccheck.doctor import FAIL, diagnose
-    from speccheck.engines import ENGINES
+    from speccheck.engines import engine_names
 
-    if engine not in ENGINES:
-        raise EngineUsageError(f"unknown engine {engine!r} (option --engine): choose one of {', '.join(ENGINES)}.")
+    if engine not in engine_names():  # checked without importing any engine
+        raise EngineUsageError(f"unknown engine {engine!r} (option --engine): choose one of "
+                               f"{', '.join(engine_names())}.")
     findings = diagnose(engine, model, base_url, api_key_env, k, tp)
     for f in findings:
         click.echo(f.line())
