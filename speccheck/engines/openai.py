@@ -576,9 +576,9 @@ class OpenAIEngine(Engine):
     def _gave_up(self, shown: str, method: str, path: str, last: str, attempts: int | None = None,
                  wait: _Waiting | None = None) -> EngineError:
         n = self.retries + 1 if attempts is None else attempts
-        took = f" in {time.monotonic() - wait.t0:.0f} s" if wait is not None else ""
+        took = f", {time.monotonic() - wait.t0:.0f} s in all" if wait is not None else ""
         return EngineError(f"the server at {shown} did not answer {method} {path} after "
-                           f"{n} attempt{'s' if n != 1 else ''}{took} (last: {last}); is it running and "
+                           f"{n} attempt{'s' if n != 1 else ''} (last: {last}){took}; is it running and "
                            "reachable? (--base-url, --engine-arg timeout/deadline/retries)")
 
     def _refusal(self, r: httpx.Response, path: str, shown: str) -> str:
