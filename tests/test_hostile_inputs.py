@@ -123,6 +123,7 @@ class HostileServer:
     (closes at once), models_garbage (bytes that are not HTTP), models_list (200 with a JSON
     list), models_html (200 with an HTML page), models_500, models_drip (a byte at a time,
     slower than the deadline allows), models_partial (promises 1000 bytes, sends 20, closes),
+    metrics_text (a /metrics page that is not Prometheus text), tokenize_list (a JSON list),
     completion_nan (NaN logprobs), completion_short (fewer logprobs than tokens),
     completion_hang, completion_drip (a stream that never ends a line), completion_ctype
     (an SSE body sent as text/plain), completion_500."""
@@ -176,7 +177,8 @@ class HostileServer:
         with contextlib.suppress(OSError), conn:
             while (req := self._request(conn)) is not None:
                 path, body = req
-                key = {"/v1/models": "models", "/v1/completions": "completion"}.get(path)
+                key = {"/v1/models": "models", "/v1/completions": "completion", "/metrics": "metrics",
+                       "/tokenize": "tokenize"}.get(path)
                 how = self.behaviour.split("_", 1)[1] if key and self.behaviour.startswith(key) else None
                 if how is None:
                     self._valid(conn, path, body)
@@ -211,6 +213,8 @@ class HostileServer:
             self._answer(conn, 200, b"[1, 2, 3]")
         elif how == "html":
             self._answer(conn, 200, b"<html><body>Sign in to the Wi-Fi</body></html>", "text/html")
+        elif how == "text":
+            self._answer(conn, 200, b'vllm:request_success_total{model_name="m"} NaN{\n', "text/plain")
         elif how == "500":
             self._answer(conn, 500, b'{"error": {"message": "engine core died"}}')
         elif how in ("drip", "partial"):
@@ -534,6 +538,10 @@ ROWS = [
         server="models_drip"),
     Row("server sends part of a body", _served("models_partial"), 3, "did not answer GET /v1/models",
         server="models_partial"),
+    Row("server's /metrics is not Prometheus text", _served("metrics_text"), 3, "is not Prometheus text",
+        server="metrics_text"),
+    Row("server's /tokenize answers a list", _served("tokenize_list"), 3, "answered /tokenize with '[1, 2, 3]'",
+        server="tokenize_list"),
     Row("baseline server gives NaN logprobs", _served("completion_nan"), 3, "which no probability has",
         server="completion_nan"),
     Row("server gives fewer logprobs than tokens", _served("completion_short"), 3,

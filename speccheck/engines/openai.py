@@ -757,7 +757,18 @@ class OpenAIEngine(Engine):
         except EngineUsageError as e:
             raise EngineUsageError(f"{e} speccheck reads the spec-decode counters from vLLM's "
                                    "Prometheus /metrics; it must be reachable.") from None
-        return parse_metrics(r.text)
+        return self._parse_metrics(r.text, self._shown)
+
+    @staticmethod
+    def _parse_metrics(text: str, shown: str) -> dict:
+        """parse_metrics, a page that is not Prometheus text (or counts that are not numbers)
+        being the server's fault, said as such."""
+        try:
+            return parse_metrics(text)
+        except (ValueError, TypeError, IndexError, KeyError, OverflowError) as e:
+            raise EngineError(f"the server at {shown} answered /metrics with a page that is not "
+                              f"Prometheus text or holds counts that are not numbers ({e}; it begins "
+                              f"{text[:80]!r})") from None
 
     def _metrics_after(self, before: dict) -> dict:
         """Metrics once our request is counted: vLLM records stats right after it hands the
@@ -950,7 +961,7 @@ class OpenAIEngine(Engine):
         runner leaves the rescoring to a later run against a server without speculation."""
         self._server()
         url = self._score_url or self.base_url
-        if parse_metrics(self._request("GET", "/metrics", base=url).text)["spec"] is not None:
+        if self._parse_metrics(self._request("GET", "/metrics", base=url).text, _redact(url))["spec"] is not None:
             raise ScoringUnavailable(
                 f"the server at {_redact(url)} runs speculative decoding (its /metrics carry vLLM's "
                 "spec-decode counters), and prompt_logprobs from such a server are not trustworthy "
