@@ -19,6 +19,10 @@ class PlanError(ValueError):
     """An option that cannot make a plan (exit code 2)."""
 
 
+#: the largest numeric level an axis takes (requests at once; requests in one long-lived session)
+AXIS_LEVEL_MAX = {"concurrency": 4096, "long_lived": 100_000}
+
+
 def parse_axes(spec: str | None, supported: frozenset[str]) -> tuple[str, ...]:
     """``--axes``: "default" (every axis the engine runs, at its default levels), "none", or
     a comma list of axes, each optionally with levels (``concurrency=4+8+32``, ``long_lived=500``).
@@ -44,6 +48,10 @@ def parse_axes(spec: str | None, supported: frozenset[str]) -> tuple[str, ...]:
                 raise PlanError(f"--axes {item!r}: a level is a word or a number without '-', e.g. {name}=8.")
             if name in ("concurrency", "long_lived") and not level.isdigit():
                 raise PlanError(f"--axes {item!r}: the {name} levels are numbers of requests, e.g. {name}=8.")
+            if level.isdigit() and not 1 <= int(level) <= AXIS_LEVEL_MAX.get(name, 1 << 20):
+                raise PlanError(f"--axes {item!r}: level {level} is out of range: the {name} axis takes "
+                                f"1 to {AXIS_LEVEL_MAX.get(name, 1 << 20)} (requests at once, or in one "
+                                "session); a larger one would run for hours, not find more.")
             slots.append(axis_slot(name, level))
     return tuple(dict.fromkeys(slots))
 
