@@ -693,11 +693,19 @@ class Suite:
         _atomic_write_npz(self.root / "inputs.npz", ids=np.array(ids, dtype=str), flat=flat, offsets=off)
 
     def check_inputs(self) -> None:
-        """The tokenised prompts every stored run was made from: read and verified (a damaged or
-        missing ``inputs.npz`` beside stored runs is damage, said before anything is judged)."""
-        if self.load_inputs() is None and self.configs():
+        """The tokenised prompts every stored run was made from, and the plan of what was asked:
+        read and verified. Either missing beside stored runs is damage, said before anything is
+        judged (without the plan a gate cannot tell a config that was cut short from one never
+        asked for, so deleting it must not make a suite pass)."""
+        if not self.configs():
+            return
+        if self.load_inputs() is None:
             raise StoreError(f"{self.root / 'inputs.npz'}: missing, though runs are stored; the suite is "
                              f"damaged: {self.redo_hint('baseline', 'the tokenised prompts')}.")
+        if self.load_plan() is None:
+            raise StoreError(f"{self.root / 'plan.json'}: missing, though runs are stored, so what was asked "
+                             "of this suite is lost; the suite is damaged: `speccheck run` again into it with "
+                             "the options you want writes it anew (stored runs are kept and skipped).")
 
     def load_inputs(self) -> dict[str, np.ndarray] | None:
         path = self.root / "inputs.npz"

@@ -414,6 +414,13 @@ ROWS = [
     Row("truncated inputs.npz (report)", _store_row(lambda c: truncate(c.file("inputs.npz")), command="report"),
         2, "inputs.npz: changed"),
     Row("inputs.npz deleted", _store_row(lambda c: c.file("inputs.npz").unlink()), 2, "inputs.npz: missing"),
+    Row("plan deleted, with a config's runs", _store_row(lambda c: (c.file("plan.json").unlink(),
+                                                                     c.file("plan.json.sha256").unlink(),
+                                                                     shutil.rmtree(c.file("runs/mtp-k2")))), 2,
+        "plan.json: missing, though runs are stored"),
+    Row("a run directory without its manifest", _store_row(lambda c: (
+        c.file("runs/mtp-k2/r1/manifest.json").unlink(), c.file("runs/mtp-k2/r1/manifest.json.sha256").unlink())),
+        2, "r1/manifest.json: missing or unreadable"),
     Row("edited plan", _store_row(lambda c: edit_json(c.file("plan.json"), lambda p: p["configs"].pop("mtp-k2"))),
         2, "plan.json: changed"),
     Row("plan checksum deleted", _store_row(lambda c: c.file("plan.json.sha256").unlink()), 2,
