@@ -663,6 +663,12 @@ SERVE_ROWS = [
     ("Content-Length: -5", _http(length="-5"), 400, "malformed HTTP request"),
     ("two Content-Lengths that differ", _http(extra="Content-Length: 7\r\n"), 400, "malformed HTTP request"),
     ("not HTTP", b"\x16\x03\x01 TLS hello?\r\n\r\n", 400, "malformed HTTP request"),
+    ("chunked body with a bad chunk size", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+     b"\r\n\r\nzz\r\nabc\r\n0\r\n\r\n", 400, "malformed HTTP request"),
+    ("a 200 kB header", b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n", 400,
+     "malformed HTTP request"),
+    ("stream request refused before its first token", _http(_completion(stream=True, logprobs=25)), 400,
+     "`logprobs` must be an integer"),
     ("body not JSON", _http(b"prompt=1"), 400, "request body is not JSON"),
     ("body not UTF-8", _http(b"\xff\xfe"), 400, "request body is not JSON"),
     ("body nested past the parser", _http(b"[" * 100_000), 400, "request body is not JSON"),
