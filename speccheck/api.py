@@ -41,7 +41,9 @@ def run(engine: str = "reference", *, store: str | Path = ".speccheck", methods:
 def open_suite(store_dir: str | Path = ".speccheck", suite_id: str | None = None) -> Suite:
     """A stored suite by id (default: the last one run into the store)."""
     store = Store(store_dir)
-    return store.suite(suite_id) if suite_id else store.latest()
+    suite = store.suite(suite_id) if suite_id else store.latest()
+    suite.check_inputs()
+    return suite
 
 
 def detokenizer(suite: Suite):

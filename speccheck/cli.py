@@ -294,8 +294,7 @@ def diff(methods, k, configs, against, as_json, run_missing, corpus, suite, stor
         from speccheck.runner import run_suite
 
         store = Store(store_dir)
-        latest = store.root / "LATEST"
-        previous = latest.read_text() if latest.exists() else None
+        previous = store.latest_id()
         if corpus is None:
             corpus = store.latest().meta["corpus"] if previous else "default"
         plan = make_plan("reference", None, None, methods, k, configs, corpus, 2, 5, (), concurrent=2,
@@ -499,17 +498,22 @@ def compare(config_names, suite, store_dir, other_store, other_suite, policy_fil
     from speccheck.identity import changes_str
     from speccheck.report import divergence_line
 
-    a, b = api.open_suite(store_dir, suite), api.open_suite(other_store, other_suite)
+    a = api.open_suite(store_dir, suite)
+    try:
+        b = api.open_suite(other_store, other_suite)
+    except StoreError as e:
+        raise StoreError(f"--with-store {other_store}: {e}") from None
     if config_names:
         for name in config_names:
             for side, opt in ((a, "--store"), (b, "--with-store")):
-                if not side.is_complete(name, 0):
+                if not side.check_run(name, 0):
                     raise MatrixError(f"--config {name}: suite {side.id} ({opt}) holds no complete run of it "
                                       f"(stored: {', '.join(side.configs()) or 'none'}); run it there first "
                                       f"with `speccheck run --config {name}`.")
         names = list(config_names)
     else:
-        names = [c for c in a.configs() if a.is_complete(c, 0) and b.is_complete(c, 0)]
+        # a damaged first run on either side is an error (StoreError), never a config skipped
+        names = [c for c in a.configs() if c in b.configs() and a.check_run(c, 0) & b.check_run(c, 0)]
         if not names:
             raise MatrixError(f"suites {a.id} (--store) and {b.id} (--with-store) hold no config in common "
                               f"with a complete first run (stored: {', '.join(a.configs()) or 'none'} / "
@@ -690,7 +694,11 @@ def doctor(engine, model, k, tp, base_url, api_key_env):
     GPU memory vs the model's KV cache, a server, and with --tp N the multi-GPU preconditions;
     each finding with its fix (exit 1 if any FAIL)."""
     from speccheck.doctor import FAIL, diagnose
+    from speccheck.engines import engine_names
 
+    if engine not in engine_names():  # checked without importing any engine
+        raise EngineUsageError(f"unknown engine {engine!r} (option --engine): choose one of "
+                               f"{', '.join(engine_names())}.")
     findings = diagnose(engine, model, base_url, api_key_env, k, tp)
     for f in findings:
         click.echo(f.line())
@@ -704,9 +712,17 @@ def doctor(engine, model, k, tp, base_url, api_key_env):
               help="Pad the target's GDN key/value head dims to this (128: what FlashInfer's GDN "
                    "prefill kernel, vLLM's default on Hopper, requires); the same network, see the "
                    "speccheck key of its config.json.")
-def export_reference_cmd(out_dir, model, linear_head_dim):
+@click.option("--force", is_flag=True, help="Write into OUT_DIR even though it already holds files.")
+def export_reference_cmd(out_dir, model, linear_head_dim, force):
     """Write the reference checkpoint in the Hugging Face layouts vLLM loads (target + drafter)."""
     from speccheck.reference.export import ExportError, export_reference
+
+    out = Path(out_dir)
+    if out.is_dir() and not force and any(out.iterdir()):
+        held = ", ".join(sorted(p.name for p in out.iterdir())[:5])
+        raise PolicyError(f"export-reference {out_dir}: the directory already holds files ({held}); "
+                          "writing there would overwrite a checkpoint (config.json, weights). Give a new "
+                          "or empty directory, or pass --force to overwrite.")
 
     try:
         info = export_reference(out_dir, model, linear_head_dim)

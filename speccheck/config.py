@@ -16,7 +16,7 @@ DEFAULT_K = {"mtp": list(range(1, 8))}
 #: what it computes: left out of the suite's id and of a golden's directory (kept here, not on
 #: the engine classes, so that no engine loads to compute an id or name a golden)
 RUN_ONLY_ARGS: dict[str, frozenset[str]] = {
-    "openai": frozenset({"score_base_url", "timeout", "retries", "backoff", "api_key_env"}),
+    "openai": frozenset({"score_base_url", "timeout", "deadline", "retries", "backoff", "api_key_env"}),
     "vllm": frozenset({"gpu_memory_utilization", "kv_cache_memory_bytes", "worker", "python",
                        "timeout_s", "warmup", "attribution_jobs"}),
 }

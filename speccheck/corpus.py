@@ -107,6 +107,9 @@ def load_corpus(name_or_path: str | os.PathLike, max_tokens: int | None = None) 
             raise CorpusError(f"corpus path {spec} is a directory; give the path of a .jsonl or "
                               f".toml file inside it, or one of the built-in corpora: "
                               f"{', '.join(list_corpora())}.")
+        if path.exists() and not path.is_file():  # a FIFO or device: reading it could block
+            raise CorpusError(f"corpus path {spec} is not a regular file; give the path of a .jsonl "
+                              "or .toml file.")
         if not path.is_file():
             raise CorpusError(f"corpus file {spec} does not exist; give the path of a .jsonl or "
                               f".toml file, or one of the built-in corpora: "

@@ -368,10 +368,12 @@ def server_findings(base_url: str, api_key_env: str | None = None) -> list[Findi
                                "/metrics reachable, no spec-decode counters (a baseline server, or spec decode off)"
                                if m.status_code == 200 else f"/metrics: {m.status_code}",
                                "" if m.status_code == 200 else "acceptance needs /metrics; run vLLM with metrics on"))
+    except httpx.InvalidURL as e:
+        out.append(Finding(FAIL, "server", f"{root}: not a URL ({e})", "fix --base-url, e.g. http://127.0.0.1:8000"))
     except httpx.HTTPError as e:
         out.append(Finding(FAIL, "server", f"{root}: {type(e).__name__}: {e}",
                            "start the server (e.g. `speccheck serve`, or vLLM's `vllm serve`), or fix --base-url"))
-    except ValueError as e:
+    except (ValueError, AttributeError, TypeError) as e:  # JSON of another shape than vLLM's
         out.append(Finding(FAIL, "server", f"{root}: not an OpenAI-compatible answer ({e})", "check --base-url"))
     return out
 

@@ -17,7 +17,8 @@ from speccheck.compare import Comparison, compare_runs
 from speccheck.evaluate import per_prompt_acceptance
 from speccheck.evidence import kernel_noise_sample, spec_delta_sample
 from speccheck.results import SuiteResult
-from speccheck.store import Suite, read_run
+from speccheck.store import (StoreError, Suite, load_checked_json, load_checked_npz, read_run,
+                             write_checked_npz, write_checked_text)
 from speccheck.types import RunRecord
 from speccheck.verify import DriftTest, calibrate_thresholds, drift_test, summarize
 
@@ -88,8 +89,7 @@ def record(suite: Suite, result: SuiteResult, root: Path, force: bool = False) -
                              "run you trust: fix what `speccheck gate` reports, then record.")
     target = golden_dir(root, base.identity, suite.meta)
     if (target / "golden.json").exists() and not force:
-        old = json.loads((target / "golden.json").read_text())
-        old_base = read_run(target / "baseline")
+        old, old_base = _read_golden(target)
         changed = [c.prompt_id for c in base.completions
                    if c.prompt_id not in old_base.by_prompt()
                    or c.token_ids.tolist() != old_base.by_prompt()[c.prompt_id].token_ids.tolist()]
@@ -117,14 +117,14 @@ def record(suite: Suite, result: SuiteResult, root: Path, force: bool = False) -
     samples = {KERNEL_PATH: kernel_noise_sample(suite)}
     samples.update({f"config:{r.config}": spec_delta_sample(suite, r.config)
                     for r in result.configs if r.config != "baseline"})
-    np.savez(tmp / NOISE_FILE, **{k: v.astype(np.float32) for k, v in samples.items()})
+    write_checked_npz(tmp / NOISE_FILE, **{k: v.astype(np.float32) for k, v in samples.items()})
     meta = {"suite": suite.id, "engine": suite.meta["engine"], "corpus": suite.meta["corpus"],
             "identity": base.identity, "fingerprint": _fingerprint(base.identity, base.corpus_hash),
             "numerics": _numerics(base.identity),
             "noise": result.noise, "acceptance": acceptance,
             "checks": check_states(result),
             "logprob_noise": {k: summarize(v).to_dict() for k, v in samples.items()}}
-    (tmp / "golden.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
+    write_checked_text(tmp / "golden.json", json.dumps(meta, indent=1, ensure_ascii=False))
     if target.exists():
         shutil.rmtree(target)
     tmp.rename(target)
@@ -187,14 +187,35 @@ class GoldenCheck:
                 "(e.g. autotuning or thread count) can still flip near-tied argmaxes.")
 
 
+def _redo(path: Path) -> str:
+    return (f"restore {path} from version control, or record it again with `speccheck golden record "
+            "--force` (option --golden)")
+
+
+def _read_golden(path: Path) -> tuple[dict, RunRecord]:
+    """golden.json and the baseline run of a golden, each verified against its checksum (a
+    damaged or unsummed golden is an error, never a golden that is silently not there)."""
+    redo = _redo(path)
+    meta = load_checked_json(path / "golden.json", redo)
+    fp = meta.get("fingerprint") if isinstance(meta, dict) else None
+    if (not isinstance(fp, dict) or not all(isinstance(fp.get(k), (str, type(None)))
+                                            for k in ("model_hash", "tokenizer_hash", "corpus_hash"))
+            or not isinstance(meta.get("acceptance", {}), dict)
+            or not isinstance(meta.get("noise", 0.0), (int, float)) or isinstance(meta.get("noise"), bool)
+            or not isinstance(meta.get("numerics") or {}, dict)):
+        raise StoreError(f"{path / 'golden.json'}: not a golden record (fingerprint, acceptance, noise); "
+                         f"{redo}.")
+    return meta, read_run(path / "baseline", redo)
+
+
 def load_golden(suite: Suite, root: Path) -> tuple[Path, dict, RunRecord]:
     base = suite.load_run("baseline", 0)
     path = golden_dir(root, base.identity, suite.meta)
-    if not (path / "golden.json").exists():
+    if not (path / "golden.json").exists() and not (path / "golden.json").is_symlink():
         raise GoldenMismatch(f"no golden at {path} (option --golden); record one with "
                              "`speccheck golden record` after a clean `speccheck run`.")
-    meta = json.loads((path / "golden.json").read_text())
-    return path, meta, read_run(path / "baseline")
+    meta, gold = _read_golden(path)
+    return path, meta, gold
 
 
 def check(suite: Suite, root: Path, noise: float, policy, detok=None) -> GoldenCheck:
@@ -226,10 +247,11 @@ def check(suite: Suite, root: Path, noise: float, policy, detok=None) -> GoldenC
 
 
 def _noise_samples(path: Path) -> dict[str, np.ndarray]:
-    if not (path / NOISE_FILE).exists():
-        return {}
-    with np.load(path / NOISE_FILE, allow_pickle=False) as z:
-        return {k: z[k].astype(np.float64) for k in z.files}
+    """The golden's noise samples (verified); every golden has them, so a missing file is damage."""
+    samples = load_checked_npz(path / NOISE_FILE, _redo(path))
+    if any(v.ndim != 1 or not np.issubdtype(v.dtype, np.floating) for v in samples.values()):
+        raise StoreError(f"{path / NOISE_FILE}: not noise samples (1-d float arrays); {_redo(path)}.")
+    return {k: v.astype(np.float64) for k, v in samples.items()}
 
 
 def golden_noise(suite: Suite, root: Path) -> dict[str, np.ndarray] | None:
@@ -241,7 +263,7 @@ def golden_noise(suite: Suite, root: Path) -> dict[str, np.ndarray] | None:
     so there only today's own kernel-path noise judges the drift."""
     try:
         path, _, gold = load_golden(suite, root)
-    except (GoldenMismatch, FileNotFoundError, KeyError):
+    except GoldenMismatch:  # no golden here (a damaged one is an error: StoreError)
         return None
     if identity_changes(gold.identity, suite.load_run("baseline", 0).identity, PLATFORM_KEYS):
         return None
@@ -254,6 +276,6 @@ def golden_acceptance(suite: Suite, root: Path) -> dict[str, dict] | None:
     recorded since it existed) ``per_prompt`` {prompt id: [drafts, accepted, output digest]}."""
     try:
         _, meta, _ = load_golden(suite, root)
-    except (GoldenMismatch, FileNotFoundError, KeyError):
+    except GoldenMismatch:  # no golden here (a damaged one is an error: StoreError)
         return None
     return dict(meta.get("acceptance", {}))

@@ -19,6 +19,10 @@ class PlanError(ValueError):
     """An option that cannot make a plan (exit code 2)."""
 
 
+#: the largest numeric level an axis takes (requests at once; requests in one long-lived session)
+AXIS_LEVEL_MAX = {"concurrency": 4096, "long_lived": 100_000}
+
+
 def parse_axes(spec: str | None, supported: frozenset[str]) -> tuple[str, ...]:
     """``--axes``: "default" (every axis the engine runs, at its default levels), "none", or
     a comma list of axes, each optionally with levels (``concurrency=4+8+32``, ``long_lived=500``).
@@ -44,6 +48,10 @@ def parse_axes(spec: str | None, supported: frozenset[str]) -> tuple[str, ...]:
                 raise PlanError(f"--axes {item!r}: a level is a word or a number without '-', e.g. {name}=8.")
             if name in ("concurrency", "long_lived") and not level.isdigit():
                 raise PlanError(f"--axes {item!r}: the {name} levels are numbers of requests, e.g. {name}=8.")
+            if level.isdigit() and not 1 <= int(level) <= AXIS_LEVEL_MAX.get(name, 1 << 20):
+                raise PlanError(f"--axes {item!r}: level {level} is out of range: the {name} axis takes "
+                                f"1 to {AXIS_LEVEL_MAX.get(name, 1 << 20)} (requests at once, or in one "
+                                "session); a larger one would run for hours, not find more.")
             slots.append(axis_slot(name, level))
     return tuple(dict.fromkeys(slots))
 
@@ -186,7 +194,7 @@ ENGINE_ARG_HELP = (
     "sampling.NAME=value (SamplingParams), spec.NAME=value (extra speculative_config keys; the "
     "config itself comes from --method/--k/--draft), any other key a keyword argument of "
     "vllm.LLM (e.g. attention_backend, gpu_memory_utilization, max_model_len, dtype; JSON "
-    "values). openai: base_url, served_model, api_key_env, timeout, retries, backoff, "
+    "values). openai: base_url, served_model, api_key_env, timeout, deadline, retries, backoff, "
     "tokenizer, score_base_url.")
 
 def parse_attribute_with(items: Sequence[str], cls) -> dict[str, str]:
@@ -220,6 +228,11 @@ def make_plan(engine: str = "reference", model: str | None = None, draft: str | 
     args.update({key: v for key, v in server.items() if v is not None})
     # cheap errors first, before an engine (and torch) loads: the corpus, the engine's name,
     # the matrix's syntax
+    if max_tokens is not None and load_corpus(corpus, max_tokens).hash == load_corpus(corpus).hash:
+        raise PlanError(f"--max-tokens {max_tokens}: corpus {corpus} gives every prompt its own max_tokens, "
+                        "so the option would be ignored; it sets max_tokens for corpora whose prompts carry "
+                        "none (Spec-Bench's question.jsonl). Drop --max-tokens, or edit max_tokens in a copy "
+                        "of the corpus (`speccheck corpus show` lists them).")
     load_corpus(corpus)
     engine_class(engine)  # an unknown name: the one-paragraph error, before anything else
     build_matrix(methods, k, configs, offered=None, engine=engine)
@@ -239,11 +252,15 @@ def make_plan(engine: str = "reference", model: str | None = None, draft: str | 
             probe.close()
     matrix = build_matrix(methods, k, configs, offered=cls.methods, engine=engine,
                           default_k=default_k, draft=draft, include_baseline=not cls.serves_one_config)
+    paths = tuple(g.strip() for g in (attribution_paths or "").split(",") if g.strip())
+    if attribution_paths is not None and (not paths or no_attribution):
+        raise PlanError(f"--attribution-paths {attribution_paths!r}: "
+                        + ("--no-attribution turns attribution off, so it would be ignored; drop one of them."
+                           if no_attribution else "names no kernel path; give globs like 'decode*,verify*'."))
     return RunPlan(engine=engine, model=model, draft=draft, engine_args=args, corpus=corpus,
                    configs=matrix, repeats=repeats, top_k=top_k, attribute=not no_attribution,
                    concurrent=concurrent, attribute_with=parse_attribute_with(attribute_with, cls),
                    max_tokens=max_tokens, ignore_eos=ignore_eos,
-                   attribution_paths=tuple(g.strip() for g in (attribution_paths or "").split(",")
-                                           if g.strip()),
+                   attribution_paths=paths,
                    attribution_mode=attribution_mode, axes=parse_axes(axes, cls.axes),
                    axes_on=axes_on)

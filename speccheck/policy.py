@@ -70,11 +70,13 @@ def _coerce(spec: PolicyKey, value: object, source: str) -> object:
     where = f"{source}: policy key {key!r}"
     span = f"in [{lo:g}, {hi:g}]" if hi < math.inf else f">= {lo:g}"
     if isinstance(default, bool):
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
+        # a check is turned off by an explicit false/off, never by a 0 (a number is a threshold)
+        if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "on", "off"):
+            return value.strip().lower() in ("true", "yes", "on")
         if isinstance(value, bool):
             return value
-        raise PolicyError(f"{where} wants true or false, got {value!r}.")
+        raise PolicyError(f"{where} wants true or false (on/off), got {value!r}; a check is turned "
+                          "off with an explicit false, never with 0.")
     if isinstance(value, bool):
         raise PolicyError(f"{where} wants a {kind} {span}, got the boolean {value!r}.")
     try:
@@ -88,15 +90,57 @@ def _coerce(spec: PolicyKey, value: object, source: str) -> object:
     if not lo <= number <= hi:
         scale = " (a fraction: 0.98, not 98)" if hi == 1.0 else ""
         raise PolicyError(f"{where} must be {span}{scale}, got {value!r}.")
+    if key.endswith("_alpha") and number <= 0:
+        raise PolicyError(f"{where} is a significance level: it must be above 0{f' (at most {hi:g})' if hi < math.inf else ''}, got "
+                          f"{value!r}; at 0 no p-value is ever below it, which would turn the test off "
+                          "without saying so. Use a small alpha (e.g. 1e-6) for a stricter test, or "
+                          "the check's own floor or require_* switch to change what fails.")
     return int(number) if isinstance(default, int) else number
 
 
 def _read_toml(path: Path) -> dict:
     try:
-        return tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
+        if not path.is_file():
+            raise PolicyError(f"{path}: is not a regular file; pass a policy TOML file with --policy.")
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
         raise PolicyError(f"{path}: cannot read policy TOML ({e}); fix the file or pass another "
                           "with --policy.") from None
+
+
+def _table(data: object, where: str, path: Path) -> dict:
+    """The policy keys of one source: ``[policy]`` (or ``[tool.speccheck.policy]``) or the
+    table itself, never both; anything that is not a table is named, not skipped."""
+    if not isinstance(data, dict):
+        raise PolicyError(f"{path}: {where} is {data!r:.60}, not a table of policy keys; "
+                          "write it as a TOML table, e.g. [tool.speccheck] then min_token_agreement = 0.98.")
+    if "policy" not in data:
+        return data
+    if not isinstance(data["policy"], dict):
+        raise PolicyError(f"{path}: {where}.policy is {data['policy']!r:.60}, not a table of "
+                          "policy keys; write it as [policy] (or [tool.speccheck.policy]) with key = value lines.")
+    others = [k for k in data if k != "policy"]
+    if others:
+        raise PolicyError(f"{path}: {where} has both a policy table and keys beside it "
+                          f"({', '.join(map(repr, others))}); put every key in one of them.")
+    return data["policy"]
+
+
+def _section(data: dict, path: Path, pyproject: bool) -> dict:
+    """``[tool.speccheck]`` of a TOML file (a pyproject.toml must hold it there; a policy file
+    may, or hold its keys at the top)."""
+    tool = data.get("tool")
+    if tool is None:
+        return {} if pyproject else _table(data, "the file", path)
+    if not isinstance(tool, dict):
+        raise PolicyError(f"{path}: 'tool' is {tool!r:.60}, not a table (TOML's [tool.*] "
+                          "tables); fix the file.")
+    if "speccheck" not in tool:
+        if pyproject:
+            return {}
+        rest = {k: v for k, v in data.items() if k != "tool"}
+        return _table(rest, "the file", path)
+    return _table(tool["speccheck"], "[tool.speccheck]", path)
 
 
 def load_policy(policy_file: str | None = None, overrides: dict[str, str] | None = None,
@@ -105,14 +149,11 @@ def load_policy(policy_file: str | None = None, overrides: dict[str, str] | None
     policy = Policy()
     pyproject = cwd / "pyproject.toml"
     if pyproject.exists():
-        section = _read_toml(pyproject).get("tool", {}).get("speccheck", {})
-        policy = policy.with_overrides(section.get("policy", section) if isinstance(section, dict) else {},
+        policy = policy.with_overrides(_section(_read_toml(pyproject), pyproject, True),
                                        f"{pyproject} [tool.speccheck]")
     for path in ([cwd / "speccheck.toml"] if (cwd / "speccheck.toml").exists() else []) + \
             ([Path(policy_file)] if policy_file else []):
         if not path.exists():
             raise PolicyError(f"--policy {path}: no such file.")
-        data = _read_toml(path)
-        data = data.get("tool", {}).get("speccheck", data)
-        policy = policy.with_overrides(data.get("policy", data), str(path))
+        policy = policy.with_overrides(_section(_read_toml(path), path, False), str(path))
     return policy.with_overrides(overrides or {}, "--set")

@@ -74,8 +74,9 @@ def check_context(engine: Engine, corpus: Corpus) -> None:
         if n + p.max_tokens > limit:
             raise EngineUsageError(
                 f"{corpus.path}: prompt {p.id!r} is {n} tokens + max_tokens {p.max_tokens} = "
-                f"{n + p.max_tokens} positions, more than the {limit} the model holds; shorten the "
-                f"prompt or lower its max_tokens to at most {max(limit - n, 0)}.")
+                f"{n + p.max_tokens} positions, more than the {limit} the model holds; "
+                + (f"shorten the prompt or lower its max_tokens to at most {limit - n}." if n < limit else
+                   f"the prompt alone does not fit: shorten it to under {limit} tokens."))
 
 
 def run_one(engine: Engine, suite: Suite, corpus: Corpus, inputs: dict[str, np.ndarray],
@@ -171,6 +172,7 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
         raise
     try:
         check_context(engine, corpus)
+        check_attribution_paths(plan, engine)
         suite = open_planned()  # before any generation
     except BaseException:
         engine.close()
@@ -183,19 +185,21 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
                   for r in list(range(plan.repeats)) + ([TOGETHER] if plan.concurrent else [])]
         if plan.round_robin:  # stable: configs keep their order within a round
             wanted.sort(key=lambda cr: cr[1] if cr[1] >= 0 else plan.repeats)
+        def is_fresh(repeat: int) -> bool:
+            return (plan.fresh_process_repeat and plan.repeats > 1 and repeat == plan.repeats - 1
+                    and not engine.fresh_process_per_config)
+
+        # a stored repeat that should have run in a fresh process but did not (a sweep's) is run again
         todo = [(c, r) for c, r in wanted
                 if not (suite.is_complete(c.name, r)
                         and weights_fingerprint(suite.run_identity(c.name, r)) == current
-                        and (r >= 0 or suite.load_together(c.name).copies == plan.concurrent))]
+                        and (r >= 0 or suite.load_together(c.name).copies == plan.concurrent)
+                        and (not is_fresh(r) or suite.run_manifest(c.name, r).get("fresh_process")))]
         done = len(wanted) - len(todo)
         together = f" + all at once x{plan.concurrent}" if plan.concurrent else ""
         log(f"suite {suite.id}: {len(plan.configs)} configs x {plan.repeats} repeats{together} "
             f"on corpus {corpus.name} ({len(corpus.prompts)} prompts); {done} already stored, "
             f"{len(todo)} to run")
-
-        def is_fresh(repeat: int) -> bool:
-            return (plan.fresh_process_repeat and plan.repeats > 1 and repeat == plan.repeats - 1
-                    and not engine.fresh_process_per_config)
 
         def in_process(config: SpecConfig, repeat: int) -> RunRecord:
             return run_one(engine, suite, corpus, inputs, config, repeat, plan.top_k,
@@ -592,6 +596,21 @@ def _tpi(counters) -> str:
 
 
 # --- kernel-path attribution -------------------------------------------------------------------
+
+def check_attribution_paths(plan: RunPlan, engine: Engine) -> None:
+    """Every ``--attribution-paths`` glob must match a kernel path the engine offers, said before
+    anything runs (a typo would otherwise attribute with nothing, minutes later)."""
+    spec = [c for c in plan.configs if not c.is_baseline]
+    if not (plan.attribute and plan.attribution_paths and spec):
+        return
+    labels = list((engine.rerun_variants(spec, None) if plan.attribution_mode == "rerun"
+                   else engine.attribution_variants(spec, None))) + list(plan.attribute_with)
+    unmatched = [g for g in plan.attribution_paths if not any(fnmatch.fnmatchcase(x, g) for x in labels)]
+    if unmatched:
+        raise EngineUsageError(f"--attribution-paths: {', '.join(map(repr, unmatched))} matches no kernel path "
+                               f"of the {plan.engine} engine; it offers: {'; '.join(labels) or 'none'}. "
+                               "Give globs of those labels (e.g. 'gdn=*'), or drop the option.")
+
 
 def select_paths(variants: dict[str, dict[str, str]], globs: Sequence[str],
                  log: Log = _print) -> dict[str, dict[str, str]]:

@@ -27,7 +27,7 @@ from speccheck.checks import names as check_names
 from speccheck.evaluate import evaluate_suite
 from speccheck.policy import Policy
 from speccheck.plan import RunPlan
-from speccheck.runner import open_suite, replay_configs, rescore_suite, run_one
+from speccheck.runner import check_context, open_suite, replay_configs, rescore_suite, run_one
 from speccheck.store import Store, Suite
 from speccheck.types import SpecConfig
 
@@ -229,6 +229,7 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
         return corpora[name]
 
     corp, _ = corpus_of(corpus)
+    check_context(engine, corp)  # a prompt past the model's positions: refused before any run
     with tempfile.TemporaryDirectory(prefix="speccheck-selftest-") as tmp:
         store = Store(store_dir or tmp)
         bases: dict[str, tuple] = {}

@@ -20,7 +20,9 @@ Endpoints (shapes as in vLLM's ``entrypoints/openai`` protocol):
   POST /tokenize, /detokenize  vLLM's extensions
 
 Requests run one at a time (a lock) so results and timings do not depend on concurrency.
-Standard library ``http.server`` only: no web framework to install.
+HTTP is starlette on uvicorn, the stack vLLM's OpenAI server runs on (the ``serve`` extra:
+``pip install 'speccheck[serve]'``); a malformed request -- an unparsable ``Content-Length``,
+a body that is not JSON, a field of the wrong type -- is a 4xx with a JSON error body.
 """
 from __future__ import annotations
 
@@ -32,7 +34,6 @@ import threading
 import time
 import uuid
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -163,6 +164,10 @@ class ServeState:
     def tokenize(self, body: dict) -> dict:
         self._check_model(body)
         if isinstance(body.get("messages"), list):
+            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in body["messages"]):
+                raise RequestError(HTTPStatus.BAD_REQUEST, "`messages` must be a list of objects with "
+                                   "string `role` and `content`", "messages")
             prompt = self._prompt_from_text(messages=body["messages"])
         elif isinstance(body.get("prompt"), str):
             prompt = self._prompt_from_text(text=body["prompt"])
@@ -183,6 +188,7 @@ class ServeState:
             raise RequestError(HTTPStatus.BAD_REQUEST, "field `tokens` must be a list of "
                                "non-negative token ids", "tokens")
         with self.lock:
+            self._check_vocabulary(tokens)
             return {"prompt": self.engine.detokenize(tokens)}
 
     def completions(self, body: dict, stream: "SSEStream | None" = None) -> dict | None:
@@ -201,6 +207,7 @@ class ServeState:
             with self.lock:
                 ids = (prompt if isinstance(prompt, list) else
                        [int(t) for t in self.engine.tokenize(self._prompt_from_text(prompt))])
+                self._check_vocabulary(ids)
                 if len(ids) + req["max_tokens"] > self.max_model_len:
                     raise RequestError(HTTPStatus.BAD_REQUEST, f"This model's maximum context "
                                        f"length is {self.max_model_len} tokens; the request "
@@ -219,6 +226,16 @@ class ServeState:
             stream.done()
             return None
         return {**head, "choices": choices, "usage": usage}
+
+    def _check_vocabulary(self, ids: list[int]) -> None:
+        """Token ids the model has (where the engine knows its tokens): an id past the
+        vocabulary is the client's mistake, a 400, not an engine failure."""
+        if self.engine.token_bytes(0) is None:
+            return
+        bad = next((t for t in ids if self.engine.token_bytes(t) is None), None)
+        if bad is not None:
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"token id {bad} is not in the model's vocabulary",
+                               "prompt")
 
     def _complete_one(self, index: int, ids: list[int], req: dict,
                       send: Callable[[dict], None] | None = None) -> tuple[dict, int]:
@@ -350,7 +367,7 @@ def _parse_completion_request(body: dict) -> dict:
         raise bad("field `prompt` must be a non-empty string, a list of token ids, or a list "
                   "of either", "prompt")
     temperature = body.get("temperature")
-    if temperature is None or float(temperature) != 0.0:
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature != 0.0:
         raise bad(f"speccheck serve decodes greedily only: send \"temperature\": 0 (got "
                   f"{temperature!r}; vLLM's default when absent is 1.0)", "temperature")
     for field, ok in (("echo", False), ("use_beam_search", False)):
@@ -368,7 +385,7 @@ def _parse_completion_request(body: dict) -> dict:
         raise bad("`n` must be 1 (greedy decoding gives one answer)", "n")
     max_tokens = body.get("max_tokens")
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    if not isinstance(max_tokens, int) or max_tokens < 1:
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise bad("`max_tokens` must be a positive integer", "max_tokens")
     out = {"prompts": prompts, "max_tokens": max_tokens, "stream": bool(stream),
            "include_usage": bool((options or {}).get("include_usage"))}
@@ -388,41 +405,21 @@ def _parse_completion_request(body: dict) -> dict:
 
 
 class SSEStream:
-    """A server-sent-event answer on one HTTP/1.1 connection (chunked transfer encoding, as
-    vLLM's StreamingResponse): ``data: {json}`` events, then ``data: [DONE]``. The status
-    line goes out with the first event, so a request refused before any token is a plain
-    JSON error. A client that hangs up is let go: the rest is dropped, generation goes on."""
+    """A server-sent-event answer (``data: {json}`` events, then ``data: [DONE]``), written
+    from the engine's thread and sent by the ASGI server as each event is made. Nothing is
+    sent before the first event, so a request refused before any token is a plain JSON error;
+    a client that hangs up is let go: the rest is dropped, generation goes on."""
 
-    def __init__(self, handler: BaseHTTPRequestHandler) -> None:
-        self.handler = handler
+    def __init__(self, put: Callable[[tuple[str, Any]], None]) -> None:
+        self._put = put
         self.started = False
-        self.gone = False
-
-    def _write(self, payload: bytes) -> None:
-        if self.gone:
-            return
-        h = self.handler
-        try:
-            if not self.started:
-                self.started = True
-                h.send_response(HTTPStatus.OK)
-                h.send_header("Content-Type", "text/event-stream; charset=utf-8")
-                h.send_header("Cache-Control", "no-cache")
-                h.send_header("Transfer-Encoding", "chunked")
-                h.end_headers()
-            if payload:
-                h.wfile.write(b"%X\r\n%s\r\n" % (len(payload), payload))
-            h.wfile.flush()
-        except OSError:  # the client went away
-            self.gone = True
-            h.close_connection = True
 
     def event(self, obj: Any) -> None:
-        self._write(f"data: {json.dumps(obj)}\n\n".encode())
+        self.started = True
+        self._put(("data", f"data: {json.dumps(obj)}\n\n".encode()))
 
     def done(self) -> None:
-        self._write(b"data: [DONE]\n\n")
-        self._write_end()
+        self._put(("data", b"data: [DONE]\n\n"))
 
     def fail(self, status: HTTPStatus, message: str) -> None:
         """vLLM's way to report a failure once streaming began: an error event, then [DONE]."""
@@ -430,113 +427,220 @@ class SSEStream:
                               "param": None, "code": int(status)}})
         self.done()
 
-    def _write_end(self) -> None:
-        if not self.gone:
-            try:
-                self.handler.wfile.write(b"0\r\n\r\n")
-                self.handler.wfile.flush()
-            except OSError:
-                self.gone = True
-                self.handler.close_connection = True
+
+#: the largest request body read (vLLM's requests are token ids: a few MiB at most)
+MAX_BODY_BYTES = 32 << 20
+SERVE_EXTRA = ("`speccheck serve` runs on starlette and uvicorn (the stack vLLM's OpenAI server uses), "
+               "which this installation lacks: pip install 'speccheck[serve]'")
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: the client reuses one connection
-    server: "SpeccheckHTTPServer"
+class ServeUnavailable(EngineUsageError):
+    """The serve extra (starlette, uvicorn) is not installed (exit code 2)."""
 
-    def log_message(self, format: str, *args: Any) -> None:  # request lines only, and quiet
-        if self.server.verbose:
-            super().log_message(format, *args)
 
-    def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+def _stack():
+    """starlette and uvicorn, or ServeUnavailable saying how to install them."""
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ServeUnavailable(f"{SERVE_EXTRA} ({e}).") from None
 
-    def _json(self, status: int, obj: Any) -> None:
-        self._send(status, json.dumps(obj).encode())
 
-    def _error(self, status: HTTPStatus, message: str, param: str | None = None) -> None:
-        self._json(status, {"error": {"message": message, "type": status.phrase.replace(" ", ""),
-                                      "param": param, "code": int(status)}})
+def _error_body(status: HTTPStatus, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": status.phrase.replace(" ", ""), "param": param,
+                      "code": int(status)}}
 
-    def _dispatch(self, method: str) -> None:
-        state = self.server.state
-        path = self.path.split("?", 1)[0]
-        body: dict = {}
-        if method == "POST":
-            n = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(n) if n else b""
-        if not state.authorized(path, self.headers.get("Authorization")):
-            self._json(HTTPStatus.UNAUTHORIZED, {"error": "Unauthorized"})  # vLLM's exact body
-            return
-        routes: dict[tuple[str, str], Callable[[dict], Any]] = {
-            ("GET", "/version"): lambda b: state.version(),
-            ("GET", "/v1/models"): lambda b: state.models(),
-            ("POST", "/v1/completions"): state.completions,
-            ("POST", "/tokenize"): state.tokenize,
-            ("POST", "/detokenize"): state.detokenize,
-        }
-        stream: SSEStream | None = None
+
+def build_app(state: ServeState):
+    """The ASGI application: vLLM's endpoints over ``state``. Every answer is JSON (or
+    Prometheus text, or an SSE stream); a malformed request is a 4xx with an OpenAI-style
+    error body, an engine failure a 500 with its message, never a traceback."""
+    _stack()
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect, Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    def error(status: HTTPStatus, message: str, param: str | None = None) -> JSONResponse:
+        return JSONResponse(_error_body(status, message, param), status_code=int(status))
+
+    async def read_json(request: Request) -> dict:
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                                   f"request body over {MAX_BODY_BYTES >> 20} MiB")
         try:
-            if method == "GET" and path in ("/health", "/ping"):
-                self._send(HTTPStatus.OK, b"")
-                return
-            if method == "GET" and path == "/metrics":
-                self._send(HTTPStatus.OK, state.metrics.text(), CONTENT_TYPE_LATEST)
-                return
-            fn = routes.get((method, path))
-            if fn is None:
-                self._json(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})  # FastAPI's body
-                return
-            if method == "POST":
-                try:
-                    body = json.loads(raw or b"{}")
-                except ValueError as e:
-                    raise RequestError(HTTPStatus.BAD_REQUEST, f"request body is not JSON: {e}")
-                if not isinstance(body, dict):
-                    raise RequestError(HTTPStatus.BAD_REQUEST, "request body must be an object")
-            if path == "/v1/completions" and body.get("stream") is True:
-                stream = SSEStream(self)
+            body = json.loads(bytes(raw) or b"{}")
+        except (ValueError, RecursionError) as e:
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"request body is not JSON: {str(e)[:200]}") from None
+        if not isinstance(body, dict):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "request body must be an object")
+        return body
+
+    def endpoint(method: str, fn: Callable[[dict], Any]):
+        async def handle(request: Request) -> Response:
+            if not state.authorized(request.url.path, request.headers.get("authorization")):
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)  # vLLM's exact body
+            try:
+                body = await read_json(request) if method == "POST" else {}
+                if request.url.path == "/v1/completions" and body.get("stream") is True:
+                    return await stream_completion(body)
+                return JSONResponse(await run_in_threadpool(fn, body))
+            except ClientDisconnect:
+                return Response(status_code=400)  # nobody is left to read it
+            except RequestError as e:
+                return error(e.status, str(e), e.param)
+            except EngineUsageError as e:
+                return error(HTTPStatus.BAD_REQUEST, str(e))
+            except Exception as e:  # noqa: BLE001 - the engine failed: a 500 like vLLM's
+                return error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}")
+        return handle
+
+    async def stream_completion(body: dict) -> Response:
+        """The engine runs on a thread of its own and hands each event over as it is made;
+        the first item decides between an SSE stream and a plain error."""
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(items.put_nowait, item)
+            except RuntimeError:  # the server is shutting down: nobody reads any more
+                pass
+
+        stream = SSEStream(put)
+
+        def work() -> None:
+            try:
                 state.completions(body, stream)
-                return
-            self._json(HTTPStatus.OK, fn(body))
-        except RequestError as e:
-            self._fail(stream, e.status, str(e), e.param)
-        except EngineUsageError as e:
-            self._fail(stream, HTTPStatus.BAD_REQUEST, str(e))
-        except Exception as e:  # the engine failed: a 500 like vLLM's, message included
-            self._fail(stream, HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}")
+            except BaseException as e:  # noqa: BLE001 - said to the client below
+                put(("error", e))
+            finally:
+                put(("end", None))
 
-    def _fail(self, stream: SSEStream | None, status: HTTPStatus, message: str,
-              param: str | None = None) -> None:
-        if stream is not None and stream.started:
-            stream.fail(status, message)
-        else:
-            self._error(status, message, param)
+        threading.Thread(target=work, name="speccheck-serve-stream", daemon=True).start()
+        first = await items.get()
+        if first[0] == "error":
+            e = first[1]
+            if isinstance(e, RequestError):
+                return error(e.status, str(e), e.param)
+            if isinstance(e, EngineUsageError):
+                return error(HTTPStatus.BAD_REQUEST, str(e))
+            return error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}")
 
-    def do_GET(self) -> None:
-        self._dispatch("GET")
+        async def events():
+            item = first
+            while item[0] != "end":
+                if item[0] == "data":
+                    yield item[1]
+                else:  # a failure once streaming began: vLLM's error event, then [DONE]
+                    e = item[1]
+                    status = (e.status if isinstance(e, RequestError) else HTTPStatus.BAD_REQUEST
+                              if isinstance(e, EngineUsageError) else HTTPStatus.INTERNAL_SERVER_ERROR)
+                    yield f"data: {json.dumps(_error_body(status, f'{type(e).__name__}: {e}'))}\n\n".encode()
+                    yield b"data: [DONE]\n\n"
+                item = await items.get()
 
-    def do_POST(self) -> None:
-        self._dispatch("POST")
+        return StreamingResponse(events(), media_type="text/event-stream; charset=utf-8",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def not_found(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 404:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)  # FastAPI's body
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+    routes = [
+        Route("/health", health, methods=["GET"]), Route("/ping", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", endpoint("GET", lambda b: state.version()), methods=["GET"]),
+        Route("/v1/models", endpoint("GET", lambda b: state.models()), methods=["GET"]),
+        Route("/v1/completions", endpoint("POST", state.completions), methods=["POST"]),
+        Route("/tokenize", endpoint("POST", state.tokenize), methods=["POST"]),
+        Route("/detokenize", endpoint("POST", state.detokenize), methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
 
 
-class SpeccheckHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+def _protocol():
+    """uvicorn's h11 protocol, answering what it cannot parse (``Content-Length: abc``, a
+    broken request line) with a JSON error like every other answer, not plain text."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    def __init__(self, addr: tuple[str, int], state: ServeState, verbose: bool = False):
+    class JSONErrorsH11(H11Protocol):
+        def send_400_response(self, msg: str) -> None:
+            import h11
+
+            body = json.dumps(_error_body(HTTPStatus.BAD_REQUEST, f"{msg} (malformed HTTP request)")).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            try:
+                self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers,
+                                                                 reason=b"Bad Request")))
+                self.transport.write(self.conn.send(h11.Data(data=body)))
+                self.transport.write(self.conn.send(h11.EndOfMessage()))
+            except h11.LocalProtocolError:  # the state machine cannot answer any more: just close
+                pass
+            self.transport.close()
+
+    return JSONErrorsH11
+
+
+class SpeccheckServer:
+    """The bound socket, the ASGI app on it and the uvicorn server that runs it."""
+
+    def __init__(self, sock, state: ServeState, verbose: bool = False) -> None:
+        import uvicorn
+
+        self.sock = sock
         self.state = state
-        self.verbose = verbose
-        super().__init__(addr, _Handler)
+        self.app = build_app(state)
+        config = uvicorn.Config(self.app, http=_protocol(), lifespan="off", access_log=verbose,
+                                log_level="info" if verbose else "error",
+                                log_config=uvicorn.config.LOGGING_CONFIG if verbose else None,
+                                timeout_graceful_shutdown=2, timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
 
     @property
     def base_url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        host, port = self.sock.getsockname()[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def serve_forever(self) -> None:
+        self.server.run(sockets=[self.sock])
+
+    def shutdown(self) -> None:
+        self.server.should_exit = True
+
+    def server_close(self) -> None:
+        self.sock.close()
+
+
+def _listen(host: str, port: int):
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)  # connections made before the loop runs wait in the backlog
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _config(method: str, k: int | None, engine: Engine) -> SpecConfig:
@@ -575,19 +679,21 @@ def build_server(host: str = "127.0.0.1", port: int = 8000, method: str = "basel
                  k: int | None = None, api_key_env: str | None = None,
                  engine_args: dict | None = None, model: str | None = None, *,
                  engine: Engine | None = None, engine_name: str = "reference",
-                 served_model: str | None = None, verbose: bool = False) -> SpeccheckHTTPServer:
+                 served_model: str | None = None, verbose: bool = False) -> SpeccheckServer:
     """Load the engine and bind (port 0 picks a free port); does not start serving."""
+    _stack()  # before the engine loads: a missing extra is said at once
     if engine is None:
         from speccheck.engines import make_engine
         engine = make_engine(engine_name, model, engine_args)
     config = _config(method, k, engine)
     name = served_model or model or f"speccheck-{engine_name}"
-    state = ServeState(engine, config, name, _api_key(api_key_env))
+    state = ServeState(engine, config, name, _api_key(api_key_env), engine.max_positions() or 32768)
     try:
-        return SpeccheckHTTPServer((host, port), state, verbose)
-    except OSError as e:
-        raise EngineUsageError(f"cannot listen on {host}:{port} ({e.strerror or e}): choose "
-                               "another --port or --host") from None
+        sock = _listen(host, port)
+    except (OSError, OverflowError) as e:
+        raise EngineUsageError(f"cannot listen on {host}:{port} ({getattr(e, 'strerror', None) or e}): "
+                               "choose another --port or --host") from None
+    return SpeccheckServer(sock, state, verbose)
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, method: str = "baseline",
@@ -603,7 +709,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, method: str = "baseline",
         print(f"warning: listening on {host} without --api-key-env: anyone who can reach "
               "this address can use it", flush=True)
     try:
-        server.serve_forever()
+        server.serve_forever()  # uvicorn stops on Ctrl-C / SIGTERM, then raises the signal again
     except KeyboardInterrupt:
         pass
     finally:
@@ -619,14 +725,16 @@ def start_server_in_thread(method: str = "baseline", k: int | None = None,
     """Start a server on a background thread (free port by default): (base_url, stop)."""
     server = build_server(host, port, method, k, api_key_env, engine_args, model,
                           engine=engine, served_model=served_model)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                              name="speccheck-serve", daemon=True)
+    thread = threading.Thread(target=server.serve_forever, name="speccheck-serve", daemon=True)
     thread.start()
+    deadline = time.monotonic() + 30
+    while not server.server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
     def stop() -> None:
         server.shutdown()
+        thread.join(timeout=10)
         server.server_close()
-        thread.join(timeout=5)
 
     return server.base_url, stop
 
@@ -643,5 +751,5 @@ def running_server(method: str = "baseline", k: int | None = None,
         stop()
 
 
-__all__ = ["serve", "build_server", "start_server_in_thread", "running_server",
-           "SpeccheckHTTPServer", "ServeState", "SSEStream"]
+__all__ = ["serve", "build_server", "build_app", "start_server_in_thread", "running_server",
+           "SpeccheckServer", "ServeState", "SSEStream", "ServeUnavailable"]

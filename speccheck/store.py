@@ -14,8 +14,12 @@ Layout::
 
 A run directory is complete iff its manifest says ``"complete": true`` and the files it lists
 (size and sha256) are there unchanged; it is written in a temporary sibling and renamed into
-place, so a crash never leaves a half run that looks finished. Every other stored file has a
-``<file>.sha256`` sidecar, checked on every read; stores written before sums existed still load.
+place, so a crash never leaves a half run that looks finished. Every file the store reads
+(manifests, plans, LATEST included) has a ``<file>.sha256`` sidecar, checked on every read; a
+missing sidecar is damage, never "unknown" (stores written before sums existed are redone).
+Only regular files are opened: a symlink, FIFO or device where a stored file belongs is named
+as damage before anything could block on it, and every entry under ``runs/`` must be one
+speccheck writes (hidden names: temporary leftovers of a crash, skipped).
 Arrays are plain ``.npz`` read with ``allow_pickle=False``; nothing is unpickled. Writers take
 the store lock (``<store>/lock``: the holder's pid, released by the kernel when it dies).
 A suite is keyed by what produced it (engine, model, draft, engine args, corpus, ignore_eos),
@@ -35,6 +39,7 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import tempfile
 import zipfile
 from dataclasses import dataclass, field, fields
@@ -68,9 +73,31 @@ def suite_id(engine: str, model: str | None, draft: str | None, engine_args: dic
 _SUMS: dict[tuple, dict] = {}  # (path, mtime_ns, size, inode) -> sum: each file hashed once per process
 
 
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "file"), (stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def regular_file(path: Path, redo: str = "") -> os.stat_result:
+    """``path``'s stat if it is a regular file (not followed through a symlink); anything else
+    is damage, said before it is opened (a FIFO would block the read forever)."""
+    redo = redo or _REDO_DEFAULT
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise StoreError(f"{path}: missing or unreadable ({e.strerror or e}); {redo}.") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise StoreError(f"{path}: is a {_kind(st.st_mode)}, not a file speccheck wrote; the store is "
+                         f"damaged: remove it, then {redo}.")
+    return st
+
+
 def file_sum(path: Path) -> dict:
     """Size and sha256 of a stored file, as manifests and sidecars list them."""
-    st = path.stat()
+    st = regular_file(path)
     key = (str(path), st.st_mtime_ns, st.st_size, st.st_ino)
     if key not in _SUMS:
         _SUMS[key] = _hash_file(path)
@@ -134,9 +161,11 @@ _REDO_DEFAULT = "delete it and `speccheck run` again with the same options to re
 
 def verify_file(path: Path, want: dict | None, redo: str = _REDO_DEFAULT) -> None:
     """A stored file must still have the size and sha256 recorded when it was written
-    (``want`` None: written before sums existed, accepted as it is)."""
+    (``want`` None: no sum recorded, which is damage)."""
     if want is None:
-        return
+        raise StoreError(f"{path}: no checksum is recorded for it, so it cannot be verified; the store is "
+                         f"damaged (or was written by a speccheck from before checksums): {redo}.")
+    regular_file(path, redo)
     try:
         have = file_sum(path)
     except OSError as e:
@@ -147,18 +176,24 @@ def verify_file(path: Path, want: dict | None, redo: str = _REDO_DEFAULT) -> Non
                          f"damaged; {redo}.")
 
 
-def _sidecar_sum(path: Path, redo: str) -> dict | None:
+def _sidecar_sum(path: Path, redo: str) -> dict:
     side = _sidecar(path)
-    if not side.exists():
-        return None
+    if not os.path.lexists(side):
+        regular_file(path, redo)  # a missing file is said as missing, before its sum
+        raise StoreError(f"{side}: missing, so {path.name} cannot be verified; a missing checksum is "
+                         f"damage: {redo}.")
     data = _load_json(side, redo)
     if not isinstance(data, dict) or not isinstance(data.get("size"), int) or not isinstance(data.get("sha256"), str):
         raise StoreError(f"{side}: not a size/sha256 record; {redo}.")
     return data
 
 
-def _load_npz(path: Path, redo: str = _REDO_DEFAULT, keys: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
-    verify_file(path, _sidecar_sum(path, redo), redo)
+def _load_npz(path: Path, redo: str = _REDO_DEFAULT, keys: tuple[str, ...] = (),
+              verified: bool = False) -> dict[str, np.ndarray]:
+    """Stored arrays, their sidecar's sum checked first (``verified``: the caller checked the
+    sum a manifest lists)."""
+    if not verified:
+        verify_file(path, _sidecar_sum(path, redo), redo)
     try:
         with np.load(path, allow_pickle=False) as z:
             out = {k: z[k] for k in z.files}
@@ -172,9 +207,10 @@ def _load_npz(path: Path, redo: str = _REDO_DEFAULT, keys: tuple[str, ...] = ())
 
 
 def _load_json(path: Path, redo: str = _REDO_DEFAULT):
+    regular_file(path, redo)
     try:
         return json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise StoreError(f"{path}: cannot read JSON ({e}); {redo}; nothing else in the store is "
                          "affected.") from None
 
@@ -182,6 +218,13 @@ def _load_json(path: Path, redo: str = _REDO_DEFAULT):
 def _load_checked_json(path: Path, redo: str = _REDO_DEFAULT):
     verify_file(path, _sidecar_sum(path, redo), redo)
     return _load_json(path, redo)
+
+
+# the checked readers and writers, for other folders in the store's format (the golden)
+load_checked_json = _load_checked_json
+load_checked_npz = _load_npz
+write_checked_text = _atomic_write_text
+write_checked_npz = _atomic_write_npz
 
 
 #: what a run manifest must hold (key -> accepted types); anything else is a damaged store
@@ -243,10 +286,45 @@ def _plan_problem(plan) -> str | None:
         problem = _schema_problem(want, _PLAN_CONFIG_SCHEMA, f"config {name!r}")
         if problem:
             return problem
+        if not 1 <= want["repeats"] <= 100 or not 0 <= want["concurrent"] <= 64:
+            return f"config {name!r} plans {want['repeats']} repeats and {want['concurrent']} copies at once"
+        if not isinstance(want.get("axes", []), list) or not all(isinstance(a, str) for a in want.get("axes", [])):
+            return f"config {name!r}: 'axes' is not a list of axis slots"
         present = {key: types for key, types in _PLAN_CONFIG_OPTIONAL.items() if key in want}
         problem = _schema_problem(want, present, f"config {name!r}")
         if problem:
             return problem
+    return None
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 53
+
+
+def _seconds(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1e9  # a NaN fails too
+
+
+def _completion_problem(c: dict, i: int) -> str | None:
+    """What a completion's numbers cannot be: negative, NaN or infinite times, counters that
+    are not counts (each would be judged as a measurement)."""
+    for key in ("ttft_s", "decode_s"):
+        if not _seconds(c[key]):
+            return f"completion {i}: {key!r} is {c[key]!r}, not a number of seconds"
+    if c.get("decode_cpu_s") is not None and not _seconds(c["decode_cpu_s"]):
+        return f"completion {i}: 'decode_cpu_s' is {c['decode_cpu_s']!r}, not a number of seconds"
+    spec = c["spec"]
+    if spec:
+        bad = [k for k in ("drafts", "draft_tokens", "accepted_tokens") if not _count(spec.get(k, 0))]
+        if spec.get("iterations") is not None and not _count(spec["iterations"]):
+            bad.append("iterations")
+        if spec.get("draft_s") is not None and not _seconds(spec["draft_s"]):
+            bad.append("draft_s")
+        per_pos = spec.get("accepted_per_pos", [])
+        if not isinstance(per_pos, list) or not all(_count(n) for n in per_pos):
+            bad.append("accepted_per_pos")
+        if bad:
+            return f"completion {i}: spec counters {', '.join(bad)} are not counts"
     return None
 
 
@@ -258,12 +336,20 @@ def manifest_problem(m) -> str | None:
     cfg = m["config"]
     if not isinstance(cfg.get("method"), str) or not isinstance(cfg.get("k"), int):
         return "the manifest's config lacks method/k"
+    seen: set[str] = set()
     for i, c in enumerate(m["completions"]):
-        problem = _schema_problem(c, _COMPLETION_SCHEMA, f"completion {i}")
+        problem = _schema_problem(c, _COMPLETION_SCHEMA, f"completion {i}") or _completion_problem(c, i)
         if problem:
             return problem
+        if c["prompt_id"] in seen and not m.get("copies"):  # a run all at once holds each prompt N times
+            return f"completion {i} repeats prompt {c['prompt_id']!r}"
+        seen.add(c["prompt_id"])
+    if not _seconds(m.get("wall_s", 0.0)) or not _count(m.get("copies", 0)):
+        return f"the manifest's wall_s {m.get('wall_s')!r} or copies {m.get('copies')!r} is not a measurement"
     files = m.get("files")
-    if files is not None and not (isinstance(files, dict) and all(
+    if files is None:
+        return "the manifest lists no file checksums"
+    if not (isinstance(files, dict) and all(
             isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
             for v in files.values())):
         return "the manifest's file list is malformed"
@@ -310,15 +396,21 @@ _COUNTER_FIELDS = frozenset(f.name for f in fields(SpecCounters))
 
 
 def read_manifest(d: Path, redo: str = _REDO_DEFAULT) -> dict:
-    """A run's manifest, schema-checked, and its listed files verified (size and sha256)."""
-    m = _load_json(d / "manifest.json", redo)
+    """A run's manifest, verified against its sidecar and schema-checked, and its listed files
+    verified (size and sha256)."""
+    m = _load_checked_json(d / "manifest.json", redo)
     if isinstance(m, dict) and m.get("format") != FORMAT_VERSION:
         raise StoreError(f"{d}: store format {m.get('format')} is not {FORMAT_VERSION}; "
                          "re-run with this speccheck version into a fresh --store.")
     problem = manifest_problem(m)
     if problem:
         raise StoreError(f"{d / 'manifest.json'}: {problem}; the store is damaged: {redo}.")
-    for name, want in (m.get("files") or {}).items():
+    if m["completions"] and "arrays.npz" not in m["files"]:
+        raise StoreError(f"{d / 'manifest.json'}: lists no checksum for arrays.npz; the store is damaged: {redo}.")
+    for name, want in m["files"].items():
+        if "/" in name or name.startswith(".") or name in ("manifest.json", "manifest.json.sha256"):
+            raise StoreError(f"{d / 'manifest.json'}: lists {name!r}, not a file of a run; the store is "
+                             f"damaged: {redo}.")
         verify_file(d / name, want, redo)
     return m
 
@@ -330,7 +422,7 @@ def read_run(d: Path, redo: str = _REDO_DEFAULT, manifest: dict | None = None) -
     comps: list[Completion] = []
     try:
         if m["completions"]:
-            a = _load_npz(d / "arrays.npz", redo, _RUN_ARRAYS)
+            a = _load_npz(d / "arrays.npz", redo, _RUN_ARRAYS, verified=True)
             pids = _unragged(a["prompt_ids"], a["prompt_offsets"])
             off = a["offsets"]
             n = len(m["completions"])
@@ -398,9 +490,12 @@ class Suite:
         path = self.root / "suite.json"
         m = self._read_once("json", (path, _sidecar(path)), lambda: _load_checked_json(
             path, "run `speccheck run` again into a fresh --store"))
-        if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("engine", "corpus", "corpus_hash")):
-            raise StoreError(f"{self.root / 'suite.json'}: lacks engine/corpus/corpus_hash; the suite is "
-                             "damaged: run `speccheck run` again into a fresh --store.")
+        if (not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("engine", "corpus", "corpus_hash"))
+                or not isinstance(m.get("engine_args") or {}, dict)
+                or not all(isinstance(m.get(k), (str, type(None))) for k in ("model", "draft"))):
+            raise StoreError(f"{self.root / 'suite.json'}: lacks engine/corpus/corpus_hash (strings), or its "
+                             "engine_args/model/draft are of the wrong type; the suite is damaged: run "
+                             "`speccheck run` again into a fresh --store.")
         return m
 
     def redo_hint(self, config_name: str | None = None, what: str = "that part") -> str:
@@ -445,14 +540,25 @@ class Suite:
         except StoreError:
             return False
 
-    def _run_files(self, config_name: str, repeat: int) -> tuple[Path, Path]:
+    def _run_files(self, config_name: str, repeat: int) -> tuple[Path, Path, Path]:
         d = self.run_dir(config_name, repeat)
-        return d / "manifest.json", d / "arrays.npz"
+        return d / "manifest.json", _sidecar(d / "manifest.json"), d / "arrays.npz"
 
     def _manifest(self, config_name: str, repeat: int, redo: str | None = None) -> dict:
         """read_manifest of that run, once while its files are unchanged."""
         return self._read_once("manifest", self._run_files(config_name, repeat), lambda: read_manifest(
             self.run_dir(config_name, repeat), redo or self._redo_run(config_name, repeat)))
+
+    def run_manifest(self, config_name: str, repeat: int) -> dict:
+        """A stored run's manifest (verified; StoreError when damaged)."""
+        return self._manifest(config_name, repeat)
+
+    def check_run(self, config_name: str, repeat: int) -> bool:
+        """Whether a run is stored and complete; a damaged one is a StoreError, not False
+        (for the commands that must not skip what they cannot read)."""
+        if not os.path.lexists(self.run_dir(config_name, repeat) / "manifest.json"):
+            return False
+        return bool(self._manifest(config_name, repeat)["complete"])
 
     def run_identity(self, config_name: str, repeat: int) -> dict:
         return self._manifest(config_name, repeat)["identity"]
@@ -520,6 +626,7 @@ class Suite:
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, ensure_ascii=False))
         share_mode(tmp / "manifest.json")
+        _write_sidecar(tmp / "manifest.json", file_sum(tmp / "manifest.json"))
 
     def load_run(self, config_name: str, repeat: int) -> RunRecord:
         return self._read_once("run", self._run_files(config_name, repeat), lambda: read_run(
@@ -531,10 +638,37 @@ class Suite:
         d = self.run_dir(config_name, TOGETHER)
         return self.load_run(config_name, TOGETHER) if (d / "manifest.json").exists() else None
 
+    def _entries(self, d: Path, what: str, ok: Callable[[str], bool]) -> list[Path]:
+        """The directories in ``d`` (a folder of the store speccheck fills), each checked: a real
+        directory whose name ``ok`` accepts. Anything else there (a stray file or directory, a
+        symlink, a FIFO) is damage, named; hidden names are a crash's temporary leftovers."""
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise StoreError(f"{d}: unreadable ({e.strerror or e}); check its permissions.") from None
+        out = []
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            kind = "symlink" if e.is_symlink() else ("directory" if e.is_dir(follow_symlinks=False) else None)
+            if kind != "directory" or not ok(e.name):
+                shown = _kind(e.stat(follow_symlinks=False).st_mode) if kind is None else kind
+                raise StoreError(f"{Path(e.path)}: a {shown} speccheck did not write ({what} hold only "
+                                 f"speccheck's own directories); move it out of the store (or delete it) "
+                                 f"and run the command again; nothing else there is affected.")
+            out.append(Path(e.path))
+        return out
+
+    def _slots(self, config_name: str) -> list[Path]:
+        return self._entries(self.root / "runs" / config_name, f"runs/{config_name}/",
+                             lambda n: bool(re.fullmatch(r"r\d+|together|axis-.+", n)))
+
     def axis_slots(self, config_name: str) -> list[str]:
         """The workload-axis runs stored for a config (their slots, sorted)."""
-        d = self.root / "runs" / config_name
-        return sorted(p.name for p in d.glob("axis-*") if (p / "manifest.json").exists()) if d.is_dir() else []
+        return sorted(p.name for p in self._slots(config_name)
+                      if p.name.startswith("axis-") and (p / "manifest.json").exists())
 
     def load_axis(self, config_name: str, slot: str) -> RunRecord | None:
         """A config's run of one workload axis at one level, if one is stored."""
@@ -542,15 +676,11 @@ class Suite:
 
     def configs(self) -> list[str]:
         """Config names with at least one stored run, baseline first, then by method and K."""
-        runs = self.root / "runs"
-        names = [p.name for p in runs.iterdir() if p.is_dir()] if runs.exists() else []
+        names = [p.name for p in self._entries(self.root / "runs", "runs/", _is_config_name)]
         return sorted(names, key=config_sort_key)
 
     def repeats(self, config_name: str) -> list[int]:
-        d = self.root / "runs" / config_name
-        if not d.exists():
-            return []
-        return sorted(int(p.name[1:]) for p in d.iterdir() if re.fullmatch(r"r\d+", p.name))
+        return sorted(int(p.name[1:]) for p in self._slots(config_name) if re.fullmatch(r"r\d+", p.name))
 
     def records(self, config_name: str) -> Iterator[RunRecord]:
         for r in self.repeats(config_name):
@@ -562,9 +692,24 @@ class Suite:
         flat, off = _ragged([np.asarray(prompt_ids[i], np.int32) for i in ids], np.int32)
         _atomic_write_npz(self.root / "inputs.npz", ids=np.array(ids, dtype=str), flat=flat, offsets=off)
 
+    def check_inputs(self) -> None:
+        """The tokenised prompts every stored run was made from, and the plan of what was asked:
+        read and verified. Either missing beside stored runs is damage, said before anything is
+        judged (without the plan a gate cannot tell a config that was cut short from one never
+        asked for, so deleting it must not make a suite pass)."""
+        if not self.configs():
+            return
+        if self.load_inputs() is None:
+            raise StoreError(f"{self.root / 'inputs.npz'}: missing, though runs are stored; the suite is "
+                             f"damaged: {self.redo_hint('baseline', 'the tokenised prompts')}.")
+        if self.load_plan() is None:
+            raise StoreError(f"{self.root / 'plan.json'}: missing, though runs are stored, so what was asked "
+                             "of this suite is lost; the suite is damaged: `speccheck run` again into it with "
+                             "the options you want writes it anew (stored runs are kept and skipped).")
+
     def load_inputs(self) -> dict[str, np.ndarray] | None:
         path = self.root / "inputs.npz"
-        if not path.exists():
+        if not os.path.lexists(path):
             return None
         redo = self.redo_hint("baseline", "the tokenised prompts")
         a = _load_npz(path, redo, ("ids", "flat", "offsets"))
@@ -664,7 +809,7 @@ class Suite:
             return None
         redo = ("delete it and `speccheck run` again with the options you want (stored runs are "
                 "kept and skipped)")
-        plan = _load_json(path, redo)
+        plan = _load_checked_json(path, redo)
         problem = _plan_problem(plan)
         if problem:
             raise StoreError(f"{path}: {problem}, so the plan is damaged; {redo}; nothing else in "
@@ -689,8 +834,8 @@ class Suite:
         return plan
 
     def _json(self, path: Path):
-        """A stored JSON file as it is (no schema or sum check), once while it is unchanged."""
-        return self._read_once("json", (path,), lambda: _load_json(path))
+        """A stored JSON file (its sum checked, no schema), once while it is unchanged."""
+        return self._read_once("json", (path, _sidecar(path)), lambda: _load_checked_json(path))
 
     def planned_configs(self) -> list[str]:
         plan = self.load_plan()
@@ -701,10 +846,26 @@ class Suite:
         run_args = (self.load_plan() or {}).get("run_args", [])
         return shlex.join(["speccheck", "run", *run_args, *options, "--store", str(self.root.parent.parent)])
 
+    def demand(self, config_name: str) -> dict | None:
+        """What the plan asks of a config, with the evidence every config of the suite is judged
+        on -- a fresh-process repeat, the corpus all at once -- raised to what any config of it
+        was planned with: one gate, one standard (a sweep into a `run`'s suite, which plans
+        neither, must not pass its configs on less evidence than the run's). None: not planned."""
+        configs = (self.load_plan() or {}).get("configs", {})
+        want = configs.get(config_name)
+        if want is None:
+            return None
+        want = dict(want)
+        fresh = any(w["fresh_process_repeat"] and w["repeats"] > 1 for w in configs.values())
+        if fresh and not want["fresh_process_repeat"]:
+            want["fresh_process_repeat"], want["repeats"] = True, max(want["repeats"], 2)
+        want["concurrent"] = want["concurrent"] or max((w["concurrent"] for w in configs.values()), default=0)
+        return want
+
     def resume_command(self, config_name: str) -> str:
         """The `speccheck run` that stores what the plan asks of this config (it resumes:
         complete runs are skipped)."""
-        want = (self.load_plan() or {}).get("configs", {}).get(config_name)
+        want = self.demand(config_name)
         options = ["--config", config_name]
         if want is not None:
             options += ["--repeats", str(want["repeats"]), "--concurrent", str(want["concurrent"])]
@@ -715,7 +876,7 @@ class Suite:
         """What is not stored of this config: every run, rescoring, acceptance replay and
         attribution the plan asked for; a config with no stored run at all is missing whether planned or not (it
         was demanded, or its one run was cut short). Empty when complete. Failed runs are not missing (they say why)."""
-        want = (self.load_plan() or {}).get("configs", {}).get(config_name)
+        want = self.demand(config_name)
         resume = f"re-run `{self.resume_command(config_name)}` to resume"
         if not self.repeats(config_name) and not (self.run_dir(config_name, TOGETHER) / "manifest.json").exists():
             if want is None:
@@ -850,6 +1011,13 @@ def _replace_dir(tmp: Path, final: Path) -> None:
     raise StoreError(f"{final}: another writer keeps replacing this run; run one `speccheck run` per store.")
 
 
+def _is_config_name(name: str) -> bool:
+    try:
+        return SpecConfig.from_name(name).name == name
+    except ValueError:
+        return False
+
+
 def config_sort_key(name: str) -> tuple:
     if name == "baseline":
         return (0, "", 0)
@@ -888,9 +1056,24 @@ class Store:
 
     def set_latest(self, sid: str) -> None:
         path = self.root / "LATEST"
-        if path.exists() and path.read_text().strip() == sid:
-            return  # nothing to write: a resume with nothing to do works on a read-only store
-        _atomic_write_text(path, sid + "\n", sidecar=False)
+        try:
+            if self.latest_id() == sid:
+                return  # nothing to write: a resume with nothing to do works on a read-only store
+        except StoreError:
+            pass  # absent or damaged: written anew
+        _atomic_write_text(path, sid + "\n")
+
+    def latest_id(self) -> str | None:
+        """The suite id LATEST names (its sum checked), or None when no run wrote one."""
+        path = self.root / "LATEST"
+        if not os.path.lexists(path):
+            return None
+        redo = "name the suite with --suite, or `speccheck run` again to write it anew"
+        verify_file(path, _sidecar_sum(path, redo), redo)
+        try:
+            return path.read_bytes().decode("utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise StoreError(f"{path}: unreadable ({e}); {redo}.") from None
 
     @contextlib.contextmanager
     def lock(self, wait: bool = True, notify: Callable[[str], None] | None = None):
@@ -955,7 +1138,7 @@ class Store:
                 together = [TOGETHER] if (src.run_dir(name, TOGETHER) / "manifest.json").exists() else []
                 for r in src.repeats(name) + together + src.axis_slots(name):
                     what = f"{sid}: {name} {slot_label(r)}"
-                    if not src.is_complete(name, r):
+                    if not src.check_run(name, r):  # a damaged source run is said, not skipped
                         continue
                     if not dst.is_complete(name, r):
                         _copy_dir(src.run_dir(name, r), dst.run_dir(name, r))
@@ -976,23 +1159,32 @@ class Store:
             plan = src.load_plan()
             if plan:
                 dst.extend_plan(plan["configs"], (dst.load_plan() or plan).get("run_args", []))
-            if not (self.root / "LATEST").exists():
-                self.set_latest(sid)
+        latest = self.latest_id()
+        if (latest is None or latest not in self.suite_ids()) and source.suite_ids():
+            # the source's last run is what a `gate` after the merge judges, not the first suite by name
+            theirs = source.latest_id()
+            self.set_latest(theirs if theirs in source.suite_ids() else source.suite_ids()[-1])
+            latest = self.latest_id()
+        others = [sid for sid in source.suite_ids() if sid != latest]
         if not said:
             said.append(f"nothing to copy: {self.root} already holds everything {source.root} holds")
+        if others:
+            said.append(f"`speccheck gate` judges suite {latest} (the store's LATEST); the other suites "
+                        f"merged are judged with --suite: " + "; ".join(f"`speccheck gate --suite {sid}`"
+                                                                      for sid in others))
         return said
 
     def latest(self) -> Suite:
         """The suite of the last `speccheck run` into this store."""
         path = self.root / "LATEST"
-        if not path.exists():
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"--store {self.root}: is not a directory; point --store at the directory a "
+                             "run wrote.")
+        sid = self.latest_id()
+        if sid is None:
             raise StoreError(
                 f"store {self.root} holds no runs (option --store). Run `speccheck run` first, or "
                 "point --store at the directory a run wrote.")
-        try:
-            sid = path.read_text().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            raise StoreError(f"{path}: unreadable ({e}); name the suite with --suite.") from None
         if not sid or "/" in sid or sid.startswith("."):
             raise StoreError(f"{path}: does not name a suite; name one with --suite "
                              f"(suites there: {', '.join(self.suite_ids()) or 'none'}).")

@@ -88,6 +88,9 @@ def test_end_to_end_smoke_run_diff_gate_report(tmp_path):
     meta = json.loads(gjson.read_text())
     meta["fingerprint"]["model_hash"] = "0" * 64
     gjson.write_text(json.dumps(meta))
+    from speccheck.store import file_sum  # with its checksum, as a golden of another model has one
+
+    gjson.with_name("golden.json.sha256").write_text(json.dumps(file_sum(gjson)))
     bad = runner.invoke(main, ["golden", "check", "--store", st, "--golden", gold])
     assert bad.exit_code == 2 and "another model" in bad.output
     # the same suite compared with itself across stores agrees exactly

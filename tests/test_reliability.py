@@ -206,17 +206,22 @@ def test_truncated_inputs_are_noticed_and_tokenised_again(store):
     assert inputs.read_bytes() == good
 
 
-def test_stores_written_before_sums_still_load(store, made_store):
-    """A store without the manifest file lists and sidecars (written by an older speccheck)."""
+def test_a_store_without_checksums_is_damage(store):
+    """A missing checksum is damage, never "unknown": a store without the manifests' file lists
+    and the sidecars (as a speccheck from before checksums wrote it) is exit 2 naming what is
+    missing, for the gate and for `run` alike, and nothing in it is touched."""
     for m in suite_dir(store).rglob("manifest.json"):
         data = json.loads(m.read_text())
         data.pop("files")
         m.write_text(json.dumps(data))
     for side in store.rglob("*.sha256"):
         side.unlink()
-    assert invoke("gate", "--store", str(store), *LOOSE).exit_code == made_store[1]
-    r = invoke("run", "--store", str(store), *RUN)
-    assert "2 already stored, 0 to run" in r.output, r.output
+    before = snapshot(store)
+    for command in (["gate", *LOOSE], ["run", *RUN]):
+        r = invoke(*command, "--store", str(store))
+        assert_clean(r, 2)
+        assert ".sha256: missing" in r.output and "a missing checksum is damage" in r.output, r.output
+    assert snapshot(store) == before
 
 
 def test_every_stored_file_is_listed_or_has_a_sum(store):
@@ -226,7 +231,8 @@ def test_every_stored_file_is_listed_or_has_a_sum(store):
     for run in sd.glob("runs/*/r*"):
         files = json.loads((run / "manifest.json").read_text())["files"]
         assert files == {"arrays.npz": file_sum(run / "arrays.npz")}
-    for p in [sd / "inputs.npz", sd / "suite.json", *sd.glob("rescore/*.npz")]:
+    for p in [sd / "inputs.npz", sd / "suite.json", sd / "plan.json", store / "LATEST", *sd.glob("rescore/*.npz"),
+              *sd.glob("runs/*/*/manifest.json")]:
         assert json.loads(p.with_name(p.name + ".sha256").read_text()) == file_sum(p)
 
 
@@ -372,6 +378,8 @@ def test_policy_values_are_range_checked(store, setting, needle):
 
 @pytest.mark.parametrize("toml,needle", [
     ("require_deterministic = 1", "true or false"),
+    ("require_deterministic = 0", "never with 0"),
+    ("agreement_alpha = 0", "above 0"),
     ("max_high_confidence = true", "boolean"),
     ("min_token_agreement = 99.5", "a fraction"),
     ("tie_floor = nan", "finite"),
@@ -454,20 +462,31 @@ def test_golden_record_refuses_a_failing_suite(store, tmp_path):
     assert "fails the gate" in r.output and not gold.exists()
 
 
+def reseal(path: Path) -> None:
+    """A changed file given the checksum its writer would have given it (a golden recorded
+    otherwise, not a damaged one)."""
+    from speccheck.store import file_sum
+
+    path.with_name(path.name + ".sha256").write_text(json.dumps(file_sum(path)))
+
+
 def test_golden_record_refuses_to_overwrite_without_force(store, tmp_path):
+    from speccheck.store import file_sum
+
     gold = tmp_path / "golden"
     assert invoke("golden", "record", "--store", str(store), "--golden", str(gold), *PASSING).exit_code == 0
     gjson = next(gold.rglob("golden.json"))
     before = gjson.read_bytes()
     # tamper with the recorded golden's tokens so that recording would change something
     base_dir = gjson.parent / "baseline"
-    m = json.loads((base_dir / "manifest.json").read_text())
-    m.pop("files")
-    (base_dir / "manifest.json").write_text(json.dumps(m))
     a = dict(np.load(base_dir / "arrays.npz"))
     a["token_ids"] = a["token_ids"].copy()
     a["token_ids"][0] += 1
     np.savez(base_dir / "arrays.npz", **a)
+    m = json.loads((base_dir / "manifest.json").read_text())
+    m["files"]["arrays.npz"] = file_sum(base_dir / "arrays.npz")
+    (base_dir / "manifest.json").write_text(json.dumps(m))
+    reseal(base_dir / "manifest.json")
     r = invoke("golden", "record", "--store", str(store), "--golden", str(gold), *PASSING)
     assert_clean(r, 2)
     assert "--force" in r.output and "would change 1 of 4" in r.output, r.output
@@ -483,6 +502,7 @@ def test_golden_record_force_judges_the_suite_without_the_golden_it_replaces(sto
     assert invoke("golden", "record", "--store", str(store), "--golden", str(gold), *PASSING).exit_code == 0
     noise = next(gold.rglob("noise.npz"))
     np.savez(noise, **{k: v * 0.01 for k, v in np.load(noise).items()})  # a far quieter golden
+    reseal(noise)
     r = invoke("gate", "--store", str(store), "--golden", str(gold), *PASSING)
     assert r.exit_code == 1 and "drifted from the golden" in r.output, r.output
     r = invoke("golden", "record", "--store", str(store), "--golden", str(gold), *PASSING, "--force")
@@ -513,6 +533,7 @@ def test_golden_key_includes_engine_args_and_numerics_are_checked(store, tmp_pat
     assert g["numerics"]["dtype"] == "bf16"
     g["numerics"]["dtype"] = "fp32"
     gjson.write_text(json.dumps(g))
+    reseal(gjson)
     r = invoke("golden", "check", "--store", str(store), "--golden", str(gold))
     assert_clean(r, 2)
     assert "dtype: fp32 -> bf16" in r.output
@@ -778,6 +799,7 @@ def test_a_damaged_plan_is_a_damaged_store(made_store, tmp_path, damage):
     text = plan.read_text()
     assert damage[0] in text
     plan.write_text(text.replace(damage[0], damage[1], 1))
+    reseal(plan)  # its sum matches: the schema must catch it
     r = invoke("gate", "--store", str(root))
     assert r.exit_code == 2 and "plan.json" in r.output and "the plan is damaged" in r.output, r.output
 
@@ -922,9 +944,10 @@ def test_streams_that_go_wrong_exit_per_contract_and_keep_the_store(served_store
     if code == 3:
         assert "FAILED runs: baseline r0" in r.output, r.output
     assert "sk-stream-test" not in r.output
-    after = snapshot(st)  # LATEST moves to the new run's suite; every stored file is as it was
-    assert {k: v for k, v in after.items() if k in before and k != "LATEST"} == \
-        {k: v for k, v in before.items() if k != "LATEST"}
+    after = snapshot(st)  # LATEST (and its sum) moves to the new run's suite; every stored file is as it was
+    moved = ("LATEST", "LATEST.sha256")
+    assert {k: v for k, v in after.items() if k in before and k not in moved} == \
+        {k: v for k, v in before.items() if k not in moved}
     assert invoke("gate", "--store", str(st), "--suite", (made / "LATEST").read_text().strip(),
                   "--set", "require_deterministic=false").exit_code == 0
 

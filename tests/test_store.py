@@ -149,6 +149,9 @@ def test_counters_iterations_round_trip_and_old_stores_load(suite):
     del m["completions"][0]["spec"]["iterations"]
     m["completions"][1]["spec"]["from_a_newer_version"] = 1
     manifest.write_text(json.dumps(m))
+    from speccheck.store import file_sum  # as that version wrote it: with its own checksum
+
+    manifest.with_name("manifest.json.sha256").write_text(json.dumps(file_sum(manifest)))
     old = suite.load_run("mtp-k3", 0).completions
     assert old[0].spec == SpecCounters(2, 6, 2, [1, 1, 0]) and old[1].spec == SpecCounters(3, 9, 4, [2, 1, 1])
 

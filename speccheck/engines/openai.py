@@ -36,7 +36,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Iterator, Sequence
@@ -56,7 +59,10 @@ ARGS = {
     "base_url": "server URL (default http://127.0.0.1:8000)",
     "served_model": "model name the server serves (default: the one /v1/models lists)",
     "api_key_env": "environment variable holding the API key (default OPENAI_API_KEY)",
-    "timeout": "seconds per HTTP request (default 600)",
+    "timeout": "seconds one attempt at a generation or scoring request may wait (default 600; the "
+               "server's quick endpoints -- models, version, metrics, tokenize -- wait at most 15)",
+    "deadline": "seconds one request may take in all, its retries included (default twice timeout; "
+                "at most 45 for the quick endpoints)",
     "retries": "retries after a connection error, timeout or 5xx (default 3)",
     "backoff": "first retry delay in seconds, doubled each retry (default 1.0)",
     "tokenizer": "path to tokenizer.json to tokenize locally (default: the server's /tokenize)",
@@ -117,9 +123,23 @@ def token_id(key: str) -> int:
                           "(does it honour return_tokens_as_token_ids?)") from None
 
 
-def _lp(value: Any) -> float:
-    """A logprob from a completion's top_logprobs (float) or prompt_logprobs (Logprob dict)."""
-    return float(value["logprob"] if isinstance(value, dict) else value)
+def _lp(value: Any, where: str = "a logprob") -> float:
+    """A logprob from a completion's top_logprobs (float) or prompt_logprobs (Logprob dict):
+    a finite number at most 0, else the server is at fault (a NaN here would otherwise be
+    stored and judged as if the server had computed something)."""
+    raw = value.get("logprob") if isinstance(value, dict) else value
+    try:
+        if isinstance(raw, bool):
+            raise TypeError
+        x = float(raw)
+    except (TypeError, ValueError):
+        raise EngineError(f"{where}: the server returned {raw!r:.40} where a logprob (a number) was "
+                          "expected: not an OpenAI-compatible answer") from None
+    if not np.isfinite(x) or x > 1e-3:
+        raise EngineError(f"{where}: the server returned the logprob {raw!r:.40}, which no "
+                          "probability has (a NaN, an infinity or above 0): an engine fault, not a "
+                          "request error")
+    return x
 
 
 def topk_from_dict(entries: dict, k: int, where: str) -> tuple[list[int], list[float]]:
@@ -127,7 +147,10 @@ def topk_from_dict(entries: dict, k: int, where: str) -> tuple[list[int], list[f
     in bf16) by lowest id as greedy argmax breaks them (verify.canonical_topk) -- not in the
     server's order, which is arbitrary on ties. prompt_logprobs dicts also hold the prompt's own
     token, which may rank below k: it is simply not among the k best."""
-    items = canonical_topk((token_id(t), _lp(v)) for t, v in entries.items())
+    if not isinstance(entries, dict):
+        raise EngineError(f"{where}: the server returned top_logprobs entry {entries!r:.60}, not an "
+                          "object of token -> logprob")
+    items = canonical_topk((token_id(t), _lp(v, where)) for t, v in entries.items())
     if len(items) < k:
         raise EngineError(f"{where}: the server returned {len(items)} logprobs where {k} were "
                           "asked (vLLM caps them at --max-logprobs)")
@@ -140,21 +163,35 @@ def completion_from_choice(prompt: Prompt, prompt_ids: Sequence[int], choice: di
     """One vLLM /v1/completions choice (logprobs with token_id:N keys) -> Completion.
     ``ttft_s`` None: not measured (stored as 0.0; ``decode_s`` is then the whole request)."""
     lp = choice.get("logprobs") or {}
+    if not isinstance(lp, dict):
+        raise EngineError(f"prompt {prompt.id}: the server's `logprobs` is {lp!r:.60}, not an object")
     tokens = lp.get("tokens") or []
     ids = choice.get("token_ids")
     if ids is None:
-        ids = [token_id(t) for t in tokens]
-    if len(tokens) != len(ids) or len(lp.get("top_logprobs") or []) != len(ids):
-        raise EngineError(f"prompt {prompt.id}: the server returned {len(ids)} tokens but "
-                          f"{len(tokens)} logprob entries")
+        ids = [token_id(t) for t in tokens] if isinstance(tokens, list) else []
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                            for t in ids):
+        raise EngineError(f"prompt {prompt.id}: the server's `token_ids` is {ids!r:.60}, not a list of "
+                          "token ids")
+    token_lps, tops = lp.get("token_logprobs") or [], lp.get("top_logprobs") or []
+    if not all(isinstance(x, list) for x in (tokens, token_lps, tops)) or \
+            not len(tokens) == len(token_lps) == len(tops) == len(ids):
+        sizes = ", ".join(f"{len(x) if isinstance(x, list) else type(x).__name__} {name}" for x, name in
+                          ((tokens, "tokens"), (token_lps, "token_logprobs"), (tops, "top_logprobs")))
+        raise EngineError(f"prompt {prompt.id}: the server returned {len(ids)} tokens but {sizes}: every "
+                          "token needs its logprob and top-k (an engine fault, not a request error)")
+    for key in ("text", "finish_reason"):
+        if choice.get(key) is not None and not isinstance(choice[key], str):
+            raise EngineError(f"prompt {prompt.id}: the server's `{key}` is {choice[key]!r:.60}, not a string")
+    logprobs = [_lp(x, f"prompt {prompt.id}, position {i}") for i, x in enumerate(token_lps)]
     topk_ids, topk_lps = [], []
-    for i, entries in enumerate(lp.get("top_logprobs") or []):
+    for i, entries in enumerate(tops):
         t, l = topk_from_dict(entries or {}, k, f"prompt {prompt.id}, position {i}")
         topk_ids.append(t)
         topk_lps.append(l)
     return Completion(
         prompt_id=prompt.id, prompt_ids=np.asarray(prompt_ids), token_ids=np.asarray(ids),
-        logprobs=np.asarray(lp.get("token_logprobs") or [], dtype=np.float32),
+        logprobs=np.asarray(logprobs, dtype=np.float32),
         topk_ids=np.asarray(topk_ids, dtype=np.int32).reshape(len(ids), k),
         topk_logprobs=np.asarray(topk_lps, dtype=np.float32).reshape(len(ids), k),
         text=choice.get("text") or "", finish_reason=choice.get("finish_reason") or "length",
@@ -321,12 +358,80 @@ def _error_message(r: httpx.Response) -> str:
     return str(body)[:300]
 
 
+#: every network wait says so on stderr at least this often while nothing arrives
+HEARTBEAT_S = 8.0
+#: endpoints a live server answers at once (no generation behind them): short waits, so a server
+#: that accepts connections but never answers is found in well under a minute
+QUICK_PATHS = ("/v1/models", "/version", "/metrics", "/tokenize", "/detokenize", "/server_info", "/health")
+QUICK_TIMEOUT_S, QUICK_DEADLINE_S = 15.0, 45.0
+
+
+class _Deadline(Exception):
+    """A request's total deadline passed while its answer was still arriving."""
+
+
+class _Waiting:
+    """One request in flight, its retries included: a line on stderr every HEARTBEAT_S while
+    nothing arrives from the server, and the time left before its total deadline."""
+
+    def __init__(self, what: str, timeout: float, deadline: float) -> None:
+        self.what, self.timeout, self.deadline = what, timeout, deadline
+        self.t0 = self.last = time.monotonic()
+        self._said = self.t0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="speccheck-wait", daemon=True)
+
+    def __enter__(self) -> "_Waiting":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    def touch(self) -> None:
+        """Something whole arrived: the server is getting on with it."""
+        self.last = time.monotonic()
+
+    def left(self) -> float:
+        return self.deadline - (time.monotonic() - self.t0)
+
+    def check(self) -> None:
+        if self.left() <= 0:
+            raise _Deadline
+
+    def attempt_timeout(self) -> httpx.Timeout:
+        t = max(min(self.timeout, self.left()), 0.05)
+        return httpx.Timeout(t, connect=min(t, 10.0))
+
+    def _beat(self) -> None:
+        while not self._stop.wait(0.5):
+            now = time.monotonic()
+            if now - self.last >= HEARTBEAT_S and now - self._said >= HEARTBEAT_S:
+                self._said = now
+                print(f"speccheck: still waiting for {self.what}: nothing from the server for "
+                      f"{now - self.last:.0f} s ({now - self.t0:.0f} s since the first attempt; it gives "
+                      f"up after {self.deadline:.0f} s in all: --engine-arg timeout=S / deadline=S)",
+                      file=sys.stderr, flush=True)
+
+
 def _events(n: int) -> str:
     return f"{n} event" + ("" if n == 1 else "s")
 
 
 def _transport_error(e: httpx.TransportError) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _check_url(url: str, key: str) -> None:
+    """An http(s) URL with a host and a port that can exist, else a usage error naming it."""
+    try:
+        u = httpx.URL(url)
+        ok = u.scheme in ("http", "https") and bool(u.host) and (u.port is None or 0 < u.port < 65536)
+    except (httpx.InvalidURL, ValueError, TypeError):
+        ok = False
+    if not ok:
+        raise EngineUsageError(f"--engine-arg {key}={url!r} is not an http(s) URL with a host and a port "
+                               f"of 1-65535: give e.g. {key}=http://127.0.0.1:8000")
 
 
 def _redact(url: str) -> str:
@@ -353,13 +458,12 @@ class OpenAIEngine(Engine):
         a = self.engine_args
         # what every OpenAI client is given ends in /v1 (and OPENAI_BASE_URL usually does)
         self.base_url = server_root(a.get("base_url") or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL)
-        if not self.base_url.startswith(("http://", "https://")):
-            raise EngineUsageError(f"--engine-arg base_url={self.base_url!r} is not an http(s) "
-                                   "URL: give e.g. base_url=http://127.0.0.1:8000")
+        _check_url(self.base_url, "base_url")
         self._shown = _redact(self.base_url)  # for identity and messages
         self.api_key_env = str(a.get("api_key_env") or "OPENAI_API_KEY")
-        self.timeout = self._number("timeout", 600.0)
-        self.retries = int(self._number("retries", 3))
+        self.timeout = self._number("timeout", 600.0, positive=True)
+        self.deadline = self._number("deadline", 2 * self.timeout, positive=True)
+        self.retries = int(self._number("retries", 3, whole=True))
         self.backoff = self._number("backoff", 1.0)
         self._served = a.get("served_model") or model
         self._local_tok = None
@@ -380,9 +484,8 @@ class OpenAIEngine(Engine):
                                     timeout=httpx.Timeout(self.timeout,
                                                           connect=min(self.timeout, 10.0)))
         self._score_url = server_root(a["score_base_url"]) if a.get("score_base_url") else None
-        if self._score_url and not self._score_url.startswith(("http://", "https://")):
-            raise EngineUsageError(f"--engine-arg score_base_url={self._score_url!r} is not an "
-                                   "http(s) URL")
+        if self._score_url:
+            _check_url(self._score_url, "score_base_url")
         self._info: dict | None = None
         self._retried = False  # a request was sent again: the server may have run it twice
         self._ttft_seen: set[bool] = set()  # whether generations so far had a measurable TTFT
@@ -399,17 +502,39 @@ class OpenAIEngine(Engine):
                                    "URL; give e.g. http://127.0.0.1:8001")
         return {"base_url": url.rstrip("/"), "score_base_url": url.rstrip("/")}
 
-    def _number(self, key: str, default: float) -> float:
+    def _number(self, key: str, default: float, positive: bool = False, whole: bool = False) -> float:
+        """A finite number >= 0 (``positive``: > 0; a zero wait would never wait, so it is
+        refused rather than read as "off"; ``whole``: a count)."""
         v = self.engine_args.get(key)
         if v is None:
             return default
         try:
             x = float(v)
-        except ValueError:
-            x = -1.0
-        if x < 0:
-            raise EngineUsageError(f"--engine-arg {key}={v!r} must be a non-negative number")
+        except (TypeError, ValueError):
+            x = math.nan
+        if not math.isfinite(x) or x < 0 or (positive and x == 0) or (whole and x != int(x)) or x > 1e7:
+            want = "a whole number >= 0" if whole else (
+                "a number of seconds above 0" if positive else "a number >= 0")
+            raise EngineUsageError(f"--engine-arg {key}={v!r} must be {want} (at most 1e7)")
         return x
+
+    def _waiting(self, method: str, path: str, shown: str) -> _Waiting:
+        quick = path.split(" ")[0] in QUICK_PATHS
+        timeout = min(self.timeout, QUICK_TIMEOUT_S) if quick else self.timeout
+        deadline = min(self.deadline, QUICK_DEADLINE_S) if quick else self.deadline
+        return _Waiting(f"the server at {shown} to answer {method} {path}", timeout, deadline)
+
+    def _read_body(self, r: httpx.Response, wait: _Waiting) -> httpx.Response:
+        """The whole answer, read as it arrives (a server that drips it slower than the total
+        deadline allows is given up on), as a response of its own. Until it is whole it is still
+        awaited: the wait is said as for a server that sends nothing."""
+        raw = []
+        for chunk in r.iter_raw():
+            wait.check()
+            raw.append(chunk)
+        whole = httpx.Response(r.status_code, headers=r.headers, content=b"".join(raw), request=r.request)
+        whole.read()
+        return whole
 
     # --- HTTP ---------------------------------------------------------------------------
 
@@ -420,27 +545,41 @@ class OpenAIEngine(Engine):
         url = (base or self.base_url) + path
         shown = _redact(base) if base else self._shown
         last = ""
-        for attempt in range(self.retries + 1):
-            self._wait_before(attempt)
-            try:
-                r = self._client.request(method, url, json=body)
-            except httpx.TransportError as e:
-                last = _transport_error(e)
-                continue
-            if r.status_code < 400:
-                return r
-            last = self._refusal(r, path, shown)
-        raise self._gave_up(shown, method, path, last)
+        with self._waiting(method, path, shown) as wait:
+            for attempt in range(self.retries + 1):
+                if not self._wait_before(attempt, wait):
+                    break
+                try:
+                    with self._client.stream(method, url, json=body, timeout=wait.attempt_timeout()) as r:
+                        r = self._read_body(r, wait)
+                except httpx.TransportError as e:
+                    last = _transport_error(e)
+                    continue
+                except _Deadline:
+                    last = f"the answer was still arriving after {wait.deadline:.0f} s"
+                    break
+                if r.status_code < 400:
+                    return r
+                last = self._refusal(r, path, shown)
+            raise self._gave_up(shown, method, path, last, attempt + 1, wait)
 
-    def _wait_before(self, attempt: int) -> None:
+    def _wait_before(self, attempt: int, wait: _Waiting) -> bool:
+        """Sleep the backoff before a retry; False when the deadline leaves no time for one."""
         if attempt:
+            pause = self.backoff * 2 ** (attempt - 1)
+            if pause >= wait.left():
+                return False
             self._retried = True
-            time.sleep(self.backoff * 2 ** (attempt - 1))
+            time.sleep(pause)
+        return wait.left() > 0
 
-    def _gave_up(self, shown: str, method: str, path: str, last: str) -> EngineError:
+    def _gave_up(self, shown: str, method: str, path: str, last: str, attempts: int | None = None,
+                 wait: _Waiting | None = None) -> EngineError:
+        n = self.retries + 1 if attempts is None else attempts
+        took = f", {time.monotonic() - wait.t0:.0f} s in all" if wait is not None else ""
         return EngineError(f"the server at {shown} did not answer {method} {path} after "
-                           f"{self.retries + 1} attempts (last: {last}); is it running and "
-                           "reachable? (--base-url, --engine-arg timeout/retries)")
+                           f"{n} attempt{'s' if n != 1 else ''} (last: {last}){took}; is it running and "
+                           "reachable? (--base-url, --engine-arg timeout/deadline/retries)")
 
     def _refusal(self, r: httpx.Response, path: str, shown: str) -> str:
         """An HTTP error status: raises for what a retry cannot mend (4xx: the user's to
@@ -472,23 +611,45 @@ class OpenAIEngine(Engine):
         _request, also when the stream breaks off before ``data: [DONE]``; a server that
         answers with plain JSON is read as a non-streamed answer."""
         path_shown, last = f"{path} (streamed)", ""
+        wait = self._waiting("POST", path_shown, self._shown)
+        with wait:
+            return self._stream_attempts(path, body, where, path_shown, wait)
+
+    def _lines(self, r: httpx.Response, wait: _Waiting) -> Iterator[str]:
+        """The answer's lines as they arrive, the deadline checked at every read (a server
+        that drips bytes without ever ending a line is given up on too)."""
+        buf = b""
+        for chunk in r.iter_bytes():
+            wait.check()
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                wait.touch()  # a whole line: the stream moves (bytes that never end one do not)
+                yield line.decode("utf-8", errors="replace")
+        if buf:
+            yield buf.decode("utf-8", errors="replace")
+
+    def _stream_attempts(self, path: str, body: dict, where: str, path_shown: str,
+                         wait: _Waiting) -> tuple[dict, float, float | None]:
+        last = ""
         for attempt in range(self.retries + 1):
-            self._wait_before(attempt)
+            if not self._wait_before(attempt, wait):
+                break
             events: list = []
             first: float | None = None
             done = False
             t0 = time.perf_counter()
             try:
-                with self._client.stream("POST", self.base_url + path,
-                                         json={**body, "stream": True}) as r:
+                with self._client.stream("POST", self.base_url + path, json={**body, "stream": True},
+                                         timeout=wait.attempt_timeout()) as r:
                     if r.status_code >= 400:
-                        r.read()
+                        r = self._read_body(r, wait)
                         last = self._refusal(r, path_shown, self._shown)
                         continue
                     if "text/event-stream" not in r.headers.get("content-type", ""):
-                        r.read()  # not streamed: one JSON answer, TTFT unknown
+                        r = self._read_body(r, wait)  # not streamed: one JSON answer, TTFT unknown
                         return self._one_choice(r, path, where), time.perf_counter() - t0, None
-                    for data in sse_data(r.iter_lines()):
+                    for data in sse_data(self._lines(r, wait)):
                         if data.strip() == "[DONE]":
                             done = True
                             break
@@ -506,6 +667,9 @@ class OpenAIEngine(Engine):
             except httpx.TransportError as e:
                 last = f"the stream broke off after {_events(len(events))} ({_transport_error(e)})"
                 continue
+            except _Deadline:
+                last = f"the stream was still arriving after {wait.deadline:.0f} s ({_events(len(events))})"
+                break
             if not done:
                 last = f"the stream ended after {_events(len(events))} without data: [DONE]"
                 continue
@@ -513,7 +677,7 @@ class OpenAIEngine(Engine):
             n_tokens = max(len(choice.get("token_ids") or []), len(choice["logprobs"]["tokens"]))
             # one chunk with every token of several: the server buffered, the time is not a TTFT
             return choice, wall, first if (carrying > 1 or n_tokens <= 1) else None
-        raise self._gave_up(self._shown, "POST", path_shown, last)
+        raise self._gave_up(self._shown, "POST", path_shown, last, attempt + 1, wait)
 
     def _one_choice(self, r: httpx.Response, path: str, where: str) -> dict:
         try:
@@ -531,10 +695,14 @@ class OpenAIEngine(Engine):
               base: str | None = None) -> Any:
         r = self._request(method, path, body, base)
         try:
-            return r.json()
+            out = r.json()
         except ValueError:
             raise EngineError(f"the server at {self._shown} answered {path} with non-JSON "
                               f"text: {r.text[:200]!r}") from None
+        if not isinstance(out, dict):
+            raise EngineError(f"the server at {self._shown} answered {path} with {str(out)[:120]!r}, not a "
+                              "JSON object: is --base-url an OpenAI-compatible server?")
+        return out
 
     # --- server facts -------------------------------------------------------------------
 
@@ -543,6 +711,10 @@ class OpenAIEngine(Engine):
         if self._info is not None:
             return self._info
         models = self._json("GET", "/v1/models").get("data") or []
+        if not isinstance(models, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str)
+                                                   for m in models):
+            raise EngineError(f"the server at {self._shown} answered /v1/models with {str(models)[:120]!r}, "
+                              "not a list of models with ids: is --base-url an OpenAI-compatible server?")
         names = [m.get("id") for m in models]
         if self._served is None:
             if len(names) != 1:
@@ -568,8 +740,8 @@ class OpenAIEngine(Engine):
         server's copy of the config: requested backends ("auto" unresolved) and the CUDA
         graph mode after enforce_eager, not what the engine core resolved later."""
         try:
-            r = self._client.get(self.base_url + "/server_info",
-                                 params={"config_format": "json"})
+            r = self._client.get(self.base_url + "/server_info", params={"config_format": "json"},
+                                 timeout=httpx.Timeout(QUICK_TIMEOUT_S, connect=10.0))
         except httpx.TransportError:
             return None
         if r.status_code != 200:
@@ -585,7 +757,18 @@ class OpenAIEngine(Engine):
         except EngineUsageError as e:
             raise EngineUsageError(f"{e} speccheck reads the spec-decode counters from vLLM's "
                                    "Prometheus /metrics; it must be reachable.") from None
-        return parse_metrics(r.text)
+        return self._parse_metrics(r.text, self._shown)
+
+    @staticmethod
+    def _parse_metrics(text: str, shown: str) -> dict:
+        """parse_metrics, a page that is not Prometheus text (or counts that are not numbers)
+        being the server's fault, said as such."""
+        try:
+            return parse_metrics(text)
+        except (ValueError, TypeError, IndexError, KeyError, OverflowError) as e:
+            raise EngineError(f"the server at {shown} answered /metrics with a page that is not "
+                              f"Prometheus text or holds counts that are not numbers ({e}; it begins "
+                              f"{text[:80]!r})") from None
 
     def _metrics_after(self, before: dict) -> dict:
         """Metrics once our request is counted: vLLM records stats right after it hands the
@@ -663,13 +846,15 @@ class OpenAIEngine(Engine):
         except EngineUsageError as e:
             raise EngineUsageError(f"{e} Without vLLM's /tokenize, give --engine-arg "
                                    "tokenizer=PATH/tokenizer.json.") from None
-        return [int(t) for t in out["tokens"]]
+        tokens = out.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                   for t in tokens):
+            raise EngineError(f"the server at {self._shown} answered /tokenize with tokens "
+                              f"{str(tokens)[:80]!r}, not a list of token ids")
+        return tokens
 
     def max_positions(self) -> int | None:
-        try:
-            n = self._server()["model"].get("max_model_len")
-        except Exception:  # noqa: BLE001 - unknown is allowed; the server will say
-            return None
+        n = self._server()["model"].get("max_model_len")  # a server that does not answer: said once
         return int(n) if isinstance(n, int) and n > 0 else None
 
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -776,7 +961,7 @@ class OpenAIEngine(Engine):
         runner leaves the rescoring to a later run against a server without speculation."""
         self._server()
         url = self._score_url or self.base_url
-        if parse_metrics(self._request("GET", "/metrics", base=url).text)["spec"] is not None:
+        if self._parse_metrics(self._request("GET", "/metrics", base=url).text, _redact(url))["spec"] is not None:
             raise ScoringUnavailable(
                 f"the server at {_redact(url)} runs speculative decoding (its /metrics carry vLLM's "
                 "spec-decode counters), and prompt_logprobs from such a server are not trustworthy "
@@ -795,12 +980,17 @@ class OpenAIEngine(Engine):
             body = {"model": self._served, "prompt": full, "max_tokens": 1, "temperature": 0,
                     "prompt_logprobs": int(top_k), "return_token_ids": True}
             resp = self._json("POST", "/v1/completions", body, self._score_url)
-            choice = (resp.get("choices") or [{}])[0]
+            choices = resp.get("choices")
+            choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
             plp = choice.get("prompt_logprobs")
             if plp is None:
                 raise EngineError(f"the server at {self._shown} returned no prompt_logprobs "
                                   "(vLLM's extension); speccheck needs them to rescore")
-            out.append(scored_from_prompt_logprobs(plp, full, len(p), top_k))
+            try:
+                out.append(scored_from_prompt_logprobs(plp, full, len(p), top_k))
+            except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+                raise EngineError(f"the server at {self._shown} returned malformed prompt_logprobs "
+                                  f"({type(e).__name__}: {e}); not vLLM's shape") from None
         return out
 
     def close(self) -> None:
