@@ -9,7 +9,7 @@ from speccheck.axes import get as get_axis
 from speccheck.axes import registry as axes_registry
 from speccheck.config import MatrixError, build_matrix
 from speccheck.corpus import Corpus, load_corpus
-from speccheck.engines import RUN_ONLY_ARGS, EngineUsageError, engine_class
+from speccheck.engines import RUN_ONLY_ARGS, EngineUsageError, engine_class, engine_names
 from speccheck.store import suite_id
 from speccheck.types import SpecConfig, axis_slot
 from speccheck.version import __version__
@@ -234,7 +234,8 @@ def make_plan(engine: str = "reference", model: str | None = None, draft: str | 
                         "none (Spec-Bench's question.jsonl). Drop --max-tokens, or edit max_tokens in a copy "
                         "of the corpus (`speccheck corpus show` lists them).")
     load_corpus(corpus)
-    engine_class(engine)  # an unknown name: the one-paragraph error, before anything else
+    if engine not in engine_names():  # by name: importing an engine loads torch
+        engine_class(engine)  # raises the one-paragraph error naming the engines there are
     build_matrix(methods, k, configs, offered=None, engine=engine)
     cls = engine_class(engine)
     cls.preflight(model, args, draft)  # e.g. vLLM not importable: one paragraph, not one per run
