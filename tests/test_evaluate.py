@@ -434,3 +434,14 @@ def test_agreement_floor_is_judged_as_a_sample(suite):
     assert "within chance" in diff_text(evaluate_suite(suite, Policy()))
     plain = evaluate_suite(suite, Policy(agreement_alpha=1.0)).get("dflash-k7").check("agrees_with_baseline")
     assert not plain.passed and "94.44% < 98.00% over 18 tokens" in plain.message
+
+
+def complete_as_run_would(suite) -> None:
+    """What `speccheck run` writes beside the runs of a suite built here by hand: the tokenised
+    prompts and a plan asking for exactly the runs stored (a suite without them is damage)."""
+    runs = {name: [suite.load_run(name, r) for r in suite.repeats(name)] for name in suite.configs()}
+    first = next(iter(runs.values()))[0]
+    suite.write_inputs({c.prompt_id: [int(x) for x in c.prompt_ids] for c in first.completions})
+    suite.extend_plan({name: {"repeats": len(rs), "fresh_process_repeat": any(r.fresh_process for r in rs),
+                              "concurrent": 0, "rescore": False, "attribute": False}
+                       for name, rs in runs.items()}, [])

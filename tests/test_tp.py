@@ -26,19 +26,39 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from speccheck.cli import main
-from speccheck.doctor import FAIL, OK, UNKNOWN, WARN, model_findings, parallel_findings, wsl_finding
-from speccheck.engines.base import EngineUsageError
-from speccheck.engines.vllm import (VllmEngine, completion_from_dict, model_heads, parallel_problem,
-                                    tp_fits)
-from speccheck.engines.vllm_worker import format_nccl_version, gpu_links, parallel_facts
 from speccheck.compare import attribute_across, compare_suites
+from speccheck.doctor import (
+    FAIL,
+    OK,
+    UNKNOWN,
+    WARN,
+    model_findings,
+    parallel_findings,
+    wsl_finding,
+)
+from speccheck.engines.base import EngineUsageError
+from speccheck.engines.vllm import (
+    VllmEngine,
+    completion_from_dict,
+    model_heads,
+    parallel_problem,
+    tp_fits,
+)
+from speccheck.engines.vllm_worker import format_nccl_version, gpu_links, parallel_facts
 from speccheck.identity import changes_cause, identity_changes
-from speccheck.policy import Policy
 from speccheck.plan import RunPlan, plan_suite_id
+from speccheck.policy import Policy
 from speccheck.store import Store
-from speccheck.topology import (describe_link, is_nvlink, link_rank, parse_topo, visible_gpus,
-                                weakest_link)
+from speccheck.topology import (
+    describe_link,
+    is_nvlink,
+    link_rank,
+    parse_topo,
+    visible_gpus,
+    weakest_link,
+)
 from speccheck.types import RunRecord, Scored, SpecConfig
+from tests.test_evaluate import complete_as_run_would
 
 FIX = Path(__file__).parent / "fixtures"
 REF_CONFIG = Path(__file__).parents[1] / "speccheck" / "reference" / "weights" / "config.json"
@@ -268,7 +288,6 @@ def test_tp_reaches_llm_and_is_read_back_with_fake_vllm(fake_vllm, monkeypatch):
 
 from tests.test_vllm_engine import dirs, fake_vllm  # noqa: E402,F401 - fixtures (the fake vLLM, test doubles)
 
-
 # ---------------------------------------------------------------- two suites, TP 1 vs 2
 
 def recorded_completions() -> list:
@@ -325,6 +344,7 @@ def write_suite(root: Path, runs: dict, scores: dict, ident) -> None:
                               completions=comps))
         if scores.get(name) is not None:
             s.write_rescore(name, 0, [c.prompt_id for c in comps], [scores[name][c.prompt_id] for c in comps])
+    complete_as_run_would(s)
     Store(root).set_latest(s.id)
 
 

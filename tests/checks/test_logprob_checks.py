@@ -13,7 +13,15 @@ from speccheck.gate import gate_text
 from speccheck.policy import Policy
 from speccheck.store import Store
 from speccheck.types import Completion
-from tests.test_evaluate import BASE, MTP_COUNTERS, NEAR, comp, scored_for, write
+from tests.test_evaluate import (
+    BASE,
+    MTP_COUNTERS,
+    NEAR,
+    comp,
+    complete_as_run_would,
+    scored_for,
+    write,
+)
 
 LOOSE = Policy(min_token_agreement=0.5)
 
@@ -27,6 +35,7 @@ def _suite(tmp_path, base_comps, spec_comps=None):
     for name in ("baseline", "mtp-k3"):
         toks = {c.prompt_id: c.token_ids.tolist() for c in s.load_run(name, 0).completions}
         s.write_rescore(name, 0, list(toks), list(scored_for(toks).values()))
+    complete_as_run_would(s)
     return s
 
 

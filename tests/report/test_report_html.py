@@ -14,13 +14,20 @@ import pytest
 from click.testing import CliRunner
 
 from speccheck.cli import main
-from speccheck.results import Check, ConfigResult, Speed, SuiteResult, Together
 from speccheck.report.html import html_report, method_and_k, ordered
+from speccheck.report.svgplot import (
+    StripPoint,
+    heat_grid,
+    line_plot,
+    log_strip,
+    nice_ticks,
+)
+from speccheck.results import Check, ConfigResult, Speed, SuiteResult, Together
 from speccheck.store import Store
-from speccheck.report.svgplot import StripPoint, heat_grid, line_plot, log_strip, nice_ticks
 from speccheck.types import Completion, RunRecord, Scored, SpecConfig, SpecCounters
 from speccheck.verify import Acceptance, Divergence
 from speccheck.verify.margins import Classification
+from tests.test_evaluate import complete_as_run_would
 
 EVIL = "<script>alert('x')</script>&amp;"
 
@@ -261,6 +268,7 @@ def test_cli_report_html_from_a_store(tmp_path):
                                            _comp("b", base["b"], counters)])):
             s.write_run(RunRecord(SpecConfig.from_name(name), {"engine": "t", "dtype": "float32"}, "c", "h",
                                   r, r == 1, completions=comps))
+    complete_as_run_would(s)
     out = tmp_path / "page.html"
     res = CliRunner().invoke(main, ["report", "--store", str(tmp_path / "st"), "--suite", "t", "--out", str(tmp_path / "rep"),
                                     "--html", str(out), "--set", "min_token_agreement=0"])
