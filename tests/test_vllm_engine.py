@@ -330,7 +330,7 @@ arithmetic: logit(t | ids) = -((t - 7 * len(ids) - sum(ids)) % V) / 3."""
 import math
 from types import SimpleNamespace
 
-__version__ = "0.0-fake"
+__version__ = "0.28.0+fake"
 V = 50
 
 
@@ -396,13 +396,36 @@ def fake_worker(kwargs, spec):
     if spec:
         ctx["mtp.layers.0.self_attn.attn"] = SimpleNamespace(attn_backend=Backend("FLASH_ATTN"))
         drafter = SimpleNamespace(_draft_attn_layer_names={"mtp.layers.0.self_attn.attn"})
+    runner_attrs = {"drafter": drafter}
+    runner_cls = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
+    if spec and spec.get("method") == "dflash" and spec.get("model"):
+        import json
+        cfg = json.loads(open(os.path.join(spec["model"], "config.json")).read())
+        if cfg.get("architectures") == ["DFlash2DraftModel"] and \
+                os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":
+            # vLLM 0.28's V2 runner: model_runner.speculator, a DFlash2Speculator
+            k = int(spec["num_speculative_tokens"])
+            model = type("DFlash2Qwen3ForCausalLM", (), {
+                "__module__": "vllm.model_executor.models.qwen3_dflash2",
+                "model": SimpleNamespace(candidate_selector=object())})()
+            sp = type("DFlash2Speculator", (), {
+                "__module__": "vllm.v1.worker.gpu.spec_decode.dflash2.speculator"})()
+            sp.__dict__.update(model=model, num_query_per_req=k + 1, num_speculative_steps=k,
+                               selector_top_k=cfg["dflash_config"]["selector_top_k"],
+                               draft_model_config=SimpleNamespace(
+                                   architectures=cfg["architectures"],
+                                   hf_config=SimpleNamespace(dflash_config=cfg["dflash_config"])))
+            runner_attrs = {"speculator": sp}
+            runner_cls = ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner")
     eager = bool(kwargs.get("enforce_eager"))
     cc = SimpleNamespace(static_forward_context=ctx,
                          cudagraph_mode="NONE" if eager else "FULL_AND_PIECEWISE",
                          mode=SimpleNamespace(name="NONE" if eager else "VLLM_COMPILE"),
                          cudagraph_capture_sizes=[] if eager else [1, 2, 4, 8])
     cfg = SimpleNamespace(compilation_config=cc, model_config=SimpleNamespace(enforce_eager=eager))
-    return SimpleNamespace(model_runner=SimpleNamespace(vllm_config=cfg, drafter=drafter))
+    runner = type(runner_cls[1], (), {"__module__": runner_cls[0]})()
+    runner.__dict__.update(vllm_config=cfg, **runner_attrs)
+    return SimpleNamespace(model_runner=runner)
 
 
 class Req:
@@ -696,7 +719,7 @@ def test_worker_protocol_with_fake_vllm(fake_vllm, worker, tmp_path, monkeypatch
             np.testing.assert_allclose(s.token_logprobs, b.logprobs, atol=1e-6)
             assert (s.topk_ids == b.topk_ids).all()
         ident = eng.identity()
-        assert ident["version"] == "0.0-fake"
+        assert ident["version"] == "0.28.0+fake"
         with pytest.raises(EngineUsageError, match="bogus_arg"):
             VllmEngine(model=str(target), engine_args={"bogus_arg": "1"}).generate(
                 prompts, ids, SpecConfig(), 5)
@@ -964,14 +987,19 @@ def test_dflash2_engine_refuses_on_old_vllm_before_starting_a_worker(dirs, dflas
     eng.close()
 
 
-def test_dflash2_worker_env_has_the_v2_runner(dirs):
+def test_dflash2_worker_env_has_the_v2_runner(dirs, dflash2_draft):
     eng = VllmEngine(model=str(dirs[0]), engine_args={"env.VLLM_NO_USAGE_STATS": "1"})
     assert eng._worker_env(DFLASH2_ENV)["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     assert "VLLM_USE_V2_MODEL_RUNNER" not in eng._worker_env() or \
         eng._worker_env()["VLLM_USE_V2_MODEL_RUNNER"] == __import__("os").environ.get(
             "VLLM_USE_V2_MODEL_RUNNER")
-    override = VllmEngine(model=str(dirs[0]), engine_args={"env.VLLM_USE_V2_MODEL_RUNNER": "0"})
-    assert override._worker_env(DFLASH2_ENV)["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # user wins
+    override = VllmEngine(model=str(dirs[0]), draft=str(dflash2_draft),
+                          engine_args={"env.VLLM_USE_V2_MODEL_RUNNER": "0"})
+    # the V1 runner would draft a DFlash2 draft as DFlash: refused before a worker starts
+    with pytest.raises(EngineUsageError, match="only in vLLM's V2 model runner"):
+        override.generate([Prompt("a", "x", 4, text="a")], [[1, 2]], SpecConfig("dflash2", 7), 5)
+    assert override._worker is None
+    override.close()
 
 
 def test_dflash2_call_with_fake_vllm_runs_in_the_v2_runner(fake_vllm, dflash2_draft):
@@ -988,6 +1016,11 @@ def test_dflash2_call_with_fake_vllm_runs_in_the_v2_runner(fake_vllm, dflash2_dr
         ident = eng.identity()
         assert ident["env"].get("VLLM_USE_V2_MODEL_RUNNER") == "1"
         assert ident["notes"] == []
+        # the proof read back from the (fake) V2 runner: DFlash2 drafter, block K + 1
+        d2 = ident["dflash2"]
+        assert d2["selector"] == "on" and d2["top_k"] == 16 and d2["model_runner_v2"]
+        assert ident["draft_class"].endswith("DFlash2Qwen3ForCausalLM") and ident["draft_block"] == 8
+        assert d2["trained_block"] == 8 and ident["golden_series"] == "0.28.0"
         eng.generate(p, ids, SpecConfig("dflash", 7), 5)
         assert eng.last_call_fresh_process
     finally:

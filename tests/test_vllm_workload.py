@@ -57,18 +57,18 @@ def test_metric_names_follow_the_version(monkeypatch):
     workload it served is read under the new name."""
     old = dict(METRIC_NAMES[(0, 26)])
     renamed = {**old, "preemptions": "vllm:num_preempted_requests"}
-    monkeypatch.setitem(METRIC_NAMES, (0, 30), renamed)
-    for version, want in (("0.26.0", old), ("0.29.9rc1.dev3+gabc", old), ("0.9.2", old),
-                          ("0.30.0", renamed), ("1.2.3", renamed), (None, renamed)):
+    monkeypatch.setitem(METRIC_NAMES, (0, 40), renamed)
+    for version, want in (("0.26.0", old), ("0.39.9rc1.dev3+gabc", old), ("0.9.2", old),
+                          ("0.40.0", renamed), ("1.2.3", renamed), (None, renamed)):
         assert metric_names(version) == want, version
     stats = json.loads((FIX / "workload" / "kv_pressure-pressure.json").read_text())["stats"]
     assert workload_proof(stats, "0.26.0")["preemptions"] == 1
-    assert "preemptions" not in workload_proof(stats, "0.30.1")  # not reported under the new name
+    assert "preemptions" not in workload_proof(stats, "0.40.1")  # not reported under the new name
     for key in ("metrics_before", "metrics_after"):
         for r in stats[key]:
             if r["name"] == "vllm:num_preemptions":
                 r["name"] = "vllm:num_preempted_requests"
-    assert workload_proof(stats, "0.30.1")["preemptions"] == 1
+    assert workload_proof(stats, "0.40.1")["preemptions"] == 1
 
 
 @pytest.mark.parametrize("path", workload_fixtures(), ids=lambda p: p.stem)

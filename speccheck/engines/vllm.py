@@ -59,29 +59,13 @@ from speccheck.engines.base import Engine, EngineError, EngineUsageError, chat_k
 from speccheck.topology import physical_gpu_count, visible_gpus
 from speccheck.types import (Completion, Prompt, Scored, SpecConfig, SpecCounters, Workload,
                              WorkloadResult)
+from speccheck.engines.vllm_versions import (DFLASH2_ARCHITECTURE, DFLASH2_MIN_VLLM, VLLM_RELEASES,
+                                             golden_series, release, release_entry, version_problem)
 from speccheck.verify.ties import canonical_topk
 
-#: vLLM's metric names (as ``LLM.get_metrics()`` gives them; a counter may also carry
-#: Prometheus' ``_total``), keyed by the vLLM release from which they hold: a version reads
-#: the newest entry not after it (an older or unknown one, the nearest entry). The one place
-#: to change when vLLM renames a metric. Every name of the (0, 26) entry is in the
-#: ``get_metrics()`` dumps captured from vLLM 0.26.0 (tests/fixtures/vllm/*.json).
-METRIC_NAMES: dict[tuple[int, ...], dict[str, str]] = {
-    (0, 26): {
-        # speculative decoding: counters, and a vector per draft position
-        "drafts": "vllm:spec_decode_num_drafts",
-        "draft_tokens": "vllm:spec_decode_num_draft_tokens",
-        "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
-        "accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
-        # serving (the workload axes' proof): a gauge of the scheduler's running requests,
-        # set at every engine step; counters of prompt tokens looked up in and found in the
-        # prefix cache; a counter of preemptions (a request evicted and later recomputed)
-        "requests_running": "vllm:num_requests_running",
-        "prefix_cache_queries": "vllm:prefix_cache_queries",
-        "prefix_cache_hits": "vllm:prefix_cache_hits",
-        "preemptions": "vllm:num_preemptions",
-    },
-}
+#: vLLM's metric names per release, from the version table (vllm_versions.VLLM_RELEASES: the one
+#: place to change when vLLM renames one); kept as a mapping {since: names} for callers
+METRIC_NAMES: dict[tuple[int, ...], dict[str, str]] = {k: dict(r.metrics) for k, r in VLLM_RELEASES.items()}
 SPEC_KEYS = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos")
 #: workload knobs (Workload.knobs) -> the LLM(...) argument each sets, and how its value reads:
 #: ``prefix_cache=on|off`` -> ``enable_prefix_caching``; ``kv_blocks=N`` (blocks of
@@ -119,11 +103,11 @@ BACKEND_LOG_MARKERS = ("backend", "GDN prefill kernel")
 
 
 def metric_names(version: str | None = None) -> dict[str, str]:
-    """METRIC_NAMES for a vLLM version ("0.26.0", "0.28.1rc2.dev77+g..."; None: the newest)."""
+    """METRIC_NAMES for a vLLM version ("0.26.0", "0.28.1rc2.dev77+g..."; None: the newest;
+    older than every entry: the oldest), read as the version table is."""
     keys = sorted(METRIC_NAMES)
     if version:
-        release = _release(version)
-        older = [k for k in keys if k <= release]
+        older = [k for k in keys if k <= _release(version)]
         return dict(METRIC_NAMES[older[-1] if older else keys[0]])
     return dict(METRIC_NAMES[keys[-1]])
 
@@ -142,12 +126,12 @@ PARALLEL_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "world_size",
                  "distributed_executor_backend", "disable_custom_all_reduce", "nccl_version",
                  "nccl_version_vllm", "interconnect", "gpu_links", "topology_error",
                  "parallel_config_error")
-PACKED_DECODE_ENV = "VLLM_ENABLE_FLA_PACKED_RECURRENT_DECODE"
+PACKED_DECODE_ENV = release_entry().packed_decode_env
 #: vLLM >= 0.28: cuda (default, where eligible) | triton, the GDN kernel of spec verify steps
-GDN_DECODE_KERNEL_ENV = "VLLM_GDN_DECODE_KERNEL"
-#: attention backends vLLM 0.26 offers for a Qwen3.5 target's full-attention layers on CUDA
-#: (vllm/v1/attention/backends/registry.py); FLASHINFER only where flashinfer is installed
-ATTENTION_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")
+GDN_DECODE_KERNEL_ENV = release_entry().gdn_decode_kernel_env
+#: attention backends for a Qwen3.5 target's full-attention layers on CUDA (version table;
+#: vllm/v1/attention/backends/registry.py); FLASHINFER only where flashinfer is installed
+ATTENTION_BACKENDS = release_entry().attention_backends
 #: when set, worker logs are copied there when each worker ends (debugging on the GPU box)
 LOG_DIR_ENV = "SPECCHECK_VLLM_LOG_DIR"
 
@@ -330,25 +314,11 @@ def parallel_problem(llm_kwargs: dict, model_config: dict, model: str,
     return None
 
 
-#: the first vLLM release with DFlash2 (PR #52816: qwen3_dflash2.py + DFlash2Speculator)
-DFLASH2_MIN_VLLM = (0, 28)
 #: DFlash2's speculator exists only in the V2 model runner (vLLM forces it for DFlash2 drafts
-#: since 0.28; upstream's own test sets it, and so do we, so the identity records it)
-DFLASH2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
-DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """'0.28.1rc2.dev77+gabc' -> (0, 28, 1): the numeric release part."""
-    out = []
-    for part in version.split("+")[0].split("."):
-        digits = "".join(itertools.takewhile(str.isdigit, part))
-        if not digits:
-            break
-        out.append(int(digits))
-        if digits != part:
-            break
-    return tuple(out)
+#: since 0.28 unless the switch says 0; upstream's own test sets it, and so do we, so the
+#: identity records it)
+DFLASH2_ENV = {release_entry().v2_runner_env: "1"}
+_release = release
 
 
 def dflash2_problem(config: SpecConfig, draft: str | None, vllm_version: str | None) -> str | None:
@@ -370,6 +340,62 @@ def dflash2_problem(config: SpecConfig, draft: str | None, vllm_version: str | N
                     f"[\"{DFLASH2_ARCHITECTURE}\"]); {draft} says {arch}: vLLM would run it as "
                     f"plain DFlash. Export one with `speccheck export-reference DIR` (DIR/dflash2).")
     return None
+
+
+_OFF = ("0", "false", "no", "off", "")
+
+
+def combination_problem(config: SpecConfig, draft: str | None, vllm_version: str | None,
+                        env_args: dict[str, str], llm_kwargs: dict) -> str | None:
+    """Why this vLLM cannot run ``config`` with these settings (version table), or None: a vLLM
+    older than the table; DFlash2 before its release, with a DFlash (v1) draft, or with the V2
+    model runner switched off (vLLM would draft it as DFlash, silently); a kernel switch this
+    vLLM does not have (it would be ignored, and attribution would name a path that never
+    ran). An unknown version (vLLM not in this interpreter) is checked for what needs none."""
+    problem = version_problem(vllm_version) or dflash2_problem(config, draft, vllm_version)
+    if problem:
+        return problem
+    rel = release_entry(vllm_version)
+    if config.method == "dflash2":
+        v2 = env_args.get(rel.v2_runner_env)
+        if v2 is not None and str(v2).strip().lower() in _OFF:
+            return (f"--engine-arg env.{rel.v2_runner_env}={v2}: DFlash2 runs only in vLLM's V2 model "
+                    f"runner; the V1 runner would load the DFlash2 draft and draft as DFlash (its "
+                    f"candidate selector never called). Drop that switch.")
+    if vllm_version is None:
+        return None
+    name = ".".join(map(str, release(vllm_version)))
+    newest_gdn_env = release_entry().gdn_decode_kernel_env
+    if newest_gdn_env and newest_gdn_env in env_args and rel.gdn_decode_kernel_env is None:
+        return (f"--engine-arg env.{newest_gdn_env}=...: vLLM {name} has no such switch (it came with "
+                f"{'.'.join(map(str, DFLASH2_MIN_VLLM))}); it would be ignored.")
+    gdn = requested_gdn_prefill(llm_kwargs)
+    if gdn != "auto" and gdn not in rel.gdn_prefill_backends:
+        return (f"GDN prefill backend {gdn!r}: vLLM {name} offers {', '.join(rel.gdn_prefill_backends)}")
+    return None
+
+
+def dflash2_identity(drafter: dict | None, vllm_version: str | None) -> dict | None:
+    """The proof that a DFlash2 config ran as DFlash2, from the drafter the worker read back
+    (vllm_worker.drafter_facts), for the identity's ``dflash2`` (judged by the dflash2_facts
+    check): the selector counts as on only where the V2 model runner built this release's
+    DFlash2 speculator (the one whose drafting calls the candidate selector) over a draft
+    model that has a selector with a top-k. None where nothing was read back."""
+    if not drafter:
+        return None
+    rel = release_entry(vllm_version)
+    cls = str(drafter.get("drafter_class") or "")
+    on = bool(drafter.get("model_runner_v2") and rel.dflash2_speculator
+              and cls.rsplit(".", 1)[-1] == rel.dflash2_speculator
+              and drafter.get("candidate_selector") and drafter.get("selector_top_k"))
+    return {"selector": "on" if on else "off", "top_k": drafter.get("selector_top_k"),
+            "model_runner": drafter.get("model_runner"),
+            "model_runner_v2": bool(drafter.get("model_runner_v2")),
+            "drafter_class": drafter.get("drafter_class"), "draft_class": drafter.get("draft_class"),
+            "expected_draft_class": rel.dflash2_draft_class,
+            "architectures": drafter.get("architectures"),
+            "draft_block": drafter.get("draft_block"), "trained_block": drafter.get("trained_block"),
+            "read_back": "vLLM model runner"}
 
 
 def dflash_block_size(draft: str | None) -> int | None:
@@ -931,6 +957,7 @@ class VllmEngine(Engine):
             raise EngineUsageError(problem)
         self._tokenizer = None
         self._runtime: dict = {}
+        self._ran: dict = {}  # the last generate()/run_workload(): its method, drafter read back
         self._backend_log: list[str] = []
         self._notes: list[str] = []
         self._worker: subprocess.Popen | None = None
@@ -1018,6 +1045,16 @@ class VllmEngine(Engine):
             **{key: ident.get(key) for key in RESOLVED_KERNEL_KEYS},
             **{k: v for k, v in ident["env"].items()},
         }
+        drafter = self._ran.get("drafter")
+        if drafter:
+            ident["drafter"] = drafter
+            ident["draft_class"] = drafter.get("draft_class")
+            ident["draft_block"] = drafter.get("draft_block")
+        if self._ran.get("method") == "dflash2":
+            ident["dflash2"] = dflash2_identity(drafter, self._ran.get("vllm_version"))
+        series = golden_series(rt.get("vllm_version") or ident.get("vllm_version"))
+        if series:
+            ident["golden_series"] = series
         ident["backend_log"] = list(self._backend_log)
         ident["notes"] = list(self._notes)
         return ident
@@ -1091,7 +1128,8 @@ class VllmEngine(Engine):
     def _generate(self, prompts, prompt_ids, config: SpecConfig, top_k: int,
                   together: bool) -> list[Completion]:
         draft = config.draft or self.draft
-        problem = dflash2_problem(config, draft, self._vllm_version())
+        problem = combination_problem(config, draft, self._vllm_version(), self.args["env"],
+                                      self.llm_kwargs)
         if problem:
             raise EngineUsageError(problem)
         note = k_hint_note(config, draft)
@@ -1104,6 +1142,8 @@ class VllmEngine(Engine):
                "warmup": bool(self.args["own"].get("warmup", True)), "together": together,
                "pad_batch": int(self.args["own"].get("pad_batch", 0))}
         result = self._call(req, spec, DFLASH2_ENV if config.method == "dflash2" else {})
+        self._ran = {"method": config.method, "drafter": self._runtime.get("drafter"),
+                     "vllm_version": self._runtime.get("vllm_version")}
         rows = result["requests"]
         comps = [completion_from_dict(p.id, row, top_k, spec is not None and not together)
                  for p, row in zip(prompts, rows)]
@@ -1155,7 +1195,8 @@ class VllmEngine(Engine):
             raise EngineUsageError(f"the {workload.axis} workload renders chat messages; a request "
                                    "has none")
         draft = config.draft or self.draft
-        problem = dflash2_problem(config, draft, self._vllm_version())
+        problem = combination_problem(config, draft, self._vllm_version(), self.args["env"],
+                                      self.llm_kwargs)
         if problem:
             raise EngineUsageError(problem)
         note = k_hint_note(config, draft)
@@ -1175,6 +1216,8 @@ class VllmEngine(Engine):
         if thinking is not None:  # rendered in the worker by the model's own chat template
             req["chat"] = {"enable_thinking": thinking}
         result = self._call(req, spec, DFLASH2_ENV if config.method == "dflash2" else {}, knobs)
+        self._ran = {"method": config.method, "drafter": self._runtime.get("drafter"),
+                     "vllm_version": self._runtime.get("vllm_version")}
         rows = result["requests"]
         if len(rows) != len(reqs):
             raise EngineError(f"the vLLM worker answered {len(rows)} of the {len(reqs)} requests of "
@@ -1313,7 +1356,10 @@ class VllmEngine(Engine):
         return {**DEFAULT_ENV, **self.args["env"]}
 
     def _vllm_version(self) -> str | None:
-        """vLLM's version in the worker's interpreter when that is this one (else unknown)."""
+        """vLLM's version in the worker's interpreter: as a worker reported it, else this
+        interpreter's when the worker runs under it (else unknown)."""
+        if self._runtime.get("vllm_version"):
+            return str(self._runtime["vllm_version"])
         if self.args["own"].get("python"):
             return None
         try:

@@ -244,13 +244,71 @@ def probe_model_runner(worker: Any) -> dict:
            "compilation_mode": str(getattr(mode, "name", mode)),
            "cudagraph_capture_sizes": [int(x) for x in (cc.cudagraph_capture_sizes or [])],
            "enforce_eager": bool(cfg.model_config.enforce_eager),
-           "model_runner": f"{type(runner).__module__}.{type(runner).__name__}"}
+           "model_runner": f"{type(runner).__module__}.{type(runner).__name__}",
+           "drafter": drafter_facts(runner)}
     try:
         from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
         out["flash_attn_version"] = get_flash_attn_version()
     except Exception:  # noqa: BLE001 - not every build has FA
         pass
     return out
+
+
+def _class_name(obj: Any) -> str | None:
+    return None if obj is None else f"{type(obj).__module__}.{type(obj).__name__}"
+
+
+def drafter_facts(runner: Any, version: str | None = None) -> dict | None:
+    """Runs inside vLLM's worker: the drafter the model runner built, read from the live
+    objects (attribute names from the version table, vllm_versions): the runner's class (V2:
+    ``vllm.v1.worker.gpu.model_runner.GPUModelRunner``), its drafter (V2 ``speculator``, V1
+    ``drafter``) and that drafter's class, the draft model's class and architectures, its
+    block (``num_query_per_req`` = anchor + K) and K (``num_speculative_steps``), the trained
+    block (``dflash_config.block_size``), and DFlash2's candidate selector: its top-k (0.28
+    ``selector_top_k``, 0.33 ``top_k``) and whether the draft model has one. None without a
+    drafter."""
+    from speccheck.engines.vllm_versions import release_entry
+
+    if version is None:
+        try:
+            import vllm
+            version = getattr(vllm, "__version__", None)
+        except Exception:  # noqa: BLE001 - the newest entry then
+            version = None
+    rel = release_entry(version)
+    spec = None
+    for attr in rel.drafter_attrs:
+        spec = getattr(runner, attr, None)
+        if spec is not None:
+            break
+    if spec is None:
+        return None
+    model = getattr(spec, "model", None)
+    draft_cfg = getattr(spec, "draft_model_config", None)
+    hf = getattr(draft_cfg, "hf_config", None)
+    dcfg = getattr(hf, "dflash_config", None) or {}
+    top_k = None
+    for attr in filter(None, (rel.selector_top_k_attr, "top_k", "selector_top_k")):
+        if getattr(spec, attr, None) is not None:
+            top_k = int(getattr(spec, attr))
+            break
+
+    def num(obj: Any, attr: str) -> int | None:
+        v = getattr(obj, attr, None)
+        return None if v is None else int(v)
+
+    return {
+        "model_runner": _class_name(runner),
+        "model_runner_v2": _class_name(runner) == rel.runner_v2,
+        "drafter_class": _class_name(spec),
+        "draft_class": _class_name(model),
+        "architectures": list(getattr(draft_cfg, "architectures", None) or []) or None,
+        "draft_block": num(spec, rel.block_attr),
+        "num_speculative_steps": num(spec, rel.steps_attr),
+        "trained_block": int(dcfg["block_size"]) if isinstance(dcfg, dict) and dcfg.get("block_size") else None,
+        "selector_top_k": top_k,
+        "candidate_selector": getattr(getattr(model, "model", None), "candidate_selector", None) is not None,
+    }
 
 
 #: the all-reduce implementations of vLLM 0.26's CudaCommunicator, in the order it tries them
@@ -346,6 +404,8 @@ def _engine_choices(llm: Any) -> dict:
     try:
         probe = llm.collective_rpc(probe_model_runner)[0]
         out.update(kernel_paths(probe, spec is not None))
+        if probe.get("drafter"):
+            out["drafter"] = probe["drafter"]
         out["kernels_read_back"] = True
     except Exception as e:  # noqa: BLE001 - recorded: the identity then says it is unknown
         out["kernels_read_back"] = False
