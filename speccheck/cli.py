@@ -539,6 +539,44 @@ def compare(config_names, suite, store_dir, other_store, other_suite, policy_fil
     sys.exit(0 if cmp.passed else 1)
 
 
+@main.command()
+@click.argument("old_store", type=click.Path(file_okay=False, exists=True))
+@click.argument("new_store", type=click.Path(file_okay=False, exists=True))
+@click.option("--old-suite", default=None, help="Suite id in OLD_STORE (default: its last run).")
+@click.option("--new-suite", default=None, help="Suite id in NEW_STORE (default: its last run).")
+@click.option("--config", "config_names", multiple=True,
+              help="Config to judge (repeatable; default: every config the old suite completed).")
+@click.option("--alpha", type=float, default=None,
+              help="Acceptance tests' family-wise alpha (default: the policy's acceptance_alpha).")
+@click.option("--max-slowdown", type=float, default=0.10, show_default=True,
+              help="Fail a config whose warm tok/s (or speedup over its baseline) falls by more than this share.")
+@_apply(policy_options)
+def upgrade(old_store, new_store, old_suite, new_suite, config_names, alpha, max_slowdown, policy_file,
+            settings):
+    """The engine upgrade as the gated change: OLD_STORE's suite (e.g. vLLM 0.26) against
+    NEW_STORE's (the new version, same corpus and configs): per config, outputs (divergences
+    classified; only near-ties pass), acceptance per draft position (two-sided, prompts paired),
+    speed, and each workload axis the old suite ran (exit 1 on any failure)."""
+    from speccheck.upgrade import upgrade_lines, upgrade_suites
+
+    a, b = api.open_suite(old_store, old_suite), api.open_suite(new_store, new_suite)
+    if a.meta.get("corpus_hash") != b.meta.get("corpus_hash"):
+        raise StoreError(f"suites {a.id} and {b.id} ran different corpora (hash {a.meta.get('corpus_hash')} "
+                         f"vs {b.meta.get('corpus_hash')}); an upgrade is judged on the same corpus.")
+    names = list(config_names) or [c for c in a.configs() if a.is_complete(c, 0)]
+    for name in names:
+        if not a.is_complete(name, 0):
+            raise MatrixError(f"--config {name}: the old suite {a.id} holds no complete run of it "
+                              f"(stored: {', '.join(a.configs()) or 'none'}).")
+    if not names:
+        raise MatrixError(f"the old suite {a.id} holds no complete run to judge the upgrade on.")
+    policy = load_policy(policy_file, _settings(settings))
+    u = upgrade_suites(a, b, names, policy, api.detokenizer(a), alpha=alpha, max_slowdown=max_slowdown)
+    for line in upgrade_lines(u):
+        click.echo(line)
+    sys.exit(0 if u.passed else 1)
+
+
 @main.group()
 def corpus() -> None:
     """List or show prompt corpora."""

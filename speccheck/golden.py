@@ -46,16 +46,18 @@ PLATFORM_KEYS = ("device", "cpu_capability", "threads", "torch", "gpu", "cuda", 
 
 
 def golden_dir(root: Path, identity: dict, meta: dict) -> Path:
-    """``golden/<engine>/<model>/<corpus>[+<engine args>]``: engine args (dtype, kernel knobs,
-    planted faults) change the numerics, so a golden made with them never lands where the
-    default one lives."""
+    """``golden/<engine>[/<series>]/<model>/<corpus>[+<engine args>]``: engine args (dtype, kernel
+    knobs, planted faults) change the numerics, so a golden made with them never lands where
+    the default one lives; an engine whose numerics follow its release names the series in its
+    identity (``golden_series``, e.g. vLLM's ``0.28.0``), one golden per release."""
     model = identity.get("model_id") or meta.get("model") or "default"
     engine = identity.get("engine") or meta["engine"]
     skip = set(_NOT_NUMERICS) | RUN_ONLY_ARGS.get(engine, frozenset())
     args = {k: v for k, v in (meta.get("engine_args") or {}).items() if k not in skip}
     variant = ("+" + ",".join(f"{k}={v}" for k, v in sorted(args.items()))) if args else ""
-    return Path(root) / _slug(engine) / _slug(Path(str(model)).name) \
-        / _slug(meta["corpus"] + variant)
+    series = identity.get("golden_series")
+    return Path(root) / _slug(engine) / (_slug(str(series)) if series else "") \
+        / _slug(Path(str(model)).name) / _slug(meta["corpus"] + variant)
 
 
 def _fingerprint(identity: dict, corpus_hash: str) -> dict:

@@ -11,10 +11,24 @@ from types import SimpleNamespace
 import pytest
 
 from speccheck.checks import get as get_check
-from speccheck.engines.vllm import (METRIC_NAMES, combination_problem, completion_from_dict, dflash2_identity,
-                                    metric_names, speculative_config)
-from speccheck.engines.vllm_versions import (DFLASH2_ARCHITECTURE, DFLASH2_MIN_VLLM, MIN_VLLM, VLLM_RELEASES,
-                                             golden_series, release, release_entry, version_problem)
+from speccheck.engines.vllm import (
+    METRIC_NAMES,
+    combination_problem,
+    completion_from_dict,
+    dflash2_identity,
+    metric_names,
+    speculative_config,
+)
+from speccheck.engines.vllm_versions import (
+    DFLASH2_ARCHITECTURE,
+    DFLASH2_MIN_VLLM,
+    MIN_VLLM,
+    VLLM_RELEASES,
+    golden_series,
+    release,
+    release_entry,
+    version_problem,
+)
 from speccheck.engines.vllm_worker import drafter_facts, request_output_to_dict
 from speccheck.types import SpecConfig
 
@@ -139,7 +153,7 @@ def test_request_output_of_each_version_converts(version):
     """A RequestOutput/CompletionOutput/Logprob/RequestStateStats built from the fields recorded
     for this version (test doubles of its classes) becomes a Completion with the timings."""
     f = facts(version)
-    lp = lambda v, r: _obj(f["logprob_fields"], logprob=v, rank=r, decoded_token="x")  # noqa: E731
+    lp = lambda v, r: _obj(f["logprob_fields"], logprob=v, rank=r, decoded_token="x")
     positions = [{5: lp(-0.1, 1), 6: lp(-2.5, 2)}, {7: lp(-0.2, 1), 5: lp(-1.9, 2)}]
     comp = _obj(f["completion_output_fields"], index=0, text="ab", token_ids=[5, 7],
                 logprobs=positions, finish_reason="length")
@@ -213,7 +227,7 @@ def test_dflash2_proof_fails_where_it_ran_as_dflash(version, fault, says):
 
 def test_dflash2_proof_fails_on_a_wrong_block():
     runner = _runner("0.28.0", 7)
-    setattr(runner.speculator, "num_query_per_req", 4)
+    runner.speculator.num_query_per_req = 4
     c = _judge("0.28.0", runner, 7)
     assert not c.passed and "block was 4 tokens, not K + 1 = 8" in c.message
 
