@@ -1042,3 +1042,17 @@ def test_ignore_eos_decodes_the_full_budget_with_fake_vllm(fake_vllm):
             assert out[1].n_tokens == 6 and out[1].token_ids[0] == 2
     finally:
         eng.close()
+
+
+def test_dflash2_draft_beside_a_dflash_draft(dirs, dflash2_draft):
+    """One suite runs dflash (--draft: the DFlash draft) and dflash2 (engine arg dflash2_draft):
+    each config gets its own draft, K defaults to each draft's block - 1, and the identity
+    holds the DFlash2 draft's hash."""
+    eng = VllmEngine(model=str(dirs[0]), draft=str(dirs[1]),
+                     engine_args={"dflash2_draft": str(dflash2_draft)})
+    assert eng._draft_for(SpecConfig("dflash2", 7, str(dirs[1]))) == str(dflash2_draft)
+    assert eng._draft_for(SpecConfig("dflash", 7, str(dirs[1]))) == str(dirs[1])
+    assert eng.default_k("dflash2") == 7
+    assert dflash2_problem(SpecConfig("dflash2", 7), eng._draft_for(SpecConfig("dflash2", 7)), "0.28.0") is None
+    assert "dflash2_draft_hash" in eng.identity()
+    eng.close()

@@ -23,6 +23,9 @@ Engine args (``--engine-arg key=value``):
   ``worker=per-call|per-config``, ``timeout_s=N``, ``warmup=true|false``, ``python=PATH``
   ``score_path=prefill|decode|verify``, ``score_spec=CONFIG`` (e.g. mtp-k3): which kernels
                           score() runs (attribution variants set them; see score())
+  ``dflash2_draft=PATH``  the DFlash2 draft of dflash2 configs, where --draft names the DFlash
+                          one (one suite runs dflash-k7 and dflash2-k7 on the checkpoint
+                          export-reference wrote: --draft DIR/drafter, dflash2_draft=DIR/dflash2)
   ``attribution_jobs=N``  attribution variants run N at once, a worker each (mind
                           gpu_memory_utilization: each worker takes that share of the GPU)
   ``pad_batch=N``         each single-stream request decodes beside N copies of itself
@@ -79,7 +82,7 @@ SPEC_KEYS = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos")
 WORKLOAD_KNOBS = {"prefix_cache": "enable_prefix_caching", "kv_blocks": "num_gpu_blocks_override",
                   "async_scheduling": "async_scheduling"}
 OWN_OPTIONS = {"worker", "timeout_s", "warmup", "python", "score_path", "score_spec", "pad_batch",
-               "attribution_jobs"}
+               "attribution_jobs", "dflash2_draft"}
 #: identity keys that say what vLLM resolved (read back from the worker), not what was asked
 RESOLVED_KEYS = ("gdn_prefill_backend", "attention_backend", "enforce_eager", "capability",
                  "flashinfer_available", "gdn_decode_kernel_setting")
@@ -1085,6 +1088,8 @@ class VllmEngine(Engine):
                          or cfg.get("torch_dtype") or text_cfg.get("torch_dtype") or "auto"),
             "draft": self.draft,
             "draft_hash": weights_sha256(self.draft) if self.draft else None,
+            **({"dflash2_draft_hash": weights_sha256(str(self.args["own"]["dflash2_draft"]))}
+               if self.args["own"].get("dflash2_draft") else {}),
             "device": gpu.split(",")[0].strip() if gpu else None,
             "gpu_driver": gpu,
             # what was asked for; what ran (read back from the engine) replaces the None
@@ -1106,9 +1111,16 @@ class VllmEngine(Engine):
             "worker": self.args["own"].get("worker", "per-call"),
         }
 
+    def _draft_for(self, config: SpecConfig) -> str | None:
+        """The draft a config runs with: dflash2_draft for DFlash2 where given, else its own."""
+        d2 = self.args["own"].get("dflash2_draft")
+        if config.method == "dflash2" and d2:
+            return str(d2)
+        return config.draft or self.draft
+
     def default_k(self, method: str) -> int | None:
         if method in ("dflash", "dflash2"):
-            block = dflash_block_size(self.draft)
+            block = dflash_block_size(self._draft_for(SpecConfig(method, 1)))
             return block - 1 if block and block > 1 else None
         return None
 
@@ -1126,7 +1138,7 @@ class VllmEngine(Engine):
 
     def _generate(self, prompts, prompt_ids, config: SpecConfig, top_k: int,
                   together: bool) -> list[Completion]:
-        draft = config.draft or self.draft
+        draft = self._draft_for(config)
         problem = combination_problem(config, draft, self._vllm_version(), self.args["env"],
                                       self.llm_kwargs)
         if problem:
@@ -1193,7 +1205,7 @@ class VllmEngine(Engine):
         if thinking is not None and any(not r.prompt.messages for r in workload.requests):
             raise EngineUsageError(f"the {workload.axis} workload renders chat messages; a request "
                                    "has none")
-        draft = config.draft or self.draft
+        draft = self._draft_for(config)
         problem = combination_problem(config, draft, self._vllm_version(), self.args["env"],
                                       self.llm_kwargs)
         if problem:
@@ -1253,7 +1265,7 @@ class VllmEngine(Engine):
         spec = None
         if path == "verify":
             config = SpecConfig.from_name(str(self.args["own"]["score_spec"]))
-            spec = speculative_config(config, config.draft or self.draft, self.llm_kwargs,
+            spec = speculative_config(config, self._draft_for(config), self.llm_kwargs,
                                       self.args["spec"])
         inputs = step_inputs(prompt_ids, continuations)
         todo = [i for i, x in enumerate(inputs) if x is not None]
