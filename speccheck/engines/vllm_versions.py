@@ -11,9 +11,9 @@ model-runner attribute. Pure: imported by the parent and by the worker (no vLLM 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
 
 #: the metric names of vLLM 0.26 (as ``LLM.get_metrics()`` gives them; a counter may also carry
 #: Prometheus' ``_total``); unchanged through 0.33 (every recorded release has them all)
