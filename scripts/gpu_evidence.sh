@@ -22,7 +22,8 @@
 # Environment (all optional): PY (python, default python3), SITE (a vLLM site tree put first on
 # PYTHONPATH), CKPT (default $RESULTS/ckpt), RESULTS (default ./gpu-evidence), CORPUS (default
 # smoke), CONFIGS (default "mtp-k1 mtp-k3 mtp-k7 dflash-k7 dflash2-k1 dflash2-k3 dflash2-k7"),
-# SERVER_CONFIGS (default "mtp-k3 dflash2-k7"), REPEATS (2), ATTENTION (TRITON_ATTN; auto = vLLM's
+# SERVER_CONFIGS (default "mtp-k3 dflash2-k7"), REPEATS (2), AXES (`speccheck run --axes`:
+# default = every axis the engine runs; none = the corpus alone), ATTENTION (TRITON_ATTN; auto = vLLM's
 # choice), GDN_PREFILL (triton; empty = vLLM's default), EXTRA_ARGS (more --engine-arg pairs),
 # GPU_UTIL (0.25), PORT (8000: servers use PORT..PORT+n), DEADLINE_S (no new step after it,
 # default 3000), OLD_STORE, GOLDEN (default golden), GOLDEN_RECORD (0).
@@ -37,6 +38,7 @@ CORPUS=${CORPUS:-smoke}
 CONFIGS=${CONFIGS:-mtp-k1 mtp-k3 mtp-k7 dflash-k7 dflash2-k1 dflash2-k3 dflash2-k7}
 SERVER_CONFIGS=${SERVER_CONFIGS:-mtp-k3 dflash2-k7}
 REPEATS=${REPEATS:-2}
+AXES=${AXES:-default}
 ATTENTION=${ATTENTION:-TRITON_ATTN}
 GDN_PREFILL=${GDN_PREFILL-triton}
 GPU_UTIL=${GPU_UTIL:-0.25}
@@ -101,7 +103,7 @@ step_run() {
   mapfile -t ea < <(engine_args)
   for c in $(configs "$CONFIGS"); do cfgs+=(--config "$c"); done
   sc run --engine vllm --model "$(target)" --draft "$CKPT/drafter" --corpus "$CORPUS" \
-    --repeats "$REPEATS" --store "$STORE" "${ea[@]}" "${cfgs[@]}"
+    --repeats "$REPEATS" --axes "$AXES" --store "$STORE" "${ea[@]}" "${cfgs[@]}"
 }
 
 step_gate() {

@@ -18,7 +18,9 @@ DEFAULT_K = {"mtp": list(range(1, 8))}
 RUN_ONLY_ARGS: dict[str, frozenset[str]] = {
     "openai": frozenset({"score_base_url", "timeout", "deadline", "retries", "backoff", "api_key_env"}),
     "vllm": frozenset({"gpu_memory_utilization", "kv_cache_memory_bytes", "worker", "python",
-                       "timeout_s", "warmup", "attribution_jobs"}),
+                       "timeout_s", "warmup", "attribution_jobs",
+                       # a path (its weights' hash is in the identity, as --draft's is)
+                       "dflash2_draft"}),
 }
 
 
