@@ -24,6 +24,13 @@ def per_prompt_counters(suite: Suite, config: str) -> dict[str, object]:
     return {c.prompt_id: c.spec for c in suite.load_run(config, 0).completions if c.spec is not None}
 
 
+def same_counters(a: dict, b: dict) -> bool:
+    """The same prompts with the same drafts and accepted counts per position on both sides."""
+    def key(c) -> tuple:
+        return int(c.drafts), tuple(int(x) for x in c.accepted_per_pos)
+    return a.keys() == b.keys() and all(key(a[p]) == key(b[p]) for p in a)
+
+
 @dataclass
 class Speed:
     """Warm decode tok/s (medians over every stored repeat) and, for a spec config, its speedup
@@ -51,6 +58,8 @@ class ConfigUpgrade:
     acceptance: AcceptanceComparison | None
     speed: Speed
     problems: list[str] = field(default_factory=list)
+    #: every prompt's spec counters equal on both sides (the exact version of "unchanged")
+    acceptance_identical: bool = False
 
     @property
     def passed(self) -> bool:
@@ -157,7 +166,9 @@ def upgrade_suites(old: Suite, new: Suite, configs: Sequence[str], policy, detok
                                    + " and ".join(s for s, c in (("the old suite", co), ("the new suite", cn)) if not c))
             else:
                 cu.acceptance = compare_acceptance(co, cn, alpha=alpha, paired=True)
-                cu.problems += _acceptance_problems(cu.acceptance)
+                cu.acceptance_identical = same_counters(co, cn)
+                if not cu.acceptance_identical:  # identical counts need no test, however few
+                    cu.problems += _acceptance_problems(cu.acceptance)
         sp = cu.speed
         if same_device and sp.change is not None and sp.change < -max_slowdown:
             cu.problems.append(f"warm decode {sp.old:.1f} -> {sp.new:.1f} tok/s ({sp.change:+.1%}, more "
@@ -185,9 +196,10 @@ def upgrade_lines(u: Upgrade) -> list[str]:
         if s.speedup_old and s.speedup_new:
             speed += f", speedup {s.speedup_old:.2f}x -> {s.speedup_new:.2f}x"
         acc = ""
-        if c.acceptance is not None and not c.acceptance.inconclusive:
+        if c.acceptance is not None and (c.acceptance_identical or not c.acceptance.inconclusive):
             a = c.acceptance.overall
-            acc = f", tokens/iteration {a.expected:.3f} -> {a.observed:.3f} ({a.direction})"
+            said = "identical per prompt" if c.acceptance_identical else a.direction
+            acc = f", tokens/iteration {a.expected:.3f} -> {a.observed:.3f} ({said})"
         lines.append(f"{'PASS' if c.passed else 'FAIL'}  {name}: {o.exact}/{o.prompts} exact, near_tie "
                      f"{counts['near_tie']}, low_confidence {counts['low_confidence']}, high_confidence "
                      f"{counts['high_confidence']}{acc}; {speed}")

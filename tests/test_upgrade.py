@@ -192,3 +192,20 @@ def test_committed_vllm_goldens_are_named_by_their_release():
     for g in goldens:
         ident = json.loads(g.read_text())["identity"]
         assert g.parents[2].name == ident["vllm_version"], g
+
+
+def test_few_prompts_pass_only_with_identical_counters(tmp_path):
+    """Below acceptance_stats' minimum of prompts the test is inconclusive, which fails; but
+    counters identical prompt by prompt are unchanged without a test."""
+    old = make_store(tmp_path / "old", "0.26.0")
+    same = make_store(tmp_path / "same", "0.28.0")
+    moved = make_store(tmp_path / "moved", "0.28.0", jitter=1)
+    few = ["baseline", "mtp-k3"]
+    for s in (old, same, moved):  # keep 3 prompts: rewrite r0 of mtp-k3 with its first three
+        r = s.load_run("mtp-k3", 0)
+        r.completions = r.completions[:3]
+        s.write_run(r)
+    ok = upgrade_suites(old, same, few, Policy())
+    assert ok.passed and ok.configs["mtp-k3"].acceptance_identical
+    bad = upgrade_suites(old, moved, few, Policy())
+    assert not bad.passed and "acceptance inconclusive" in bad.configs["mtp-k3"].problems[0]
