@@ -13,7 +13,7 @@ from speccheck.policy import Policy
 from speccheck.store import Store
 from speccheck.types import Completion, RunRecord, SpecConfig, SpecCounters
 from speccheck.upgrade import upgrade_suites
-from tests.test_evaluate import V, dist
+from tests.test_evaluate import V, complete_as_run_would, dist
 
 PROMPTS = [f"p{i:02d}" for i in range(20)]
 CONFIGS = {"baseline": 0, "mtp-k3": 3, "dflash2-k7": 7}
@@ -80,6 +80,7 @@ def make_store(path, version: str, *, accept_scale: dict | None = None, slow: fl
     s.write_run(RunRecord(SpecConfig.from_name("mtp-k3"), ident, "c", "h", 0, False, completions=axis,
                           axis="concurrency", level="4",
                           proof={"max_batch": proof_batch, "requests_served": 8}))
+    complete_as_run_would(s)
     return s
 
 
