@@ -18,6 +18,10 @@
 #             same prompts and server, and each config's gated wall time over its generation
 #             time (overhead.json)
 #   upgrade   `speccheck upgrade OLD_STORE store` when OLD_STORE names another version's store
+#   tp        (not in the default steps; needs TP GPUs) baseline + TP_CONFIGS at tensor_parallel_size
+#             1 and TP into store-tp1 and store-tpTP, `doctor --tp`, gate each, then `speccheck
+#             compare` of the two (every difference classified; attributed to "TP size" where
+#             each size's own rescoring reproduces its token)
 #
 # Environment (all optional): PY (python, default python3), SITE (a vLLM site tree put first on
 # PYTHONPATH), CKPT (default $RESULTS/ckpt), RESULTS (default ./gpu-evidence), CORPUS (default
@@ -26,7 +30,8 @@
 # default = every axis the engine runs; none = the corpus alone), ATTENTION (TRITON_ATTN; auto = vLLM's
 # choice), GDN_PREFILL (triton; empty = vLLM's default), EXTRA_ARGS (more --engine-arg pairs),
 # GPU_UTIL (0.25), PORT (8000: servers use PORT..PORT+n), DEADLINE_S (no new step after it,
-# default 3000), OLD_STORE, GOLDEN (default golden), GOLDEN_RECORD (0).
+# default 3000), OLD_STORE, GOLDEN (default golden), GOLDEN_RECORD (0), TP (2), TP_CONFIGS
+# (default "mtp-k3 dflash-k7").
 # Exit: 0 when every step that ran passed, else the first failing step's code. A step's log is
 # RESULTS/<step>.log; summary.txt collects the verdicts.
 set -uo pipefail
@@ -250,6 +255,23 @@ step_upgrade() {
   [ -n "${OLD_STORE:-}" ] || { echo "OLD_STORE not set: no upgrade to judge"; return 0; }
   sc upgrade "$OLD_STORE" "$STORE" > "$RESULTS/upgrade.txt" 2>&1; local rc=$?
   cat "$RESULTS/upgrade.txt"; note "upgrade $OLD_STORE -> $STORE: exit $rc"; return $rc
+}
+
+step_tp() {
+  local tp=${TP:-2} cfgs=() c ea rc=0 size
+  mapfile -t ea < <(engine_args)
+  for c in $(configs "${TP_CONFIGS:-mtp-k3 dflash-k7}"); do cfgs+=(--config "$c"); done
+  sc doctor --engine vllm --model "$(target)" --tp "$tp" || rc=$?
+  nvidia-smi topo -m 2>&1 | tee "$RESULTS/topo.txt"
+  for size in 1 "$tp"; do
+    sc run --engine vllm --model "$(target)" --draft "$CKPT/drafter" --corpus "$CORPUS" \
+      --repeats "$REPEATS" --axes none --store "$RESULTS/store-tp$size" "${ea[@]}" "${cfgs[@]}" \
+      --engine-arg "tensor_parallel_size=$size" || rc=$?
+    sc gate --store "$RESULTS/store-tp$size" > "$RESULTS/gate-tp$size.txt" 2>&1; note "gate TP=$size: exit $?"
+  done
+  sc compare --store "$RESULTS/store-tp1" --with-store "$RESULTS/store-tp$tp" > "$RESULTS/compare-tp.txt" 2>&1
+  local crc=$?; tail -5 "$RESULTS/compare-tp.txt"; note "compare TP=1 vs TP=$tp: exit $crc"
+  [ "$rc" = 0 ] && rc=$crc; return $rc
 }
 
 STEPS=("$@"); [ ${#STEPS[@]} -gt 0 ] || STEPS=(env export run gate proof server bench upgrade)

@@ -60,6 +60,13 @@ def golden_dir(root: Path, identity: dict, meta: dict) -> Path:
         / _slug(Path(str(model)).name) / _slug(meta["corpus"] + variant)
 
 
+def portable_identity(identity: dict) -> dict:
+    """The identity a golden keeps: paths of the recording machine become their last part (a
+    golden is committed and read elsewhere; model, drafter and tokenizer are known by hash)."""
+    return {k: (Path(v).name if isinstance(v, str) and v.startswith("/") and "\n" not in v else v)
+            for k, v in identity.items()}
+
+
 def _fingerprint(identity: dict, corpus_hash: str) -> dict:
     return {"model_hash": identity.get("model_hash"), "tokenizer_hash": identity.get("tokenizer_hash"),
             "corpus_hash": corpus_hash}
@@ -120,8 +127,12 @@ def record(suite: Suite, result: SuiteResult, root: Path, force: bool = False) -
     samples.update({f"config:{r.config}": spec_delta_sample(suite, r.config)
                     for r in result.configs if r.config != "baseline"})
     write_checked_npz(tmp / NOISE_FILE, **{k: v.astype(np.float32) for k, v in samples.items()})
+    manifest = tmp / "baseline" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["identity"] = portable_identity(m.get("identity") or {})
+    write_checked_text(manifest, json.dumps(m, indent=1, ensure_ascii=False))
     meta = {"suite": suite.id, "engine": suite.meta["engine"], "corpus": suite.meta["corpus"],
-            "identity": base.identity, "fingerprint": _fingerprint(base.identity, base.corpus_hash),
+            "identity": portable_identity(base.identity), "fingerprint": _fingerprint(base.identity, base.corpus_hash),
             "numerics": _numerics(base.identity),
             "noise": result.noise, "acceptance": acceptance,
             "checks": check_states(result),

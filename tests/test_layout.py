@@ -41,3 +41,18 @@ def test_every_package_is_in_the_distribution():
     found = {".".join(p.parent.relative_to(ROOT).parts)
              for p in (ROOT / "speccheck").rglob("__init__.py")}
     assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+
+
+def test_committed_goldens_name_no_machine_paths():
+    """A golden is read on other machines: the identities it keeps carry no absolute paths of
+    the machine that recorded it (golden.portable_identity), and only what `golden check` reads
+    lives under golden/."""
+    import json
+
+    from speccheck.golden import portable_identity
+
+    for path in list((ROOT / "golden").rglob("golden.json")) + list((ROOT / "golden").rglob("manifest.json")):
+        ident = json.loads(path.read_text()).get("identity") or {}
+        assert ident == portable_identity(ident), path
+    assert not [p for p in (ROOT / "golden").rglob("*") if p.suffix in (".md", ".html")]
+    assert portable_identity({"model": "/tmp/ckpt", "dtype": "bf16"}) == {"model": "ckpt", "dtype": "bf16"}

@@ -551,16 +551,16 @@ def test_cli_doctor_tp_here(target):
         assert "[can't check] GPUs for TP=2" in r.output and r.exit_code == 0, r.output
 
 
-def test_h200_script_has_the_tp_mode():
-    """The GPU run's script parses and documents its tp mode (it runs only on the GPU box)."""
+def test_the_gpu_evidence_script_has_the_tp_step():
+    """The GPU evidence script parses and runs the matrix at two TP sizes and compares them (it
+    runs only on a multi-GPU machine)."""
     import subprocess
 
-    script = Path(__file__).parents[1] / "scripts" / "h200_vllm.sh"
+    script = Path(__file__).parents[1] / "scripts" / "gpu_evidence.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
-    assert usage.returncode == 2 and "TP=2 bash scripts/h200_vllm.sh tp" in usage.stdout
     text = script.read_text()
-    assert '--engine-arg "tensor_parallel_size=$size"' in text and "compare --store" in text
+    assert "step_tp() {" in text and '--engine-arg "tensor_parallel_size=$size"' in text
+    assert 'compare --store "$RESULTS/store-tp1"' in text
 
 
 @pytest.mark.parametrize("cap,head,fi,dsl,status,words", [

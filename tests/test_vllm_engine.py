@@ -3,7 +3,7 @@ parsing, the speculative_config mapping, the DFlash K hint, and worker failure h
 
 Fixtures in tests/fixtures/vllm/ are plain JSON of what vLLM returned, captured on the H200
 (vLLM 0.26.0, 2026-11-30) by the worker during `speccheck run --engine vllm` on the exported
-reference checkpoint (scripts/h200_vllm.sh; ``"source": "captured"``): the smallest request of
+reference checkpoint (scripts/capture_vllm_fixtures.py; ``"source": "captured"``): the smallest request of
 the baseline, of MTP K=1/3/7 and DFlash K=7, and of a prompt_logprobs (score) call, each with
 a ``get_metrics()`` dump. scripts/capture_vllm_fixtures.py --construct can rebuild stand-ins
 of the same shape from vLLM's own Python classes where no GPU is at hand.
