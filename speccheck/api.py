@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from speccheck.config import build_matrix
+from speccheck.escalate import escalate, resolve
 from speccheck.evaluate import evaluate_suite, judged_configs
 from speccheck.gate import EXIT_FAIL, EXIT_PASS, exit_code, gate_text, write_junit
 from speccheck.golden import golden_acceptance, golden_noise
@@ -35,7 +36,9 @@ def run(engine: str = "reference", *, store: str | Path = ".speccheck", methods:
     top_k, no_attribution, max_tokens, ignore_eos, attribution_paths, attribution_mode, ...)."""
     plan = make_plan(engine, methods=methods, k=k, configs=configs, corpus=corpus, repeats=repeats,
                      engine_args=engine_args, concurrent=concurrent, **options)
-    return run_suite(plan, Store(store), log=log, progress=progress)
+    suite = run_suite(plan, Store(store), log=log, progress=progress)
+    escalate(plan, Store(store), suite, log)  # inconclusive checks: judged again on more prompts
+    return suite
 
 
 def open_suite(store_dir: str | Path = ".speccheck", suite_id: str | None = None) -> Suite:
@@ -99,7 +102,8 @@ def evaluate(store_dir: str | Path = ".speccheck", suite_id: str | None = None, 
     have_base = suite.is_complete("baseline", 0) and golden_dir is not None
     gold = golden_acceptance(suite, Path(golden_dir)) if have_base else None
     gold_noise = golden_noise(suite, Path(golden_dir)) if have_base else None
-    return suite, evaluate_suite(suite, policy, configs, gold, detok, gold_noise), detok
+    result = evaluate_suite(suite, policy, configs, gold, detok, gold_noise)
+    return suite, resolve(Store(store_dir), suite, result, policy), detok
 
 
 def demanded_configs(suite, methods, k, configs) -> tuple[list[str], list[str]]:

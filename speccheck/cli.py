@@ -243,8 +243,12 @@ def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, 
         def progress(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total, description=what)
 
-        suite = run_suite(plan, Store(store_dir), log=bar.console.print if console.is_terminal else click.echo,
-                          progress=progress)
+        log = bar.console.print if console.is_terminal else click.echo
+        suite = run_suite(plan, Store(store_dir), log=log, progress=progress)
+        if suite.is_complete("baseline", 0):  # inconclusive checks: judged again on more prompts
+            from speccheck.escalate import escalate
+
+            escalate(plan, Store(store_dir), suite, log)
     runs = list(range(plan.repeats)) + ([TOGETHER] if plan.concurrent else [])
     on = {c.name for c in plan.axis_configs()}
     failed = [f"{c.name} {slot_label(r)}" for c in plan.configs

@@ -147,6 +147,11 @@ def _prompt_dict(p: Prompt) -> dict:
     return d
 
 
+def prompt_dict(p: Prompt) -> dict:
+    """A prompt as one record of a JSONL corpus file (what :func:`load_corpus` reads back)."""
+    return _prompt_dict(p)
+
+
 def _load_file(name: str, path: str, data: bytes, max_tokens: int | None = None) -> Corpus:
     try:
         content = data.decode("utf-8-sig")  # a byte-order mark (Windows editors) is not content

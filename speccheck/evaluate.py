@@ -26,6 +26,7 @@ from speccheck.verify import (
     acceptance_summary,
     calibrate_thresholds,
     counter_problems,
+    detectable_ratio,
     determinism,
     drift_test,
     flip_budget,
@@ -125,7 +126,9 @@ def logprob_consistency(ev: LogprobEvidence, flips: int, noise: float, kernel_no
     budget = flip_budget(ev.margins, flips, kernel_noise, policy.flip_noise_multiple, policy.flip_slack)
     pair = (paired_drift_test(paired[0], paired[1], policy.max_logprob_drift, policy.logprob_drift_alpha)
             if paired is not None else None)
-    return LogprobConsistency(len(d), limit, over, len(bad), drift, gold, budget, pair)
+    power = (detectable_ratio(paired[0], paired[1], policy.logprob_drift_alpha)
+             if paired is not None else None)
+    return LogprobConsistency(len(d), limit, over, len(bad), drift, gold, budget, pair, power)
 
 
 

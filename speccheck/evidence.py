@@ -10,7 +10,8 @@ import numpy as np
 
 from speccheck.store import Suite
 from speccheck.types import Completion, RunRecord
-from speccheck.verify import abs_deltas, margins, paired_deltas, path_noise
+from speccheck.verify import (abs_deltas, margins, paired_deltas, path_noise, shared_context,
+                              topk_abs_deltas)
 
 #: how to get evidence that is missing from a store (runs are kept; only what is missing is redone)
 RESUME = ("`speccheck run` again with the same options into the same --store resumes: stored runs "
@@ -150,3 +151,25 @@ def paired_logprob_deltas(base: RunRecord, base_scored: dict | None,
     return np.concatenate(a), np.concatenate(b)
 
 
+
+
+def paired_topk_deltas(base: RunRecord, base_scored: dict | None,
+                       run: RunRecord) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(a, b, prompt)`` over every prompt's positions of shared context with the baseline
+    (up to and including the first divergence): a = the spec run's top-k against the
+    baseline's prefill top-k, b = the baseline decode path's top-k against the same rows
+    (per position, the mean |Δ logprob| over the ids both list; :func:`verify.topk_abs_deltas`),
+    prompt = the index of each position's prompt in ``run``; empty without the baseline's
+    rescoring."""
+    by_prompt = base.by_prompt()
+    a, b, where = [np.zeros(0)], [np.zeros(0)], [np.zeros(0, np.int64)]
+    for i, c in enumerate(run.completions):
+        bc, bs = by_prompt.get(c.prompt_id), (base_scored or {}).get(c.prompt_id)
+        if bc is None or bs is None or len(bs.topk_ids) != bc.n_tokens \
+                or len(bc.topk_ids) != bc.n_tokens or len(c.topk_ids) != c.n_tokens:
+            continue  # top-k rows not one per token: logprobs_valid names them
+        n = shared_context(c.token_ids, bc.token_ids)
+        a.append(topk_abs_deltas(c.topk_ids[:n], c.topk_logprobs[:n], bs.topk_ids[:n], bs.topk_logprobs[:n]))
+        b.append(topk_abs_deltas(bc.topk_ids[:n], bc.topk_logprobs[:n], bs.topk_ids[:n], bs.topk_logprobs[:n]))
+        where.append(np.full(n, i, np.int64))
+    return np.concatenate(a), np.concatenate(b), np.concatenate(where)

@@ -36,7 +36,8 @@ def gate_text(result: SuiteResult, unmet: Sequence[str] = ()) -> str:
         failed = [c for c in r.checks if not c.passed and not c.skipped]
         lines.append(f"{'PASS' if not failed else 'FAIL'}  {r.config}")
         for c in failed:
-            lines.append(f"      {c.name} failed for config {r.config}: {c.message}")
+            said = "inconclusive (not a pass)" if c.inconclusive else "failed"
+            lines.append(f"      {c.name} {said} for config {r.config}: {c.message}")
     note = plan_note(result)
     if note:
         lines.append(note)
@@ -70,7 +71,8 @@ def write_junit(result: SuiteResult, path: Path) -> None:
         if c.skipped:
             ET.SubElement(case, "skipped", message=c.message.splitlines()[0])
         elif not c.passed:
-            el = ET.SubElement(case, "failure", message=c.message.splitlines()[0])
+            el = ET.SubElement(case, "failure", message=("inconclusive: " if c.inconclusive else "")
+                               + c.message.splitlines()[0])
             el.text = c.message
     root = ET.Element("testsuites")
     root.append(suite)

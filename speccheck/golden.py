@@ -145,7 +145,7 @@ def record(suite: Suite, result: SuiteResult, root: Path, force: bool = False) -
 
 
 def _state(c) -> str:
-    return "skip" if c.skipped else ("pass" if c.passed else "fail")
+    return c.state
 
 
 def check_states(result: SuiteResult) -> dict[str, dict[str, str]]:
@@ -164,7 +164,7 @@ def check_changes(recorded: dict[str, dict[str, str]], result: SuiteResult) -> l
             continue
         for c in r.checks:
             now, was = _state(c), then.get(c.name)
-            if now == was or (was is None and now != "fail"):  # a newer check that passes: news to no one
+            if now == was or (was is None and now in ("pass", "skip")):  # a newer check that passes: news to no one
                 continue
             then_text = "not in the golden (a newer check)" if was is None else f"{was} in the golden"
             out.append(f"{r.config} {c.name}: {then_text}, {now} today ({get_check(c.name).description})")

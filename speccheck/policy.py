@@ -31,6 +31,13 @@ CORE_KEYS = (
               "flipped tokens at 0.9x-180x (and mostly far outside the other side's top-2, which no "
               "tau excuses)."),
     PolicyKey("low_noise_multiple", 12.0, "see tie_noise_multiple"),
+    PolicyKey("escalation_budget", 3,
+              "an inconclusive statistical check (an effect beyond its limit at a p between its "
+              "alpha and its look-closer threshold) is judged again on more prompts: `speccheck "
+              "run` continues every prompt of the corpus by its own baseline output and generates "
+              "this many times its max_tokens, for the inconclusive configs and the baseline only, "
+              "into a linked suite of the same store; one that stays inconclusive there fails "
+              "(0: never escalate, an inconclusive fails)"),
     PolicyKey("tie_floor", 0.02, "nats; see tie_noise_multiple"),
     PolicyKey("low_floor", 0.1, "nats; see tie_noise_multiple"),
 )

@@ -133,7 +133,7 @@ def _assert_check(spec_result, config: str, check: str) -> None:
     c = result.get(config).check(check)
     if c.skipped:
         pytest.skip(c.message)
-    assert c.passed, f"{check} failed for {config}: {c.message}"
+    assert c.passed, f"{check} {'inconclusive' if c.inconclusive else 'failed'} for {config}: {c.message}"
 
 
 def _check_test(spec):

@@ -13,10 +13,25 @@ from speccheck.verify import (Acceptance, Boundary, Divergence, DriftTest, FlipB
 
 @dataclass
 class Check:
+    """One check's verdict on one config. ``inconclusive``: a statistical test saw an effect
+    beyond its limit at a p between its alpha and its looser look-closer threshold -- not a
+    pass (``passed`` is False); `speccheck run` escalates it to more prompts and the gate
+    judges it there (speccheck.escalate), and one that stays inconclusive fails."""
+
     name: str
     passed: bool
     message: str
     skipped: bool = False
+    inconclusive: bool = False
+
+    @property
+    def state(self) -> str:
+        """skip, pass, inconclusive or fail: the word every renderer shows."""
+        if self.skipped:
+            return "skip"
+        if self.passed:
+            return "pass"
+        return "inconclusive" if self.inconclusive else "fail"
 
 
 @dataclass
@@ -81,6 +96,8 @@ class LogprobConsistency:
     golden_drift: DriftTest | None
     flips: FlipBudget
     paired: PairedDriftTest | None = None
+    #: the smallest typical paired ratio the paired test would find (80 % power at its alpha)
+    paired_detectable: float | None = None
 
 
 @dataclass
@@ -129,7 +146,8 @@ class ConfigResult:
     def verdict(self) -> str:
         if self.failed_runs:
             return "error"
-        return "pass" if all(c.passed or c.skipped for c in self.checks) else "fail"
+        states = {c.state for c in self.checks} - {"pass", "skip"}
+        return "pass" if not states else ("inconclusive" if states == {"inconclusive"} else "fail")
 
     def check(self, name: str) -> Check:
         return next(c for c in self.checks if c.name == name)

@@ -833,6 +833,18 @@ class Suite:
             _atomic_write_text(self.root / "plan.json", json.dumps(plan, indent=1))
         return plan
 
+    # --- escalation: the linked suite that judged this one's inconclusive checks again -------
+    def write_escalation(self, link: dict) -> None:
+        _atomic_write_text(self.root / "escalation.json", json.dumps(link, indent=1))
+
+    def load_escalation(self) -> dict | None:
+        """The link `speccheck run` wrote when it escalated (None: never escalated)."""
+        path = self.root / "escalation.json"
+        if not path.exists():
+            return None
+        link = _load_checked_json(path, "`speccheck run` again with the same options escalates again")
+        return link if isinstance(link, dict) and isinstance(link.get("suite"), str) else None
+
     def _json(self, path: Path):
         """A stored JSON file (its sum checked, no schema), once while it is unchanged."""
         return self._read_once("json", (path, _sidecar(path)), lambda: _load_checked_json(path))

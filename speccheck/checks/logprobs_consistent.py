@@ -6,6 +6,7 @@ from speccheck.checks import CheckSpec, PolicyKey, first_line
 from speccheck.checks._evidence import LOGPROB_PAIRS, PATH_NOISE
 from speccheck.checks._text import drift_str, paired_str
 from speccheck.results import Check, ConfigResult
+from speccheck.verify import INCONCLUSIVE, decide
 
 POLICY = (
     PolicyKey("logprob_noise_multiple", 10.0,
@@ -29,6 +30,12 @@ POLICY = (
               "predicts (sum over positions of P(noise >= baseline margin)) + flip_slack x "
               "(sqrt of it + 1)"),
     PolicyKey("flip_slack", 3, "see flip_noise_multiple"),
+    PolicyKey("logprob_drift_look_closer", 0.05,
+              "a drift ratio above max_logprob_drift at logprob_drift_alpha <= p < this (unpaired, "
+              "paired or golden), or more flips than flip_look_closer x the flips allowed, is "
+              "inconclusive: `speccheck run` escalates it to more prompts, and it fails if it "
+              "stays so", hi=1.0),
+    PolicyKey("flip_look_closer", 0.75, "see logprob_drift_look_closer", hi=1.0),
 )
 
 
@@ -51,6 +58,7 @@ def judge(r: ConfigResult, p) -> Check:
              f"({f.at_risk} of {f.positions} positions within the noise level; at most {f.allowed})")
     if f.excess:
         problems.append("more flips than the path noise explains: " + flips)
+    unsure = [] if problems else _inconclusive(lc, p)
     # the figures, each once: those a problem already quotes are not repeated after it
     figures = [] if lc.drift is not None and lc.drift.drifted else [drift_str(lc.drift, "kernel-path noise")]
     figures += [] if f.excess else [flips]
@@ -58,11 +66,41 @@ def judge(r: ConfigResult, p) -> Check:
         figures.append("paired: " + paired_str(lc.paired))
     if lc.golden_drift is not None and not lc.golden_drift.drifted:
         figures.append(f"golden ratio {lc.golden_drift.ratio:.2f}, p {lc.golden_drift.p:.2g}")
+    figures.append(_power(lc, p))
     summary = "; ".join(figures)
+    if unsure:
+        return Check("logprobs_consistent", False,
+                     "inconclusive: " + "; ".join(unsure) + f" ({summary})", inconclusive=True)
     if not problems:
         return Check("logprobs_consistent", True, summary)
     return Check("logprobs_consistent", False,
                  "; ".join(problems) + (f" ({summary})" if summary else ""))
+
+
+def _inconclusive(lc, p) -> list[str]:
+    """The tests that saw an effect beyond their limit at a p between alpha and look-closer,
+    or flips above flip_look_closer of the allowance: more prompts must decide."""
+    look = max(p.logprob_drift_look_closer, p.logprob_drift_alpha)
+    out = []
+    for t, what in ((lc.drift, "unpaired drift"), (lc.golden_drift, "drift against the golden"),
+                    (lc.paired, "paired drift")):
+        if t is not None and not t.drifted and decide(
+                t.ratio > t.max_ratio, t.p, t.alpha, look) == INCONCLUSIVE:
+            out.append(f"{what} ratio {t.ratio:.2f} > {t.max_ratio:.2f} at p {t.p:.2g} (alpha "
+                       f"{t.alpha:g}, look-closer {look:g})")
+    f = lc.flips
+    if not f.excess and f.flips > p.flip_look_closer * f.allowed:
+        out.append(f"{f.flips} flips, above {p.flip_look_closer:g} of the {f.allowed} allowed")
+    return out
+
+
+def _power(lc, p) -> str:
+    """The smallest paired drift the paired test would find (80 % power at its alpha)."""
+    d = lc.paired_detectable
+    if lc.paired is None or d is None or d == float("inf"):
+        return "power: none (too few paired positions)"
+    return (f"power: a paired ratio >= {max(d, p.max_logprob_drift):.2f} would be found 80 % of "
+            f"the time at alpha {p.logprob_drift_alpha:g}")
 
 
 CHECK = CheckSpec(

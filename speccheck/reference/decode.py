@@ -20,7 +20,7 @@ from speccheck.verify.ties import canonical_rows
 from . import dflash2 as _dflash2
 from .graphs import GraphDecoding
 from .model import (ATTN_FORMS, DRAFT_ATTN_FORMS, GDN_FORMS, Cache, DFlashDrafter, MTPModule,
-                    Qwen3_5TextModel, ReferenceConfig, set_nondeterministic)
+                    Qwen3_5TextModel, ReferenceConfig, set_nondeterministic, set_verify_scale)
 from .steps import Generation, _Out, _sync, emitted_rows
 
 #: planted spec-decode bugs (engine arg ``fault=NAME``), one line each naming the real bug it
@@ -71,6 +71,15 @@ FAULTS = {
                               "speculative generation ended at: the next request for that prompt "
                               "reuses hybrid state past the prompt (vLLM #43559, #43650, #53912; "
                               "one request at a time, prefix_cache on)",
+    "rollback-skipped-at-k-minus-1": "the GDN recurrent state is not rolled back after a step "
+                                     "that accepted exactly K - 1 drafts (an off-by-one in the "
+                                     "rollback index, taken only on that rare step: about 1-2 % "
+                                     "of DFlash K=7's steps; a rare-step hybrid-state bug like "
+                                     "vLLM #52942, #50272)",
+    "verify-drift": "the GDN layers' output on the verify path only is off by a factor "
+                    "(1 + 2^-7) (a verify kernel's output scaled slightly wrong: a verify-only "
+                    "numeric drift that flips only near-ties, as a wrong scale in a GDN verify "
+                    "kernel would)",
     "drafter-noise": "the drafter's logits carry a fixed pseudo-random perturbation per draft "
                      "position (a drafter-only numerics bug: a wrong scale, a lossy drafter "
                      "kernel); acceptance falls about a fifth, tokens stay exact",
@@ -129,6 +138,9 @@ def drafter_noise(logits: torch.Tensor, positions) -> torch.Tensor:
     pos = torch.as_tensor(positions, device=device).expand(logits.shape[:-1])
     return logits + _NOISE_TABLES[key][pos % DRAFTER_NOISE_ROWS]
 
+
+#: the factor the fault verify-drift puts on the GDN layers' output on the verify path
+VERIFY_DRIFT = 1.0 + 2.0 ** -7
 
 #: prompt tokens whose prefills a decoder keeps for reuse (Knobs.prefix_cache), the least
 #: recently used dropped first: the default corpus has about 12,000
@@ -214,6 +226,7 @@ class Decoder:
         nets = (self.target, self.mtp, self.drafter, self.dflash2)
         set_nondeterministic([m for m in nets if m is not None],
                              self.knobs.fault == "nondeterministic")
+        set_verify_scale(self.target, VERIFY_DRIFT if self.knobs.fault == "verify-drift" else 1.0)
 
     # ------------------------------------------------------------------ public
 
@@ -522,12 +535,16 @@ class Decoder:
             kept[j] = m + 1
         state_keep = ([min(n, conv_history) for n in kept]
                       if fault == "accepted-clamped-to-conv" else None)
+        # planted: a step that accepted exactly K - 1 drafts keeps the GDN state of all K + 1
+        gdn_stale = ([n == k for n in kept] if fault == "rollback-skipped-at-k-minus-1" and k > 1
+                     else None)
         one_kernel = fault == "decode-kernel-verify"  # it wrote only the final state
         conv_before = list(cache.conv) if fault == "conv-block-boundary" else None
         cache.commit(kept if cache.lengths is not None else kept[0],  # a batch: per sequence
                      roll_back_gdn=fault != "stale-state" and not one_kernel,
                      roll_back_conv=fault != "conv-not-rolled-back" and not one_kernel,
-                     state_keep=state_keep, alias_first=fault == "batch-aliases-seq0")
+                     state_keep=state_keep, alias_first=fault == "batch-aliases-seq0",
+                     gdn_stale=gdn_stale)
         if fault == "state-precision":  # planted: the carried state loses precision
             cache.gdn = [None if s is None else round_mantissa(s, 4) for s in cache.gdn]
         if conv_before is not None:  # planted: a step across a block keeps a stale window

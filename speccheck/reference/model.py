@@ -483,7 +483,7 @@ class Cache:
 
     def commit(self, n_new: int | list[int], roll_back_gdn: bool = True, *,
                roll_back_conv: bool = True, state_keep: list[int] | None = None,
-               alias_first: bool = False) -> None:
+               alias_first: bool = False, gdn_stale: list[bool] | None = None) -> None:
         """Keep the first ``n_new`` positions of the last forward and drop the rest (a list:
         a count per sequence of a ragged batch).
 
@@ -491,14 +491,16 @@ class Cache:
         defaults are exact rollback: ``roll_back_gdn`` / ``roll_back_conv`` False keep that
         state at the end of the forward (rejected positions included), ``state_keep`` keeps
         the GDN and conv state at other counts than the tokens (per sequence), and
-        ``alias_first`` gives every row of a batch sequence 0's state."""
+        ``alias_first`` gives every row of a batch sequence 0's state, ``gdn_stale`` (per
+        sequence) keeps the GDN state at the end of the forward where True."""
         counts = [n_new] if isinstance(n_new, int) else list(n_new)
         state_counts = counts if state_keep is None else list(state_keep)
         for i, p in self.pending.items():
             per_state, window = p[1], p[2]
             # conv state = the last K-1 inputs: window holds K-1 old + T new [B, K-1+T, C]
             k1 = window.shape[1] - len(per_state)
-            keep = [n if roll_back_gdn else len(per_state) for n in state_counts]
+            keep = [n if roll_back_gdn and not (gdn_stale and gdn_stale[j]) else len(per_state)
+                    for j, n in enumerate(state_counts)]
             conv_keep = [n if roll_back_conv else len(per_state) for n in state_counts]
             if isinstance(n_new, int):
                 self.conv[i] = window[:, conv_keep[0]: conv_keep[0] + k1]
@@ -575,6 +577,7 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self.in_proj_z = Linear(h, self.value_dim, bias=False)
         self.in_proj_b = Linear(h, self.nv, bias=False)
         self.in_proj_a = Linear(h, self.nv, bias=False)
+        self.verify_scale = 1.0  # 1 but under the planted fault verify-drift (decode.py)
 
     def forward(self, x: torch.Tensor, cache: Cache | None = None, idx: int = 0,
                 form: str = "chunked", per_position: bool = False) -> torch.Tensor:
@@ -629,7 +632,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
                 cache.gdn[idx] = s
                 cache.conv[idx] = full[:, -(self.kernel - 1):]
         out = self.norm(out.to(x.dtype), z)
-        return self.out_proj(out.reshape(B, T, self.value_dim))
+        y = self.out_proj(out.reshape(B, T, self.value_dim))
+        return y * self.verify_scale if per_position and self.verify_scale != 1.0 else y
 
     def _core(self, conv_out, g, beta, state, form: str, per_position: bool):
         """The gated delta rule in ``form`` over the convolution's q, k, v."""
@@ -1023,6 +1027,13 @@ def init_weights(module: nn.Module, seed: int = 0, std: float = 0.02) -> None:
 def _is_zero_centred(root: nn.Module, pname: str) -> bool:
     mod = root.get_submodule(pname.rsplit(".", 1)[0])
     return isinstance(mod, Qwen3_5RMSNorm)
+
+
+def set_verify_scale(root: nn.Module, factor: float) -> None:
+    """Fault ``verify-drift``: every GDN layer's output on the verify path times ``factor``."""
+    for m in root.modules():
+        if isinstance(m, Qwen3_5GatedDeltaNet):
+            m.verify_scale = factor
 
 
 def set_nondeterministic(modules: list[nn.Module], on: bool) -> None:

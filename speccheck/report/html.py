@@ -26,7 +26,7 @@ SECTIONS = (("configs", "configs"), ("sweep", "K-sweep"), ("acceptance", "accept
             ("margins", "margins"), ("agreement", "agreement"), ("divergences", "divergences"),
             ("checks", "checks"), ("identity", "identity"))
 BANNER_ITEMS = 12  # failing configs listed in the banner; every check is in the checks table
-VERDICT_TEXT = {"pass": "PASS", "fail": "FAIL", "error": "ENGINE FAILURE"}
+VERDICT_TEXT = {"pass": "PASS", "fail": "FAIL", "inconclusive": "INCONCLUSIVE", "error": "ENGINE FAILURE"}
 
 CSS = """
 body{font-family:system-ui,sans-serif;margin:0 24px 40px;color:#222;max-width:1500px}
@@ -42,7 +42,7 @@ th{background:#f3f3f3} td.num{text-align:right;font-variant-numeric:tabular-nums
 table.summary td:first-child,table.checks td:first-child{white-space:nowrap}
 .chip{display:inline-block;padding:1px 7px;border-radius:9px;font-size:12px;font-weight:bold;color:#fff}
 .chip.pass{background:#2b8a3e} .chip.fail{background:#c92a2a} .chip.error{background:#5f3dc4}
-.chip.skipped{background:#868e96}
+.chip.skipped{background:#868e96} .chip.inconclusive{background:#e67700}
 .cls-near_tie{color:#2a9d8f} .cls-low_confidence{color:#b7791f} .cls-high_confidence{color:#d62828;font-weight:bold}
 .grid td{text-align:center;font-size:12px;min-width:64px}
 .grid td.exact{background:#e6f4ea;color:#2b8a3e}
@@ -126,7 +126,7 @@ def _chip(state: str, text: str | None = None) -> str:
 
 
 def _check_state(c) -> str:
-    return "skipped" if c.skipped else ("pass" if c.passed else "fail")
+    return "skipped" if c.skipped else c.state
 
 
 # --- sections ------------------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def diff_text(result: SuiteResult, detok=None) -> str:
                    + (f"TTFT {sp.ttft_s * 1000:.1f} ms" if sp.ttft_s else "TTFT not measured"))
         for c in r.checks:
             if not c.passed and not c.skipped:
-                out.append(f"  FAIL {c.name}: {c.message}")
+                out.append(f"  {c.state.upper()} {c.name}: {c.message}")
         out.append("")
     return "\n".join(out)
 
@@ -300,7 +300,7 @@ def markdown_report(result: SuiteResult, detok=None) -> str:
     lines += ["## Checks", ""]
     for r in result.configs:
         for c in r.checks:
-            mark = "skip" if c.skipped else ("pass" if c.passed else "**FAIL**")
+            mark = c.state if c.passed or c.skipped else f"**{c.state.upper()}**"
             lines.append(f"- `{r.config}` {c.name}: {mark} — {c.message.splitlines()[0]}")
     return "\n".join(lines) + "\n"
 
