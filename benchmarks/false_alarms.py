@@ -113,6 +113,12 @@ def subtests(cr, pol: dict) -> dict:
                                             "p": _num(e.p), "near_ties": e.near_ties, "rank2": e.rank2}
         out["greedy_is_argmax.top1"] = {"judged": e.positions > 0, "failed": bool(e.violations),
                                         "violations": len(e.violations), "positions": e.positions}
+    t = cr.measured.get("verify_topk_drift") if "verify_topk_drift" in checked else None
+    if t is not None:
+        judged = not math.isnan(t.ratio)
+        out["verify_topk_drift.paired_topk"] = {
+            "judged": judged, "failed": t.decision == "fail", "inconclusive": t.decision == "inconclusive",
+            "p": _num(t.p), "ratio": _num(t.ratio), "n": t.n, "detectable": _num(t.detectable)}
     if "agrees_with_baseline" in checked and cr.token_agreement is not None and cr.token_agreement_n:
         n, floor = cr.token_agreement_n, pol["min_token_agreement"]
         p = below_floor_p(round(cr.token_agreement * n), n, floor) if cr.token_agreement < floor else 1.0
@@ -137,19 +143,23 @@ def run_seed(seed: int, pool, args, root: Path) -> dict:
     api.run(store=store, configs=args.configs, corpus=str(corpus), repeats=2, concurrent=2,
                   axes="none", log=lambda s: None)
     t_run = time.perf_counter() - t0
-    _, result, _ = api.evaluate(store, golden_dir=None)
+    suite, result, _ = api.evaluate(store, golden_dir=None)
+    link = suite.load_escalation()
+    escalated = None
+    if link is not None:  # the first stage's inconclusive checks, judged before the escalation
+        escalated = {"suite": link["suite"], "checks": link["checks"]}
     pol = result.policy
     configs = {}
     for cr in result.configs:
         configs[cr.config] = {
             "verdict": cr.verdict,
-            "checks": {c.name: {"status": "skipped" if c.skipped else ("passed" if c.passed else "failed"),
+            "checks": {c.name: {"status": {"skip": "skipped", "pass": "passed"}.get(c.state, "failed"),
                                 "message": first_line(c.message)} for c in cr.checks},
             "tests": subtests(cr, pol),
         }
     return {"seed": seed, "prompts": [pid for pid, _, _ in prompts],
             "prompts_in_default": [pid for pid, _, tuned in prompts if tuned],
-            "run_s": round(t_run, 1), "noise": result.noise, "noise_missing": result.noise_missing,
+            "run_s": round(t_run, 1), "escalated": escalated, "noise": result.noise, "noise_missing": result.noise_missing,
             "policy": pol, "configs": configs}
 
 
@@ -167,6 +177,8 @@ ALPHA_OF = {  # the policy key stating each check's (or test's) false-alarm rate
     "logprobs_consistent.paired": "logprob_drift_alpha",
     "greedy_is_argmax": "argmax_alpha",
     "greedy_is_argmax.near_tie": "argmax_alpha",
+    "verify_topk_drift": "topk_drift_alpha",
+    "verify_topk_drift.paired_topk": "topk_drift_alpha",
     "acceptance_not_regressed": "acceptance_alpha",
 }
 NOTE_OF = {
@@ -176,6 +188,8 @@ NOTE_OF = {
     "agrees_with_baseline": "binomial floor (min_token_agreement) + prefix/text floors (0: report only)",
     "logprobs_consistent": "drift + paired test at α each, flip budget, per-position limit",
     "logprobs_consistent.drift": "fails only with effect > max_logprob_drift AND p < α",
+    "verify_topk_drift": "after escalation: a first-stage inconclusive judged again on the continued corpus",
+    "verify_topk_drift.paired_topk": "first stage only; effect > topk_drift_max_ratio AND p < α",
     "logprobs_consistent.paired": "fails only with effect > max_logprob_drift AND p < α",
     "logprobs_consistent.flip_budget": "multiple x expected + slack; no α stated",
     "logprobs_consistent.per_position": "max(floor, multiple x noise); no α stated",
@@ -281,8 +295,9 @@ def main(argv=None) -> int:
             seeds.append(r)
             failed = [f"{cfg}:{n}" for cfg, c in r["configs"].items()
                       for n, v in c["checks"].items() if v["status"] == "failed"]
+            esc = f"  escalated {r['escalated']['checks']}" if r["escalated"] else ""
             print(f"seed {s:>2}: {r['run_s']:6.1f} s  prompts {','.join(r['prompts'])}  "
-                  f"failed: {', '.join(failed) or 'none'}", flush=True)
+                  f"failed: {', '.join(failed) or 'none'}{esc}", flush=True)
             Path(args.out).write_text(json.dumps({"args": vars(args), "seeds": seeds}, indent=1, default=str))
     finally:
         if tmp is not None:
@@ -292,7 +307,8 @@ def main(argv=None) -> int:
     cal = calibration(seeds)
     Path(args.out).write_text(json.dumps({"args": vars(args), "wall_s": round(wall, 1), "table": rows,
                                           "seeds": seeds}, indent=1, default=str))
-    print(f"\n{len(seeds)} seeds in {wall:.0f} s\n\n{table}\n\np-values of the statistical tests:\n{cal}")
+    n_esc = sum(1 for s in seeds if s["escalated"])
+    print(f"\n{len(seeds)} seeds in {wall:.0f} s; {n_esc} escalated\n\n{table}\n\np-values of the statistical tests:\n{cal}")
     fails = {}
     for s in seeds:
         for cfg, c in s["configs"].items():

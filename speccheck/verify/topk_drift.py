@@ -64,7 +64,7 @@ def detectable_ratio(a, b, alpha: float, power: float = 0.8) -> float:
     if len(lr) < 3:
         return math.inf
     sd = float(np.std(lr, ddof=1))
-    return float(math.exp((_z(1 - alpha) + _z(power)) * sd / math.sqrt(len(lr))))
+    return float(math.exp((-_z(alpha) + _z(power)) * sd / math.sqrt(len(lr))))
 
 
 def topk_abs_deltas(ids_a, lps_a, ids_b, lps_b) -> np.ndarray:
