@@ -18,6 +18,11 @@ POLICY = (
     PolicyKey("replay_alpha", 0.01,
               "the paired test over prompts (tokens/iteration, Holm): acceptance that moved from the "
               "replay beyond chance fails even within max_acceptance_drop", hi=1.0),
+    PolicyKey("replay_look_closer", 0.1,
+              "a change from the replay of at least replay_min_change at replay_alpha < p < this is "
+              "inconclusive: `speccheck run` escalates it to more prompts, and it fails if it stays so",
+              hi=1.0),
+    PolicyKey("replay_min_change", 0.02, "see replay_look_closer (relative, tokens/iteration)", hi=1.0),
     PolicyKey("replay_margin", 0.05,
               "nats: a prompt whose replayed counters differ from the engine's is named as off at a "
               "drafter near-tie where a step of the replay decided with a margin this small"),
@@ -120,6 +125,12 @@ def judge(r: ConfigResult, p) -> Check:
            + (f"\n    ... and {len(ev.unexplained) - 5} more" if len(ev.unexplained) > 5 else ""))
     if problems:
         return Check("acceptance_replayed", False, "; ".join(problems) + f" ({head})" + odd)
+    if (ev.p is not None and abs(change) >= p.replay_min_change
+            and p.replay_alpha < ev.p < max(p.replay_look_closer, p.replay_alpha)):
+        return Check("acceptance_replayed", False,
+                     f"inconclusive: tokens/iteration {change:+.1%} from the replay at paired Holm p "
+                     f"{ev.p:.2g}, between alpha {p.replay_alpha:g} and look-closer "
+                     f"{p.replay_look_closer:g} ({head})" + odd, inconclusive=True)
     return Check("acceptance_replayed", True, head + (f"; {len(ev.unexplained)} prompt(s) off with every "
                                                       "step decided firmly, within chance" if ev.unexplained
                                                       else "") + odd)

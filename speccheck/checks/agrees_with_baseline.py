@@ -5,7 +5,7 @@ from speccheck.checks import CheckSpec, PolicyKey
 from speccheck.checks._evidence import COMPARED, RESCORED
 from speccheck.checks._text import pct
 from speccheck.results import Check, ConfigResult
-from speccheck.verify import below_floor_p
+from speccheck.verify import below_floor_p, detectable_agreement
 
 POLICY = (
     PolicyKey("min_token_agreement", 0.98,
@@ -16,6 +16,9 @@ POLICY = (
               "give so few agreements with one-sided binomial p < this (1 = a plain floor). Two "
               "near-tie flips in the 61 tokens of `smoke` (96.7 %) are within chance of a 98 % rate "
               "(p 0.35); 96.7 % over 1000 tokens is not (p 4e-3)."),
+    PolicyKey("agreement_look_closer", 0.25,
+              "a share below min_token_agreement at agreement_alpha <= p < this is inconclusive: "
+              "`speccheck run` escalates it to more prompts, and it fails if it stays so", hi=1.0),
     PolicyKey("min_prefix_agreement", 0.0,
               "share of tokens matched before the first divergence, summed over prompts "
               "(0 = report only)", hi=1.0),
@@ -25,10 +28,11 @@ POLICY = (
 
 
 def judge(r: ConfigResult, p) -> Check:
-    fail, within_chance = [], ""
+    fail, within_chance, unsure = [], "", False
     if r.token_agreement is not None and r.token_agreement < p.min_token_agreement:
         n = r.token_agreement_n
         pval = below_floor_p(round(r.token_agreement * n), n, p.min_token_agreement) if n else 0.0
+        unsure = p.agreement_alpha <= pval < p.agreement_look_closer
         if pval < p.agreement_alpha:
             fail.append(f"teacher-forced token agreement {r.token_agreement:.2%} < "
                         f"{p.min_token_agreement:.2%} over {n} tokens (binomial p {pval:.2g})")
@@ -43,6 +47,16 @@ def judge(r: ConfigResult, p) -> Check:
     figures = (f"{r.prompts_exact}/{r.prompts} prompts exact, prefix "
                f"{pct(r.prefix_agreement)}, teacher-forced {pct(r.token_agreement)}, "
                f"text {pct(r.text_similarity)}")
+    if r.token_agreement_n:
+        floor = detectable_agreement(r.token_agreement_n, p.min_token_agreement, p.agreement_alpha)
+        figures += ("; power: no agreement rate is detectable below the floor over so few tokens"
+                    if floor is None else
+                    f"; power: an agreement rate of {floor:.2%} would be found 80 % of the time "
+                    f"at alpha {p.agreement_alpha:g}")
+    if unsure and not fail:
+        return Check("agrees_with_baseline", False, "inconclusive: " + within_chance.lstrip("; ")
+                     + f", and p < look-closer {p.agreement_look_closer:g} ({figures})",
+                     inconclusive=True)
     return Check("agrees_with_baseline", not fail,
                  figures + within_chance if not fail else "; ".join(fail) + f" ({figures})")
 

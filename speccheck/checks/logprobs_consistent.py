@@ -31,8 +31,8 @@ POLICY = (
               "(sqrt of it + 1)"),
     PolicyKey("flip_slack", 3, "see flip_noise_multiple"),
     PolicyKey("logprob_drift_look_closer", 0.05,
-              "a drift ratio above max_logprob_drift at logprob_drift_alpha <= p < this (unpaired, "
-              "paired or golden), or more flips than flip_look_closer x the flips allowed, is "
+              "a drift ratio above max_logprob_drift at logprob_drift_alpha <= p < this (unpaired "
+              "or paired), or more flips than flip_look_closer x the flips allowed, is "
               "inconclusive: `speccheck run` escalates it to more prompts, and it fails if it "
               "stays so", hi=1.0),
     PolicyKey("flip_look_closer", 0.75, "see logprob_drift_look_closer", hi=1.0),
@@ -82,8 +82,8 @@ def _inconclusive(lc, p) -> list[str]:
     or flips above flip_look_closer of the allowance: more prompts must decide."""
     look = max(p.logprob_drift_look_closer, p.logprob_drift_alpha)
     out = []
-    for t, what in ((lc.drift, "unpaired drift"), (lc.golden_drift, "drift against the golden"),
-                    (lc.paired, "paired drift")):
+    # (the golden's test is left out: a corpus derived for escalation has no golden)
+    for t, what in ((lc.drift, "unpaired drift"), (lc.paired, "paired drift")):
         if t is not None and not t.drifted and decide(
                 t.ratio > t.max_ratio, t.p, t.alpha, look) == INCONCLUSIVE:
             out.append(f"{what} ratio {t.ratio:.2f} > {t.max_ratio:.2f} at p {t.p:.2g} (alpha "

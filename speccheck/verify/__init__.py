@@ -6,7 +6,8 @@ from speccheck.verify.acceptance import (Acceptance, SameOutputAcceptance, accep
                                          acceptance_of, acceptance_summary, counter_problems,
                                          output_digest, same_output_acceptance, tokens_per_iteration_views)
 from speccheck.verify.boundaries import Boundary, boundary_divergence, stop_tokens
-from speccheck.verify.divergence import (END, Divergence, below_floor_p, find_divergences,
+from speccheck.verify.divergence import (END, Divergence, below_floor_p, detectable_agreement,
+                                         find_divergences,
                                          teacher_forced_agreement, teacher_forced_divergences)
 from speccheck.verify.logprobs import (DeltaSummary, DriftTest, FlipBudget, PairedDriftTest,
                                        abs_deltas, drift_test, flip_budget, hodges_lehmann,
@@ -37,7 +38,7 @@ __all__ = [
     "counter_problems", "tokens_per_iteration_views", "SameOutputAcceptance", "output_digest",
     "same_output_acceptance",
     "Boundary", "boundary_divergence", "stop_tokens",
-    "END", "Divergence", "below_floor_p", "find_divergences", "teacher_forced_agreement", "teacher_forced_divergences",
+    "END", "Divergence", "below_floor_p", "detectable_agreement", "find_divergences", "teacher_forced_agreement", "teacher_forced_divergences",
     "DeltaSummary", "DriftTest", "FlipBudget", "abs_deltas", "drift_test", "flip_budget",
     "ks_greater", "rank_test_greater", "summarize", "PairedDriftTest", "paired_deltas",
     "paired_drift_test", "signed_rank_test_greater", "hodges_lehmann", "typical_ratio",

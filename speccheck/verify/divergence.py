@@ -123,11 +123,22 @@ def below_floor_p(agree: int, total: int, floor: float) -> float:
     over thousands of tokens it is."""
     if total <= 0 or agree >= total * floor:
         return 1.0
-    if floor >= 1.0:
+    return binom_cdf(agree, total, floor)
+
+
+def binom_cdf(k: int, n: int, q: float) -> float:
+    """P(X <= k) for X ~ Binomial(n, q), summed in log space."""
+    if k >= n:
+        return 1.0
+    if k < 0:
         return 0.0
-    lq, lp = math.log(floor), math.log1p(-floor)
-    terms = [math.lgamma(total + 1) - math.lgamma(i + 1) - math.lgamma(total - i + 1)
-             + i * lq + (total - i) * lp for i in range(agree + 1)]
+    if q >= 1.0:
+        return 0.0
+    if q <= 0.0:
+        return 1.0
+    lq, lp = math.log(q), math.log1p(-q)
+    terms = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+             + i * lq + (n - i) * lp for i in range(k + 1)]
     top = max(terms)
     return min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms))
 
@@ -149,3 +160,28 @@ def teacher_forced_divergences(prompt_id: str, spec_tokens, spec_topk_ids, spec_
     return [_make(prompt_id, i, int(b_ids[i, 0]), int(spec_tokens[i]), b_ids[i], b_lp[i],
                   s_ids[i], s_lp[i], tau_tie, tau_low, noise, max_gap)
             for i in np.flatnonzero(~agree)]
+
+
+def detectable_agreement(n: int, floor: float, alpha: float, power: float = 0.8) -> float | None:
+    """The highest agreement rate whose n-token sample the one-sided binomial test of
+    :func:`below_floor_p` would put below ``floor`` at ``alpha`` with probability ``power``
+    (the smallest shortfall it detects); None when no count of n is significant."""
+    if n <= 0:
+        return None
+    lo, hi = -1, n  # the largest count k with below_floor_p(k) < alpha, by bisection
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if below_floor_p(mid, n, floor) < alpha:
+            lo = mid
+        else:
+            hi = mid
+    if lo < 0:
+        return None
+    a, b = 0.0, floor  # P(X <= lo | rate) falls as the rate rises
+    for _ in range(60):
+        mid = (a + b) / 2
+        if binom_cdf(lo, n, mid) >= power:
+            a = mid
+        else:
+            b = mid
+    return a

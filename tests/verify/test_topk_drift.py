@@ -107,3 +107,19 @@ def test_too_few_pairs_pass_with_no_power():
     with pytest.raises(ValueError):
         topk_drift_test(np.ones(30), np.ones(30), 1.1, 0.1, 0.05)
     assert math.isinf(detectable_ratio([1.0], [1.0], 0.01))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(20, 600), st.sampled_from([0.9, 0.98, 0.995]), st.sampled_from([0.01, 0.05]))
+def test_detectable_agreement_is_the_rate_the_binomial_test_finds_80_percent_of_the_time(n, floor, alpha):
+    """Oracle: scipy's binomial distribution -- at the returned rate the count that the test
+    calls significant (its largest) is reached with probability 0.8."""
+    from speccheck.verify import detectable_agreement
+
+    r = detectable_agreement(n, floor, alpha)
+    crit = [k for k in range(n + 1) if stats.binom.cdf(k, n, floor) < alpha]
+    if not crit:
+        assert r is None
+        return
+    assert r is not None and 0 <= r < floor
+    assert stats.binom.cdf(max(crit), n, r) == pytest.approx(0.8, abs=1e-6)
