@@ -28,9 +28,9 @@ from speccheck.verify.acceptance_stats import (AcceptanceComparison, AcceptanceI
 from speccheck.verify.argmax import (ARGMAX_TOL, ArgmaxCheck, ArgmaxSummary, ArgmaxViolation,
                                      Rank2Test, argmax_summary, argmax_violations,
                                      near_tie_rank2_test)
-from speccheck.verify.topk_drift import (FAIL, INCONCLUSIVE, PASS, TopkDrift, decide,
-                                         detectable_ratio, shared_context, topk_abs_deltas,
-                                         topk_drift_test)
+from speccheck.verify.topk_drift import (FAIL, INCONCLUSIVE, PASS, TailTest, TopkDrift, decide,
+                                         detectable_odds, detectable_ratio, shared_context,
+                                         tail_exceedance_test, topk_abs_deltas, topk_drift_test)
 from speccheck.verify.finite import LogprobProblem, find_logprob_problems, logprob_problems
 
 __all__ = [
@@ -54,6 +54,6 @@ __all__ = [
     "ARGMAX_TOL", "ArgmaxCheck", "ArgmaxSummary", "ArgmaxViolation", "Rank2Test",
     "argmax_summary", "argmax_violations", "near_tie_rank2_test",
     "LogprobProblem", "find_logprob_problems", "logprob_problems",
-    "FAIL", "INCONCLUSIVE", "PASS", "TopkDrift", "decide", "detectable_ratio", "shared_context",
-    "topk_abs_deltas", "topk_drift_test",
+    "FAIL", "INCONCLUSIVE", "PASS", "TailTest", "TopkDrift", "decide", "detectable_odds",
+    "detectable_ratio", "shared_context", "tail_exceedance_test", "topk_abs_deltas", "topk_drift_test",
 ]

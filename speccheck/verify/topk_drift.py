@@ -140,3 +140,85 @@ def topk_drift_test(a, b, max_ratio: float, alpha: float, look_closer: float,
     p = signed_rank_test_greater(x, y)[1]
     return TopkDrift(summarize(x), summarize(y), ratio, p, detectable_ratio(x, y, alpha),
                      max_ratio, alpha, look_closer, decide(ratio > max_ratio, p, alpha, look_closer))
+
+
+@dataclass(frozen=True)
+class TailTest:
+    """The rare-excursion test: over the positions where exactly one side's per-position |Δ|
+    is above ``threshold`` (the pooled ``quantile`` of both sides), ``above`` times the spec
+    path's and ``below`` times the baseline decode path's; ``odds`` = (above + 0.5) /
+    (below + 0.5), ``p`` the one-sided exact sign (McNemar) test, ``detectable`` the smallest
+    odds it finds 80 % of the time on as many discordant positions, ``decision`` as
+    :func:`decide`."""
+
+    quantile: float
+    threshold: float
+    above: int
+    below: int
+    odds: float
+    p: float
+    detectable: float
+    max_odds: float
+    alpha: float
+    look_closer: float
+    decision: str
+
+
+def _upper_tail(k: int, n: int, q: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, q)."""
+    from speccheck.verify.divergence import binom_cdf
+
+    return 1.0 - binom_cdf(k - 1, n, q) if k > 0 else 1.0
+
+
+def _sign_p(k: int, n: int) -> float:
+    """One-sided exact sign test: P(X >= k), X ~ Binomial(n, 1/2), summed from the top."""
+    if n == 0 or k <= 0:
+        return 1.0
+    terms = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) - n * math.log(2)
+             for i in range(k, n + 1)]
+    top = max(terms)
+    return min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms))
+
+
+def detectable_odds(discordant: int, alpha: float, power: float = 0.8) -> float:
+    """The smallest odds above:below that the one-sided sign test at ``alpha`` finds with
+    probability ``power`` over ``discordant`` positions (``inf`` when no count is significant)."""
+    crit = next((k for k in range(discordant + 1) if _sign_p(k, discordant) < alpha), None)
+    if crit is None:
+        return math.inf
+    lo, hi = 0.5, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if _upper_tail(crit, discordant, mid) >= power:
+            hi = mid
+        else:
+            lo = mid
+    return hi / (1 - hi) if hi < 1 else math.inf
+
+
+def tail_exceedance_test(a, b, quantile: float, max_odds: float, alpha: float,
+                         look_closer: float) -> TailTest:
+    """Do the spec path's per-position |Δ| (``a``) exceed the pooled ``quantile`` more often
+    than the baseline decode path's (``b``) at the same positions? Under a clean spec path the
+    two sides of a pair are exchangeable, so of the positions where exactly one exceeds, each
+    side's share is 1/2; a state wrong after rare steps, or a verify kernel off by a little,
+    puts many more of the spec side's positions in the tail than the typical ratio shows."""
+    if not 0 < quantile < 1 or not max_odds > 0 or not 0 < alpha <= look_closer <= 1:
+        raise ValueError(f"tail_exceedance_test: need 0 < quantile < 1, max_odds > 0 and "
+                         f"0 < alpha <= look_closer <= 1, got {quantile}, {max_odds}, {alpha}, {look_closer}")
+    x, y = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
+    if x.shape != y.shape:
+        raise ValueError(f"tail_exceedance_test: paired arrays must have the same length, got "
+                         f"{x.shape} and {y.shape}")
+    keep = np.isfinite(x) & np.isfinite(y)
+    x, y = x[keep], y[keep]
+    if not len(x):
+        return TailTest(quantile, math.nan, 0, 0, 1.0, 1.0, math.inf, max_odds, alpha, look_closer, PASS)
+    t = float(np.quantile(np.concatenate([x, y]), quantile))
+    above = int(np.count_nonzero((x > t) & (y <= t)))
+    below = int(np.count_nonzero((y > t) & (x <= t)))
+    odds = (above + 0.5) / (below + 0.5)
+    p = _sign_p(above, above + below)
+    return TailTest(quantile, t, above, below, odds, p, detectable_odds(above + below, alpha),
+                    max_odds, alpha, look_closer, decide(odds > max_odds, p, alpha, look_closer))

@@ -20,9 +20,10 @@ def _comp(pid, tokens, lps, ids, spec=None):
                       text=" ".join(map(str, tokens)), ttft_s=0.01, decode_s=0.1, spec=spec)
 
 
-def _suite(tmp_path, spec_noise: float, seed: int = 0):
+def _suite(tmp_path, spec_noise: float, seed: int = 0, rare: float = 0.0):
     """Per prompt N positions; the prefill rows are exact, the baseline's decode path is off by
-    noise of scale 0.01 nats, the spec path by ``spec_noise``."""
+    noise of scale 0.01 nats, the spec path by ``spec_noise`` (and by ten times that at a
+    ``rare`` share of positions: a state wrong after rare steps)."""
     rng = np.random.default_rng(seed)
     s = Store(tmp_path).suite("t", {"corpus_hash": "h", "engine": "t", "corpus": "c"})
     base, spec, scored = [], [], {}
@@ -35,7 +36,8 @@ def _suite(tmp_path, spec_noise: float, seed: int = 0):
         scored[pid] = Scored(ids, lps, lps[:, 0].copy())
         jitter = lambda sd: lps + rng.normal(0, sd, lps.shape) * np.array([0, 1, 1, 1, 1])  # noqa: E731
         base.append(_comp(pid, tokens, jitter(0.01), ids))
-        spec.append(_comp(pid, tokens, jitter(spec_noise), ids,
+        hit = (rng.random(N) < rare)[:, None]
+        spec.append(_comp(pid, tokens, np.where(hit, jitter(10 * spec_noise), jitter(spec_noise)), ids,
                           SpecCounters(N // 2, 3 * (N // 2), N // 2 - 1, [N // 2 - 1, 0, 0], iterations=N // 2)))
     for r in (0, 1):
         s.write_run(RunRecord(SpecConfig(), {"engine": "t", "model_hash": "m"}, "c", "h", r, r == 1,
@@ -52,6 +54,13 @@ def test_drift_of_the_whole_top_k_fails(tmp_path, spec_noise, state):
     c = evaluate_suite(_suite(tmp_path, spec_noise), Policy()).get("mtp-k3").check("verify_topk_drift")
     assert c.state == state, c.message
     assert "power: a ratio >=" in c.message
+
+
+def test_a_rare_excursion_fails_the_tail_test_not_the_typical_one(tmp_path):
+    e = evaluate_suite(_suite(tmp_path, 0.01, rare=0.1), Policy()).get("mtp-k3")
+    c, m = e.check("verify_topk_drift"), e.measured["verify_topk_drift"]
+    assert m.typical.decision == "pass" and m.tail.decision == "fail", c.message
+    assert c.state == "fail" and "(tail)" in c.message
 
 
 def test_an_effect_between_alpha_and_look_closer_is_inconclusive(tmp_path):

@@ -123,3 +123,36 @@ def test_detectable_agreement_is_the_rate_the_binomial_test_finds_80_percent_of_
         return
     assert r is not None and 0 <= r < floor
     assert stats.binom.cdf(max(crit), n, r) == pytest.approx(0.8, abs=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.sampled_from([0.9, 0.95]), st.floats(1.0, 4.0), st.sampled_from([1e-3, 0.01]))
+def test_tail_exceedance_test_is_scipys_sign_test(data, q, max_odds, alpha):
+    """Oracle: numpy's pooled quantile, the discordant counts by a loop, and
+    ``scipy.stats.binomtest(above, above + below, 0.5, alternative="greater")``."""
+    from speccheck.verify import tail_exceedance_test
+
+    n = data.draw(st.integers(1, 120))
+    pos = st.floats(1e-5, 1.0)
+    a = np.array(data.draw(st.lists(pos, min_size=n, max_size=n)))
+    b = np.array(data.draw(st.lists(pos, min_size=n, max_size=n)))
+    got = tail_exceedance_test(a, b, q, max_odds, alpha, 0.05)
+    t = np.quantile(np.concatenate([a, b]), q)
+    above = sum(1 for x, y in zip(a, b) if x > t >= y)
+    below = sum(1 for x, y in zip(a, b) if y > t >= x)
+    assert (got.above, got.below) == (above, below)
+    p = stats.binomtest(above, above + below, 0.5, alternative="greater").pvalue if above + below else 1.0
+    assert got.p == pytest.approx(p, rel=1e-9, abs=1e-300)
+    assert got.decision == decide(got.odds > max_odds, got.p, alpha, 0.05)
+
+
+@pytest.mark.parametrize("m", [10, 40, 135, 400])
+def test_detectable_odds_is_found_80_percent_of_the_time(m):
+    """Oracle: scipy's binomial -- at the returned odds the sign test's critical count is
+    reached with probability 0.8."""
+    from speccheck.verify import detectable_odds
+
+    d = detectable_odds(m, 1e-3)
+    crit = next(k for k in range(m + 1) if stats.binom.sf(k - 1, m, 0.5) < 1e-3)
+    assert stats.binom.sf(crit - 1, m, d / (1 + d)) == pytest.approx(0.8, abs=1e-6)
+    assert math.isinf(detectable_odds(5, 1e-3))
