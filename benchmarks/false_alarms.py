@@ -113,12 +113,17 @@ def subtests(cr, pol: dict) -> dict:
                                             "p": _num(e.p), "near_ties": e.near_ties, "rank2": e.rank2}
         out["greedy_is_argmax.top1"] = {"judged": e.positions > 0, "failed": bool(e.violations),
                                         "violations": len(e.violations), "positions": e.positions}
-    t = cr.measured.get("verify_topk_drift") if "verify_topk_drift" in checked else None
-    if t is not None:
-        judged = not math.isnan(t.ratio)
-        out["verify_topk_drift.paired_topk"] = {
-            "judged": judged, "failed": t.decision == "fail", "inconclusive": t.decision == "inconclusive",
-            "p": _num(t.p), "ratio": _num(t.ratio), "n": t.n, "detectable": _num(t.detectable)}
+    e = cr.measured.get("verify_topk_drift") if "verify_topk_drift" in checked else None
+    if e is not None:
+        t, tail = e.typical, e.tail
+        out["verify_topk_drift.typical"] = {
+            "judged": not math.isnan(t.ratio), "failed": t.decision == "fail",
+            "inconclusive": t.decision == "inconclusive", "p": _num(t.p), "ratio": _num(t.ratio),
+            "n": t.n, "detectable": _num(t.detectable)}
+        out["verify_topk_drift.tail"] = {
+            "judged": tail.above + tail.below > 0, "failed": tail.decision == "fail",
+            "inconclusive": tail.decision == "inconclusive", "p": _num(tail.p), "odds": _num(tail.odds),
+            "above": tail.above, "below": tail.below, "detectable": _num(tail.detectable)}
     if "agrees_with_baseline" in checked and cr.token_agreement is not None and cr.token_agreement_n:
         n, floor = cr.token_agreement_n, pol["min_token_agreement"]
         p = below_floor_p(round(cr.token_agreement * n), n, floor) if cr.token_agreement < floor else 1.0
@@ -178,8 +183,10 @@ ALPHA_OF = {  # the policy key stating each check's (or test's) false-alarm rate
     "greedy_is_argmax": "argmax_alpha",
     "greedy_is_argmax.near_tie": "argmax_alpha",
     "verify_topk_drift": "topk_drift_alpha",
-    "verify_topk_drift.paired_topk": "topk_drift_alpha",
+    "verify_topk_drift.typical": "topk_drift_alpha",
+    "verify_topk_drift.tail": "topk_drift_alpha",
     "acceptance_not_regressed": "acceptance_alpha",
+    "acceptance_replayed": "replay_alpha",
 }
 NOTE_OF = {
     "greedy_is_argmax": "top-1 check + near-tie test",
@@ -189,7 +196,8 @@ NOTE_OF = {
     "logprobs_consistent": "drift + paired test at α each, flip budget, per-position limit",
     "logprobs_consistent.drift": "fails only with effect > max_logprob_drift AND p < α",
     "verify_topk_drift": "after escalation: a first-stage inconclusive judged again on the continued corpus",
-    "verify_topk_drift.paired_topk": "first stage only; effect > topk_drift_max_ratio AND p < α",
+    "verify_topk_drift.typical": "first stage; effect > topk_drift_max_ratio AND p < α",
+    "verify_topk_drift.tail": "first stage; odds > topk_tail_max_odds AND p < α",
     "logprobs_consistent.paired": "fails only with effect > max_logprob_drift AND p < α",
     "logprobs_consistent.flip_budget": "multiple x expected + slack; no α stated",
     "logprobs_consistent.per_position": "max(floor, multiple x noise); no α stated",
@@ -308,6 +316,13 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps({"args": vars(args), "wall_s": round(wall, 1), "table": rows,
                                           "seeds": seeds}, indent=1, default=str))
     n_esc = sum(1 for s in seeds if s["escalated"])
+    unsure: dict[str, int] = {}
+    for s in seeds:
+        for cfg in s["configs"].values():
+            for name, t in cfg["tests"].items():
+                unsure[name] = unsure.get(name, 0) + bool(t.get("inconclusive"))
+    print("first-stage inconclusive per test: "
+          + (", ".join(f"{k} {v}" for k, v in unsure.items() if v) or "none"))
     print(f"\n{len(seeds)} seeds in {wall:.0f} s; {n_esc} escalated\n\n{table}\n\np-values of the statistical tests:\n{cal}")
     fails = {}
     for s in seeds:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from speccheck.corpus import prompt_dict
+from speccheck.engines import engine_class
 from speccheck.evaluate import evaluate_suite
 from speccheck.golden import golden_acceptance, golden_noise
 from speccheck.plan import RunPlan
@@ -143,6 +144,11 @@ def escalate(plan: RunPlan, store: Store, suite: Suite, log: Callable[[str], Non
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)
     names = [c.name for c in plan.configs if c.name in pending]
+    if engine_class(plan.engine).serves_one_config:  # its server runs one config: nothing to pair
+        log("inconclusive: " + ", ".join(pending) + f" -- the {plan.engine} engine serves one config, "
+            "so `speccheck run` cannot escalate; run the continued corpus against each server "
+            f"({path}) and judge it, or the inconclusive checks fail the gate")
+        return None
     log("inconclusive: " + "; ".join(f"{c} ({', '.join(ch)})" for c, ch in pending.items())
         + f" -- escalating to {len(prompts)} prompts continued by their baseline output, "
           f"{policy.escalation_budget}x max_tokens")
