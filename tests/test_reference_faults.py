@@ -211,3 +211,44 @@ def test_conv_block_boundary_acts_only_across_a_block(engine, corpus, baseline):
         # is len(prompt) + i; a crossing step's own tokens are still right
         assert len(p_ids) + first > (len(p_ids) // CONV_BLOCK + 1) * CONV_BLOCK - 1, (first, len(p_ids))
     assert departed >= len(ps) // 2
+
+
+@torch.no_grad()
+def test_gdn_stale_keeps_the_unrolled_gdn_state_of_its_rows_only(engine):
+    """(fault rollback-skipped-at-k-minus-1) gdn_stale keeps, for the rows it marks, the GDN
+    state at the end of the forward (the rejected position's update in it); the conv window and
+    the other rows roll back."""
+    target = engine.target
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randint(0, engine.cfg.vocab_size, (1, n), generator=gen) for n in (12, 15)]
+    caches = []
+    for ids in rows:
+        c = Cache(len(target.layers), 40)
+        target(ids, c)
+        caches.append(c)
+    exact, stale, unrolled = Cache.join(caches), Cache.join(caches), Cache.join(caches)
+    step = torch.randint(0, engine.cfg.vocab_size, (2, 4), generator=gen)
+    for c, kw in ((exact, {}), (stale, {"gdn_stale": [True, False]}), (unrolled, {"roll_back_gdn": False})):
+        target(step, c, per_position=True)
+        c.commit([3, 2], **kw)
+    for i in _gdn_layers(target):
+        assert torch.equal(stale.gdn[i][0], unrolled.gdn[i][0])
+        assert not torch.allclose(stale.gdn[i][0], exact.gdn[i][0])
+        assert torch.equal(stale.gdn[i][1], exact.gdn[i][1])
+        assert torch.equal(stale.conv[i], exact.conv[i])
+
+
+@pytest.mark.slow
+def test_rare_rollback_and_verify_drift_faults_change_only_spec_tokens(engine, corpus, baseline):
+    """Both act on the verify path only: the baseline stays exact (verify-drift's factor is off
+    outside a verify), and speculative output departs from the exact one somewhere."""
+    prompts, ids = corpus
+    for fault, cfg in (("rollback-skipped-at-k-minus-1", SpecConfig("mtp", 3)),
+                       ("verify-drift", SpecConfig("mtp", 3))):
+        faulty = engine.with_args(fault=fault)
+        base = faulty.generate(prompts, ids, SpecConfig(), 5)
+        assert [c.token_ids.tolist() for c in base] == [c.token_ids.tolist() for c in baseline]
+        spec = faulty.generate(prompts, ids, cfg, 5)
+        clean = engine.generate(prompts, ids, cfg, 5)
+        assert any(not (a.logprobs == b.logprobs).all() or a.token_ids.tolist() != b.token_ids.tolist()
+                   for a, b in zip(spec, clean)), fault
