@@ -71,3 +71,23 @@ def test_an_effect_between_alpha_and_look_closer_is_inconclusive(tmp_path):
     assert c.state == "inconclusive" and not c.passed and c.message.startswith("inconclusive")
     assert r.verdict != "pass" and not res.passed
     assert "verify_topk_drift inconclusive (not a pass) for config mtp-k3" in gate_text(res)
+
+
+def test_an_inconclusive_is_rendered_as_such_everywhere(tmp_path):
+    """diff, Markdown, HTML and JUnit show the state, none of them as a pass."""
+    import xml.etree.ElementTree as ET
+
+    from speccheck.gate import write_junit
+    from speccheck.golden import check_states
+    from speccheck.report import html_report
+    from speccheck.report.text import diff_text, markdown_report
+
+    res = evaluate_suite(_suite(tmp_path, 0.02), Policy(topk_drift_alpha=1e-300, topk_drift_look_closer=1.0))
+    assert "INCONCLUSIVE verify_topk_drift" in diff_text(res)
+    assert "**INCONCLUSIVE**" in markdown_report(res)
+    assert 'chip inconclusive' in html_report(res)
+    write_junit(res, tmp_path / "j.xml")
+    case = next(c for c in ET.parse(tmp_path / "j.xml").iter("testcase")
+                if c.get("name") == "verify_topk_drift[mtp-k3]")
+    assert case.find("failure").get("message").startswith("inconclusive")
+    assert check_states(res)["mtp-k3"]["verify_topk_drift"] == "inconclusive"
