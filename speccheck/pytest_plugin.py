@@ -99,6 +99,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(scope="session")
 def spec_result(request: pytest.FixtureRequest):
     """Run the matrix once per session (store-backed, resumable) and evaluate it."""
+    from speccheck.escalate import escalate, resolve
     from speccheck.evaluate import evaluate_suite
     from speccheck.golden import golden_acceptance, golden_noise
     from speccheck.policy import load_policy
@@ -120,12 +121,14 @@ def spec_result(request: pytest.FixtureRequest):
     def progress(done: int, total: int, what: str) -> None:
         log(f"[{done}/{total}] {what}")  # what carries the configs done and the time left
 
-    suite = run_suite(plan, Store(cfg.getoption("--spec-store")), log=log, progress=progress)
+    store = Store(cfg.getoption("--spec-store"))
+    suite = run_suite(plan, store, log=log, progress=progress)
     policy = load_policy(cfg.getoption("--spec-policy"))
     golden = Path(cfg.getoption("--spec-golden"))
+    escalate(plan, store, suite, log, policy, golden)  # inconclusive checks: judged on more prompts
     result = evaluate_suite(suite, policy, _config_names(cfg), golden_acceptance(suite, golden),
                             golden_noise=golden_noise(suite, golden))
-    return suite, result, policy, golden
+    return suite, resolve(store, suite, result, policy), policy, golden
 
 
 def _assert_check(spec_result, config: str, check: str) -> None:
