@@ -314,6 +314,14 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
             _, _, _, reps, tog, axes = settings.get(key, (config, args, name, 1, 0, ()))
             settings[key] = (config, args, name, max(reps, case.repeats),
                              max(tog, case.together), tuple(dict.fromkeys(axes + case.axes)))
+        # configs that share a suite (same engine args and corpus) are held to one standard of
+        # evidence (Suite.demand): each gets the most repeats and copies at once any of them has
+        group = {}
+        for config, args, name, reps, tog, _ in settings.values():
+            k = (tuple(sorted(args.items())), name)
+            group[k] = tuple(map(max, zip(group.get(k, (reps, tog)), (reps, tog))))
+        settings = {key: (c, a, n, *group[(tuple(sorted(a.items())), n)], ax)
+                    for key, (c, a, n, _, _, ax) in settings.items()}
         clean, golden = [], {}
         for key, (config, args, name, reps, tog, axes) in settings.items():
             log(f"clean {key}")

@@ -173,20 +173,17 @@ def test_demanded_configs_must_be_stored(resumed):
 
 
 @pytest.mark.slow
-def test_store_without_a_plan_still_loads_and_says_so(resumed, tmp_path):
-    """Stores written before plans were recorded: judged on what they hold, with a note."""
+def test_a_suite_whose_plan_is_gone_is_damage_and_the_run_writes_it_anew(resumed, tmp_path):
+    """Without its plan a suite cannot say what was asked of it (deleting the plan must not
+    leave a gate that judges only what is left): exit 2 naming plan.json, nothing changed."""
     store = tmp_path / "S"
     shutil.copytree(resumed, store)
     (suite_dir(store) / "plan.json").unlink()
+    (suite_dir(store) / "plan.json.sha256").unlink(missing_ok=True)
+    before = sorted(p.name for p in (suite_dir(store) / "runs").iterdir())
     gate = cli("gate", "--store", store)
-    assert gate.exit_code == 0, gate.output
-    assert "has no recorded plan" in gate.output and "--method/--k/--config" in gate.output
-    shutil.rmtree(suite_dir(store) / "runs" / "mtp-k3")  # without a plan nothing says it was asked
-    assert cli("gate", "--store", store).exit_code == 0
-    assert cli("gate", "--store", store, "--config", "mtp-k3").exit_code == 1
-    (suite_dir(store) / "runs" / "mtp-k3" / ".r0.tmp-1").mkdir(parents=True)  # a write cut short
-    cut = cli("gate", "--store", store)
-    assert cut.exit_code == 1 and "mtp-k3 is not stored in suite" in cut.output
+    assert gate.exit_code == 2 and "plan.json: missing, though runs are stored" in gate.output, gate.output
+    assert sorted(p.name for p in (suite_dir(store) / "runs").iterdir()) == before
 
 
 def test_a_second_run_extends_the_plan(tmp_path, monkeypatch):
