@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write the small JSON fixtures that tests/test_vllm_engine.py checks the vllm engine's
+"""Write the small JSON fixtures that tests/engines/test_vllm.py checks the vllm engine's
 conversion code against, as plain dicts of what vLLM returned (no pickles).
 
 On the GPU box (real vLLM; the worker writes each fixture from the live objects):

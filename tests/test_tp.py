@@ -9,7 +9,7 @@ Fixtures:
   hand in nvidia-smi's own format (tab-separated matrix under a header row that starts with a
   tab, " X " on the diagonal, NIC rows/columns, affinity columns, nvidia-smi's legend); see
   tests/fixtures/topo/README.md.
-- tests/fixtures/vllm/*.json: what vLLM 0.26.0 returned on the H200 (see test_vllm_engine.py);
+- tests/fixtures/vllm/*.json: what vLLM 0.26.0 returned on the H200 (see tests/engines/test_vllm.py);
   the two TP suites below are built from those recorded outputs, with planted changes.
 """
 from __future__ import annotations
@@ -264,7 +264,7 @@ def test_parallel_facts_read_back_from_vllm_config():
 
 
 def test_tp_reaches_llm_and_is_read_back_with_fake_vllm(fake_vllm, monkeypatch):
-    """With the fake vLLM (test double, tests/test_vllm_engine.py), whose LLM resolves the
+    """With the fake vLLM (test double, tests/engines/test_vllm.py), whose LLM resolves the
     parallel config as vLLM 0.26 does (one GPU: uni, more: mp): tensor_parallel_size goes
     through to LLM(...) and the identity records what came back."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
@@ -286,7 +286,7 @@ def test_tp_reaches_llm_and_is_read_back_with_fake_vllm(fake_vllm, monkeypatch):
     assert changes_cause(changes) == "TP size"
 
 
-from tests.test_vllm_engine import dirs, fake_vllm  # noqa: E402,F401 - fixtures (the fake vLLM, test doubles)
+from tests.engines.test_vllm import dirs, fake_vllm  # noqa: E402,F401 - fixtures (the fake vLLM, test doubles)
 
 # ---------------------------------------------------------------- two suites, TP 1 vs 2
 

@@ -2,7 +2,7 @@
 
 The point of the export is that three independent implementations run the very same network:
 the reference engine, transformers' ``Qwen3_5ForCausalLM`` (the cross-check in
-``tests/test_export.py``) and vLLM (the vLLM engine). Layout of ``export_reference(DIR)``::
+``tests/reference/test_export.py``) and vLLM (the vLLM engine). Layout of ``export_reference(DIR)``::
 
     DIR/config.json             Qwen3_5ForConditionalGeneration, model_type qwen3_5, text_config
                                 (+ a ``speccheck`` key when the GDN heads are padded, see

@@ -2,7 +2,7 @@
 of vLLM 0.26.0, recorded and constructed fixtures in tests/fixtures/vllm/), the worker's step
 loop (arrivals, turns in order, requests in flight, a stall) against the fake vLLM's engine in
 this process, and every serving axis through VllmEngine.run_workload and `speccheck run` with
-the fake vLLM in the worker (test doubles: tests/test_vllm_engine.py, FAKE_VLLM)."""
+the fake vLLM in the worker (test doubles: tests/engines/test_vllm.py, FAKE_VLLM)."""
 from __future__ import annotations
 
 import copy
@@ -31,9 +31,9 @@ from speccheck.engines.vllm_worker import UsageProblem, metrics_to_dicts, serve_
 from speccheck.evaluate import evaluate_suite
 from speccheck.policy import Policy
 from speccheck.types import Prompt, Request, SpecConfig, Workload
-from tests.test_vllm_engine import FAKE_VLLM, dirs, fake_vllm  # noqa: F401 - fixtures (test doubles)
+from tests.engines.test_vllm import FAKE_VLLM, dirs, fake_vllm  # noqa: F401 - fixtures (test doubles)
 
-FIX = Path(__file__).parent / "fixtures" / "vllm"
+FIX = Path(__file__).parents[1] / "fixtures" / "vllm"
 RUNNING = "vllm:num_requests_running"
 
 
@@ -138,7 +138,7 @@ def test_workload_knobs_map_to_llm_arguments():
 def fake():
     """The fake vLLM (test double) as a module of this process."""
     mod = types.ModuleType("fake_vllm")
-    exec(FAKE_VLLM, mod.__dict__)  # noqa: S102 - the test double's source (tests/test_vllm_engine.py)
+    exec(FAKE_VLLM, mod.__dict__)  # noqa: S102 - the test double's source (tests/engines/test_vllm.py)
     return mod
 
 

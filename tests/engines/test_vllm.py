@@ -35,7 +35,7 @@ from speccheck.engines.vllm import (
 from speccheck.engines.vllm_worker import metrics_to_dicts, request_output_to_dict
 from speccheck.types import Completion, Prompt, SpecConfig, SpecCounters
 
-FIX = Path(__file__).parent / "fixtures" / "vllm"
+FIX = Path(__file__).parents[1] / "fixtures" / "vllm"
 
 
 def fixture(name: str) -> dict:
@@ -683,7 +683,7 @@ def fake_vllm(tmp_path, monkeypatch, dirs):
     (site / "__init__.py").write_text(FAKE_VLLM)
     (site / "sampling_params.py").write_text(FAKE_SAMPLING_PARAMS)
     monkeypatch.setenv("PYTHONPATH", str(site.parent))
-    tok = Path(__file__).parents[1] / "speccheck" / "reference" / "weights" / "tokenizer.json"
+    tok = Path(__file__).parents[2] / "speccheck" / "reference" / "weights" / "tokenizer.json"
     if tok.is_file():
         (dirs[0] / "tokenizer.json").write_bytes(tok.read_bytes())
     return dirs

@@ -19,7 +19,7 @@ from speccheck.reference.dflash2 import (DFLASH2_FILE, DFlash2Drafter, DFlashGro
 from speccheck.reference.engine import WEIGHTS_DIR, ReferenceEngine, load_networks
 from speccheck.types import SpecConfig
 
-from tests.test_reference_decode import EQUAL, _prompts, _total
+from tests.reference.test_decode import EQUAL, _prompts, _total
 
 
 def test_grouped_conv_matches_its_formula():

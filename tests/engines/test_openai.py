@@ -371,7 +371,7 @@ def test_capture_of_serve_replays_to_the_engine_s_own_outputs(ref, tmp_path):
 
 
 @pytest.mark.parametrize("path", sorted(
-    (__import__("pathlib").Path(__file__).parent / "fixtures" / "vllm_openai").glob("*.json")),
+    (__import__("pathlib").Path(__file__).parents[1] / "fixtures" / "vllm_openai").glob("*.json")),
     ids=lambda p: p.stem)
 def test_recorded_vllm_server_exchanges_parse(path):
     """Exchanges captured from a real vLLM server (tests/fixtures/vllm_openai/, written by

@@ -32,7 +32,7 @@ from speccheck.engines.vllm_versions import (
 from speccheck.engines.vllm_worker import drafter_facts, request_output_to_dict
 from speccheck.types import SpecConfig
 
-FIX = Path(__file__).parent / "fixtures" / "vllm" / "versions"
+FIX = Path(__file__).parents[1] / "fixtures" / "vllm" / "versions"
 VERSIONS = sorted((p.stem for p in FIX.glob("*.json")), key=release)
 
 
