@@ -66,6 +66,9 @@ class AxisSpec:
     #: "engine": the engine must serve it (Engine.axes, Engine.run_workload)
     runs_on: str = "engine"
     order: int = 100
+    #: per level, proof values a level must reach to count as exercised (beyond > 0): e.g. a
+    #: concurrency level whose batch never reached the level did not test that level
+    floors: Callable[[str], dict[str, float]] | None = None
     #: a spec config's run is judged against the baseline's run of the same level (shapes,
     #: chat_thinking), which must then run too; else against the config's own runs
     against_baseline: bool = False

@@ -65,8 +65,11 @@ def measure_axis(ctx: Context, axis: str, reference: Reference) -> list[AxisLeve
             continue
         level.proof = dict(run.proof)
         lv = slot.split("-", 2)[2]
-        level.unproven = [f"{k} = {run.proof.get(k, 'not read back')}" for k in spec.proofs.get(lv, ())
-                          if not (isinstance(run.proof.get(k), (int, float)) and run.proof.get(k) > 0)]
+        floors = spec.floors(lv) if spec.floors else {}
+        level.unproven = [f"{k} = {run.proof.get(k, 'not read back')}"
+                          + (f" < {floors[k]:g}" if k in floors else "") for k in spec.proofs.get(lv, ())
+                          if not (isinstance(run.proof.get(k), (int, float)) and run.proof.get(k) > 0
+                                  and run.proof.get(k) >= floors.get(k, 0))]
         level.requests = len(run.completions)
         counted = []  # (request's counters, reference's): acceptance must not move either
         for c in run.completions:

@@ -188,3 +188,15 @@ def test_kv_pressure_judges_the_preempted_requests_acceptance(suite):  # noqa: F
         c = evaluate_suite(suite, LOOSE, ["mtp-k3"]).get("mtp-k3").check("axis_kv_pressure")
         assert ("the preempted requests' acceptance" in c.message
                 and "beyond chance" in c.message) == fails, c.message
+
+
+def test_a_concurrency_level_whose_batch_never_reached_it_fails(suite):  # noqa: F811
+    """Requests finished before the next arrived: every request was served, mixed steps
+    happened, but the batch peaked at 9 of level 32 -- that level was not tested."""
+    slot = axis_slot("concurrency", "32")
+    _plan_axes(suite, [slot])
+    for name, spec in (("baseline", None), ("mtp-k3", MTP_COUNTERS)):
+        _axis_run(suite, name, "concurrency", "32", _requests("c32/000", spec), {"max_batch": 9, "mixed_steps": 5})
+    res = evaluate_suite(suite, LOOSE, ["baseline", "mtp-k3"])
+    c = res.get("mtp-k3").check("axis_concurrency")
+    assert not c.passed and "concurrency (32) was not exercised: max_batch = 9 < 32" in c.message
