@@ -18,6 +18,7 @@ from speccheck.types import SpecCounters
 from speccheck.verify.ties import canonical_rows
 
 from . import dflash2 as _dflash2
+from . import sampling as _sampling
 from .graphs import GraphDecoding
 from .model import (ATTN_FORMS, DRAFT_ATTN_FORMS, GDN_FORMS, Cache, DFlashDrafter, MTPModule,
                     Qwen3_5TextModel, ReferenceConfig, set_nondeterministic, set_verify_scale)
@@ -111,6 +112,7 @@ FAULTS = {
                             "accepted count): its positions are off whenever two steps in a row "
                             "keep different counts (vLLM #52071, #38556; async_scheduling=on)",
 }
+FAULTS.update(_sampling.FAULTS)  # the sampler's (temperature > 0)
 
 
 #: positions per cache block of the fault conv-block-boundary
@@ -216,6 +218,8 @@ class Decoder:
         self.graphs = (GraphDecoding(self) if knobs.cuda_graphs and self.device.type == "cuda"
                        else None)
         self._prefilled: OrderedDict = OrderedDict()  # prompt ids -> (cache, hidden, aux)
+        #: temperature > 0: requests are sampled (sampling.py), one at a time
+        self.sampling: _sampling.SamplingParams | None = None
         self._drafter_layers = (tuple(cfg.drafter.target_layer_ids)
                                 if drafter is not None or dflash2 is not None else ())
         self._arm()
@@ -252,6 +256,9 @@ class Decoder:
         self._arm()
         ignore_eos = list(ignore_eos or [False] * len(prompts))
         emit = list(emit or [None] * len(prompts))
+        if self.sampling is not None:
+            return [_sampling.generate(self, p, n, method, k, top_k, i, self.sampling, e)
+                    for p, n, i, e in zip(prompts, max_tokens, ignore_eos, emit)]
         graphed = self.graphs is not None and self.graphs.handles(method, len(prompts))
         if method == "baseline":
             if graphed:
