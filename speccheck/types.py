@@ -327,3 +327,23 @@ class WorkloadResult:
 
     completions: list[Completion]
     proof: dict[str, Any] = field(default_factory=dict)
+
+
+#: the engine args that say how a run samples (``speccheck run --temperature`` etc. set them);
+#: being engine args they are part of the suite's identity, so a sampled suite never mixes
+#: with a greedy one
+SAMPLING_ARGS = ("temperature", "top_p", "sample_top_k", "seed")
+
+
+def sampling_of(engine_args: dict | None) -> dict | None:
+    """The run's sampling settings from its engine args, or None for a greedy run
+    (temperature absent or 0)."""
+    args = engine_args or {}
+    try:
+        t = float(args.get("temperature") or 0)
+    except (TypeError, ValueError):
+        return None
+    if t <= 0:
+        return None
+    return {"temperature": t, "top_p": float(args.get("top_p") or 1.0),
+            "top_k": int(args.get("sample_top_k") or 0), "seed": int(args.get("seed") or 0)}
