@@ -210,6 +210,9 @@ sampling_options = [
                  help="Sampling: most likely tokens kept (0: all; --top-k is the logprobs width)."),
     click.option("--seed", "seed", default=0, show_default=True, type=int,
                  help="Sampling: the run's seed (each request's derives from it and the prompt)."),
+    click.option("--samples", "samples", default=1, show_default=True, type=click.IntRange(1, 64),
+                 help="Sampling: requests per prompt, each with its own seed (more samples: a "
+                      "smaller effect the distribution check detects)."),
 ]
 
 
@@ -239,7 +242,7 @@ def merge(sources, store_dir):
 def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, top_k, engine_args,
         no_attribution, attribution_paths, attribution_mode, concurrent, base_url, served_model,
         api_key_env, attribute_with, ignore_eos, axes, axes_on, temperature, top_p, sample_top_k,
-        seed, store_dir):
+        seed, samples, store_dir):
     """Run the matrix (baseline always included) and the workload axes into the store; resumes
     finished runs."""
     from speccheck.runner import run_suite
@@ -248,7 +251,8 @@ def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, 
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
-    engine_args = tuple(engine_args) + sampling_engine_args(temperature, top_p, sample_top_k, seed)
+    engine_args = tuple(engine_args) + sampling_engine_args(temperature, top_p, sample_top_k, seed,
+                                                              samples)
     plan = make_plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args,
                      no_attribution, base_url, served_model, api_key_env, concurrent, attribute_with,
                      max_tokens, ignore_eos, attribution_paths, attribution_mode, axes, axes_on)

@@ -117,6 +117,10 @@ class RunPlan:
     def load_corpus(self) -> Corpus:
         """The corpus; with ``ignore_eos`` every prompt decodes its full budget."""
         corpus = load_corpus(self.corpus, self.max_tokens)
+        n = (sampling_of(self.engine_args) or {}).get("samples", 1)
+        if n > 1:  # N samples per prompt, each its own request with its own seed
+            corpus = replace(corpus, prompts=[replace(p, id=f"{p.id}#s{j}" if j else p.id, sample=j)
+                                              for p in corpus.prompts for j in range(n)])
         if not self.ignore_eos:
             return corpus
         return replace(corpus, prompts=[replace(p, ignore_eos=True) for p in corpus.prompts])
@@ -168,17 +172,17 @@ def plan_suite_id(plan: RunPlan, corpus: Corpus | None = None) -> str:
 
 
 def sampling_engine_args(temperature: float = 0.0, top_p: float = 1.0, sample_top_k: int = 0,
-                         seed: int = 0) -> tuple[str, ...]:
+                         seed: int = 0, samples: int = 1) -> tuple[str, ...]:
     """``--temperature/--top-p/--sample-top-k/--seed`` as engine args (types.SAMPLING_ARGS):
     none at temperature 0, so a greedy suite keeps its identity; sampling settings without a
     temperature are refused rather than ignored."""
     if not temperature:
-        if top_p != 1.0 or sample_top_k or seed:
-            raise PlanError("--top-p, --sample-top-k and --seed shape sampling: give --temperature "
+        if top_p != 1.0 or sample_top_k or seed or samples != 1:
+            raise PlanError("--top-p, --sample-top-k, --seed and --samples shape sampling: give --temperature "
                             "> 0 with them (temperature 0 decodes greedily).")
         return ()
     return (f"temperature={temperature:g}", f"top_p={top_p:g}", f"sample_top_k={sample_top_k}",
-            f"seed={seed}")
+            f"seed={seed}") + ((f"samples={samples}",) if samples != 1 else ())
 
 
 def parse_engine_args(items: Sequence[str]) -> dict[str, str]:

@@ -171,6 +171,8 @@ def split_engine_args(args: dict[str, str]) -> dict[str, dict]:
             out["env"][name] = str(raw)
         elif key.startswith("sampling."):
             out["sampling"][key[9:]] = parse_value(raw)
+        elif key == "samples":  # the plan repeats each prompt (Prompt.sample): the seed mixes it
+            out["own"]["samples"] = parse_value(raw)
         elif key in SAMPLING_FIELDS:  # speccheck run --temperature/--top-p/--sample-top-k/--seed
             if not (key == "sample_top_k" and parse_value(raw) == 0):  # 0: no top-k cut
                 out["sampling"][SAMPLING_FIELDS[key]] = parse_value(raw)
@@ -1158,6 +1160,7 @@ class VllmEngine(Engine):
                "max_tokens": [int(p.max_tokens) for p in prompts], "top_k": int(top_k),
                "stop_token_ids": eos_token_ids(self.model), "sampling": self.args["sampling"],
                "ignore_eos": [bool(p.ignore_eos) for p in prompts],
+               "samples": [int(p.sample) for p in prompts],
                "warmup": bool(self.args["own"].get("warmup", True)), "together": together,
                "pad_batch": int(self.args["own"].get("pad_batch", 0))}
         result = self._call(req, spec, DFLASH2_ENV if config.method == "dflash2" else {})

@@ -645,13 +645,14 @@ def greedy_params(max_tokens: int, top_k: int, stop_token_ids: list[int], ignore
                              "ignore_eos": ignore_eos, **extra})
 
 
-def with_request_seed(extra: dict, ids) -> dict:
+def with_request_seed(extra: dict, ids, sample: int = 0) -> dict:
     """``extra`` with its run seed replaced by the request's own (the run's seed mixed with a
     digest of the prompt ids, as the openai engine derives it), so every request repeats."""
     if "seed" not in extra:
         return extra
     import hashlib
-    h = hashlib.sha256(",".join(map(str, [int(extra["seed"]), *map(int, ids)])).encode()).digest()
+    seed = int(extra["seed"]) + 1_000_003 * int(sample)  # types.sample_seed (no import here)
+    h = hashlib.sha256(",".join(map(str, [seed, *map(int, ids)])).encode()).digest()
     return {**extra, "seed": int.from_bytes(h[:4], "little") & 0x7FFFFFFF}
 
 
@@ -701,8 +702,9 @@ class Worker:
                       for i in req.get("ignore_eos") or [False] * len(prompts)]
             extra.pop("ignore_eos", None)
             params = [greedy_params(max_tokens, req["top_k"], req.get("stop_token_ids") or [],
-                                    ign, with_request_seed(extra, ids))
-                      for max_tokens, ign, ids in zip(req["max_tokens"], ignore, prompts)]
+                                    ign, with_request_seed(extra, ids, j))
+                      for max_tokens, ign, ids, j in zip(req["max_tokens"], ignore, prompts,
+                                                         req.get("samples") or [0] * len(prompts))]
             if req.get("together"):  # one call: the scheduler batches every request
                 before = self.spec_metrics()
                 t0 = time.perf_counter()

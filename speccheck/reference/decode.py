@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -243,7 +243,8 @@ class Decoder:
     def generate_batch(self, prompts: list[list[int]], max_tokens: list[int],
                        method: str = "baseline", k: int = 0, top_k: int = 5,
                        ignore_eos: list[bool] | None = None,
-                       emit: list[Callable | None] | None = None) -> list[Generation]:
+                       emit: list[Callable | None] | None = None,
+                       seeds: list[int] | None = None) -> list[Generation]:
         """Greedy decoding of several prompts as one batch: each prompt is prefilled alone,
         then all decode together, each sequence at its own length (see Cache; speculative
         sequences also accept different numbers of tokens); one that stops leaves the
@@ -257,8 +258,10 @@ class Decoder:
         ignore_eos = list(ignore_eos or [False] * len(prompts))
         emit = list(emit or [None] * len(prompts))
         if self.sampling is not None:
-            return [_sampling.generate(self, p, n, method, k, top_k, i, self.sampling, e)
-                    for p, n, i, e in zip(prompts, max_tokens, ignore_eos, emit)]
+            seeds = seeds or [self.sampling.seed] * len(prompts)  # ``seeds[i]``: request i's
+            return [_sampling.generate(self, p, n, method, k, top_k, i,
+                                       replace(self.sampling, seed=s), e)
+                    for p, n, i, e, s in zip(prompts, max_tokens, ignore_eos, emit, seeds)]
         graphed = self.graphs is not None and self.graphs.handles(method, len(prompts))
         if method == "baseline":
             if graphed:

@@ -33,6 +33,8 @@ from speccheck.types import (Completion, Prompt, Replay, Request, Scored, SpecCo
 
 from .chat import identity as chat_identity
 from .decode import FAULTS, Decoder, Knobs
+from speccheck.types import sample_seed
+
 from .sampling import SamplingParams
 from .sampling import score as _score_sampled
 from .dflash2 import DFLASH2_FILE, WALK_DTYPES, SelectorKnobs, load_dflash2
@@ -82,6 +84,8 @@ ENGINE_ARGS = {
     "sample_top_k": (None, "0", "sampling: most likely tokens kept (0 = all)"),
     "seed": (None, "0", "sampling: the run's seed (each request's is derived from it and its "
                         "prompt)"),
+    "samples": (None, "1", "sampling: requests per prompt (the plan repeats each prompt; each "
+                           "sample has its own seed)"),
     "compile": (("on", "off"), "off", "CUDA graphs: each step is torch.compile'd (Inductor fuses "
                                       "its small ops into Triton kernels) before its capture; "
                                       "bf16 roundings move (fused ops skip bf16 rounds)"),
@@ -91,7 +95,7 @@ ENGINE_ARGS = {
 PATH_ARGS = ("gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode",
              "attn_verify", "attn_draft", "batch", "no_draft_every", "fault", "dflash2_selector",
              "dflash2_top_k", "dflash2_walk", "cuda_graphs", "compile", "prefix_cache", "thinking",
-             "temperature", "top_p", "sample_top_k", "seed")
+             "temperature", "top_p", "sample_top_k", "seed", "samples")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 #: the engine args that pick a kernel form per phase (Knobs fields; the identity's "knobs")
 KNOB_ARGS = ("gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode",
@@ -414,7 +418,9 @@ class ReferenceEngine(Engine):
             gens = self.decoder.generate_batch([list(ids) for ids in prompt_ids],
                                                [p.max_tokens for p in prompts],
                                                config.method, config.k, top_k,
-                                               [p.ignore_eos for p in prompts], emit)
+                                               [p.ignore_eos for p in prompts], emit,
+                                               seeds=[sample_seed(self.sampling.seed, p.sample)
+                                                      for p in prompts] if self.sampling else None)
         except ValueError as e:
             raise EngineUsageError(f"prompt {names}: {e}") from e
         except RuntimeError as e:

@@ -128,7 +128,6 @@ def generate(dec, prompt: list[int], max_tokens: int, method: str, k: int, top_k
              ignore_eos: bool, sp: SamplingParams, emit=None):
     """One request, sampled: the baseline, or speculative sampling with ``method`` at K.
     ``dec`` is the reference Decoder (its networks, knobs, prefill and cache)."""
-    from .decode import Cache  # noqa: F401  (the decoder's cache type; no import cycle at load)
     from .steps import Generation, _Out
     from speccheck.types import SpecCounters
 
