@@ -57,9 +57,12 @@ class Case:
 
 
 #: the sampled setting the sampler faults run under (as `speccheck run --temperature 0.8
-#: --top-p 0.9` records it), on a corpus of ~1,800 sampled tokens per config
-SAMPLED = (("temperature", "0.8"), ("top_p", "0.9"), ("sample_top_k", "0"), ("seed", "0"))
-SAMPLED_CORPUS = "default"
+#: --top-p 0.9 --samples 3` records it): the default corpus, each prompt sampled 3 times (~5,300
+#: sampled tokens per config; one sample each, ~1,800, left temperature-target-only at the edge
+#: of detection, martingale z about -2.5)
+SAMPLED = (("temperature", "0.8"), ("top_p", "0.9"), ("sample_top_k", "0"), ("seed", "0"),
+           ("samples", "3"))
+SAMPLED_CORPUS = "default*3"
 
 #: every fault, the bug it models and the check expected to catch it: the one place to edit
 CASES: tuple[Case, ...] = (
@@ -255,7 +258,11 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
 
     def corpus_of(name: str) -> tuple:
         if name not in corpora:
-            c = load_corpus(name)
+            base, _, n = name.partition("*")  # "default*3": each prompt 3 times (run --samples 3)
+            c = load_corpus(base)
+            if n:
+                c = RunPlan(corpus=base, engine_args={"temperature": "1", "samples": n}).load_corpus()
+                c = replace(c, name=f"{base}-x{n}")
             corpora[name] = (c, {p.id: engine.tokenize(p) for p in c.prompts})
         return corpora[name]
 
