@@ -177,7 +177,9 @@ def generate(dec, prompt: list[int], max_tokens: int, method: str, k: int, top_k
             counters.accepted_tokens += m
             for i in range(m):
                 counters.accepted_per_pos[i] += 1
-            cache.commit(m + 1)
+            # the decoder's state faults apply here too (stale-state, conv-not-rolled-back)
+            cache.commit(m + 1, roll_back_gdn=fault != "stale-state",
+                         roll_back_conv=fault != "conv-not-rolled-back")
             pending = (h[0, : m + 1] if method == "mtp"
                        else torch.cat([auxo[i][0, : m + 1] for i in aux_ids], -1))
     t2, c2 = time.perf_counter(), time.process_time()
