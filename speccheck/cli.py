@@ -23,7 +23,8 @@ from speccheck.engines import EngineError, EngineUsageError
 from speccheck.engines import engine_class as engine_class_of
 from speccheck.gate import (EXIT_ENGINE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, EXIT_USAGE,
                             plan_note)
-from speccheck.plan import ENGINE_ARG_HELP, REFERENCE_ARG_KEYS, PlanError, make_plan, parse_engine_args
+from speccheck.plan import (ENGINE_ARG_HELP, REFERENCE_ARG_KEYS, PlanError, make_plan, parse_engine_args,
+                            sampling_engine_args)
 from speccheck.policy import PolicyError, load_policy
 from speccheck.store import Store, StoreError
 from speccheck.types import TOGETHER, slot_label
@@ -198,6 +199,23 @@ run_options = [
 ]
 
 
+sampling_options = [
+    click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0),
+                 help="Sample at this temperature (0: greedy). A sampled suite is its own suite; "
+                      "every request carries its own seed, and the distribution check judges it."),
+    click.option("--top-p", "top_p", default=1.0, show_default=True,
+                 type=click.FloatRange(0, 1, min_open=True), help="Sampling: nucleus mass kept."),
+    click.option("--sample-top-k", "sample_top_k", default=0, show_default=True,
+                 type=click.IntRange(0),
+                 help="Sampling: most likely tokens kept (0: all; --top-k is the logprobs width)."),
+    click.option("--seed", "seed", default=0, show_default=True, type=int,
+                 help="Sampling: the run's seed (each request's derives from it and the prompt)."),
+    click.option("--samples", "samples", default=1, show_default=True, type=click.IntRange(1, 64),
+                 help="Sampling: requests per prompt, each with its own seed (more samples: a "
+                      "smaller effect the distribution check detects)."),
+]
+
+
 @click.group(cls=SpeccheckGroup, epilog=EXIT_CODES_HELP)
 @click.version_option(package_name="speccheck")
 def main() -> None:
@@ -219,10 +237,12 @@ def merge(sources, store_dir):
 
 @main.command()
 @_apply(run_options)
+@_apply(sampling_options)
 @store_option
 def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, top_k, engine_args,
         no_attribution, attribution_paths, attribution_mode, concurrent, base_url, served_model,
-        api_key_env, attribute_with, ignore_eos, axes, axes_on, store_dir):
+        api_key_env, attribute_with, ignore_eos, axes, axes_on, temperature, top_p, sample_top_k,
+        seed, samples, store_dir):
     """Run the matrix (baseline always included) and the workload axes into the store; resumes
     finished runs."""
     from speccheck.runner import run_suite
@@ -231,6 +251,8 @@ def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, 
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
+    engine_args = tuple(engine_args) + sampling_engine_args(temperature, top_p, sample_top_k, seed,
+                                                              samples)
     plan = make_plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args,
                      no_attribution, base_url, served_model, api_key_env, concurrent, attribute_with,
                      max_tokens, ignore_eos, attribution_paths, attribution_mode, axes, axes_on)

@@ -18,7 +18,7 @@ from speccheck.evidence import (LogprobEvidence, kernel_noise_sample, logprob_ev
 from speccheck.policy import Policy
 from speccheck.results import ConfigResult, LogprobConsistency, Speed, SuiteResult
 from speccheck.store import Suite, config_sort_key
-from speccheck.types import Completion, RunRecord, SpecConfig, SpecCounters
+from speccheck.types import Completion, RunRecord, SpecConfig, SpecCounters, sampling_of
 from speccheck.verify import (
     RepeatTiming,
     SpeedupModel,
@@ -283,6 +283,7 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
                 {p: tuple(v) for p, v in gold["per_prompt"].items()})
 
     gold = (golden_acceptance or {}).get(name)
+    result.sampling = sampling_of(suite.meta.get("engine_args"))
     result.measured = measure_all(Context(suite, name, policy, ok, base_records, tau_tie, tau_low, noise, detok,
                                           gold if isinstance(gold, dict) else None))
     result.checks = judge_all(result, policy)

@@ -11,7 +11,7 @@ from speccheck.config import MatrixError, build_matrix
 from speccheck.corpus import Corpus, load_corpus
 from speccheck.engines import RUN_ONLY_ARGS, EngineUsageError, engine_class, engine_names
 from speccheck.store import suite_id
-from speccheck.types import SpecConfig, axis_slot
+from speccheck.types import SpecConfig, axis_slot, sampling_of
 from speccheck.version import __version__
 
 
@@ -117,6 +117,10 @@ class RunPlan:
     def load_corpus(self) -> Corpus:
         """The corpus; with ``ignore_eos`` every prompt decodes its full budget."""
         corpus = load_corpus(self.corpus, self.max_tokens)
+        n = (sampling_of(self.engine_args) or {}).get("samples", 1)
+        if n > 1:  # N samples per prompt, each its own request with its own seed
+            corpus = replace(corpus, prompts=[replace(p, id=f"{p.id}#s{j}" if j else p.id, sample=j)
+                                              for p in corpus.prompts for j in range(n)])
         if not self.ignore_eos:
             return corpus
         return replace(corpus, prompts=[replace(p, ignore_eos=True) for p in corpus.prompts])
@@ -142,8 +146,10 @@ class RunPlan:
                 "fresh_process_repeat": self.fresh_process_repeat and self.repeats > 1,
                 "concurrent": self.concurrent, "rescore": self.rescore}
         on = {c.name for c in self.axis_configs()}
-        replays = self.replays_acceptance()
-        return {c.name: {**want, "attribute": self.attribute and not c.is_baseline,
+        replays = self.replays_acceptance() and sampling_of(self.engine_args) is None
+        # a sampled suite's outputs differ by design: no divergence to attribute, no greedy replay
+        greedy = sampling_of(self.engine_args) is None
+        return {c.name: {**want, "attribute": self.attribute and greedy and not c.is_baseline,
                          **({"replay": True} if replays and not c.is_baseline else {}),
                          **({"axes": list(self.axes)} if c.name in on else {})}
                 for c in self.configs}
@@ -163,6 +169,20 @@ def plan_suite_id(plan: RunPlan, corpus: Corpus | None = None) -> str:
     skip = RUN_ONLY_ARGS.get(plan.engine, frozenset())
     args = {k: v for k, v in plan.engine_args.items() if k not in skip}
     return suite_id(plan.engine, plan.model, plan.draft, args, corpus.name, corpus.hash, plan.ignore_eos)
+
+
+def sampling_engine_args(temperature: float = 0.0, top_p: float = 1.0, sample_top_k: int = 0,
+                         seed: int = 0, samples: int = 1) -> tuple[str, ...]:
+    """``--temperature/--top-p/--sample-top-k/--seed`` as engine args (types.SAMPLING_ARGS):
+    none at temperature 0, so a greedy suite keeps its identity; sampling settings without a
+    temperature are refused rather than ignored."""
+    if not temperature:
+        if top_p != 1.0 or sample_top_k or seed or samples != 1:
+            raise PlanError("--top-p, --sample-top-k, --seed and --samples shape sampling: give --temperature "
+                            "> 0 with them (temperature 0 decodes greedily).")
+        return ()
+    return (f"temperature={temperature:g}", f"top_p={top_p:g}", f"sample_top_k={sample_top_k}",
+            f"seed={seed}") + ((f"samples={samples}",) if samples != 1 else ())
 
 
 def parse_engine_args(items: Sequence[str]) -> dict[str, str]:
@@ -263,5 +283,7 @@ def make_plan(engine: str = "reference", model: str | None = None, draft: str | 
                    concurrent=concurrent, attribute_with=parse_attribute_with(attribute_with, cls),
                    max_tokens=max_tokens, ignore_eos=ignore_eos,
                    attribution_paths=paths,
-                   attribution_mode=attribution_mode, axes=parse_axes(axes, cls.axes),
+                   attribution_mode=attribution_mode,
+                   axes=parse_axes("none" if sampling_of(args) and axes in (None, "", "default")
+                                   else axes, cls.axes),
                    axes_on=axes_on)

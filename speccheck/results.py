@@ -122,6 +122,8 @@ class ConfigResult:
     together: Together | None = None
     logprobs: LogprobConsistency | None = None
     checks: list[Check] = field(default_factory=list)
+    #: the suite's sampling settings (types.sampling_of), None for a greedy suite
+    sampling: dict | None = None
     #: evidence the store lacks (rescoring absent or short): never read as agreement
     missing_evidence: list[str] = field(default_factory=list)
     #: why the engine's path noise (and so tau) could not be measured; None when it was

@@ -30,7 +30,8 @@ from speccheck.axes import AxisInput
 from speccheck.axes import get as get_axis
 from speccheck.plan import RunPlan, plan_suite_id
 from speccheck.store import Store, StoreError, Suite
-from speccheck.types import TOGETHER, RunRecord, SpecConfig, Workload, WorkloadResult, slot_label
+from speccheck.types import (TOGETHER, RunRecord, SpecConfig, Workload, WorkloadResult, sampling_of,
+                             slot_label)
 from speccheck.verify import first_divergence
 
 
@@ -228,8 +229,12 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
             progress(len(todo), len(todo), "rescoring teacher-forced")
         if plan.rescore:
             rescore_suite(engine, suite, [c.name for c in plan.configs], log)
-        replay_suite(plan, engine, suite, corpus, log, progress)
-        if plan.attribute:
+        sampled = sampling_of(plan.engine_args) is not None
+        if sampled:
+            score_sampled_suite(engine, suite, [c.name for c in plan.configs], log)
+        else:
+            replay_suite(plan, engine, suite, corpus, log, progress)
+        if plan.attribute and not sampled:
             if progress:
                 progress(len(todo), len(todo), "attributing divergences to kernel paths")
             spec_configs = [c for c in plan.configs if not c.is_baseline]
@@ -523,6 +528,27 @@ def rescore_suite(engine: Engine, suite: Suite, config_names: Sequence[str], log
         merged = {c.prompt_id: scores.get(c.prompt_id) or base_scores[c.prompt_id] for c in comps}
         suite.write_rescore(name, 0, list(merged), list(merged.values()))
         log(f"{name:>12} rescored teacher-forced ({len(differ)} of {len(comps)} outputs differ from baseline)")
+
+
+def score_sampled_suite(engine: Engine, suite: Suite, config_names: Sequence[str],
+                        log: Log = _print) -> None:
+    """A sampled suite: each config's first repeat scored teacher-forced by the target's
+    full next-token distribution at every sampled position (the distribution check's
+    evidence), unless stored already or the engine cannot (left missing, said once)."""
+    for name in config_names:
+        if not suite.is_complete(name, 0) or suite.load_sampled_scores(name, 0) is not None:
+            continue
+        comps = suite.load_run(name, 0).completions
+        began = time.perf_counter()
+        try:
+            scores = engine.score_sampled([c.prompt_ids.tolist() for c in comps],
+                                          [c.token_ids.tolist() for c in comps])
+        except ScoringUnavailable as e:
+            log(f"sampled outputs not scored: {e}")
+            return
+        suite.write_sampled_scores(name, 0, [c.prompt_id for c in comps], scores)
+        log(f"{name:>12} sampled positions scored by the target "
+            f"({sum(c.n_tokens for c in comps)} tokens, {time.perf_counter() - began:.1f} s)")
 
 
 def _score_record(engine: Engine, comps) -> dict:

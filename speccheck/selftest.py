@@ -27,9 +27,10 @@ from speccheck.checks import names as check_names
 from speccheck.evaluate import evaluate_suite
 from speccheck.policy import Policy
 from speccheck.plan import RunPlan
-from speccheck.runner import check_context, open_suite, replay_configs, rescore_suite, run_one
+from speccheck.runner import (check_context, open_suite, replay_configs, rescore_suite, run_one,
+                              score_sampled_suite)
 from speccheck.store import Store, Suite
-from speccheck.types import SpecConfig
+from speccheck.types import SpecConfig, sampling_of
 
 #: the corpus the self-test runs by default: `smoke` cannot show every fault (no smoke prompt
 #: ends at an end-of-sequence token after drafting; its chat prompt emits one as its very first
@@ -54,6 +55,19 @@ class Case:
     #: run --axes`), clean and faulty, and judged by the axis checks
     axes: tuple[str, ...] = ()
 
+
+#: the sampled settings the sampler faults run under (as `speccheck run --temperature T
+#: --top-p 0.9 [--samples N]` records them). The default corpus at temperature 0.8 (~1,800
+#: sampled tokens per config) shows the residual, top-p, seed and DFlash2 faults; at 0.6 the
+#: drafts are accepted more often and the residual faults fell below detection there. The toy
+#: drafters' q at temperature 1 differs from q at 0.8 too little for temperature-target-only to
+#: show (martingale z about -2 on 5,200 tokens), so it runs at 0.6, the low end of what users
+#: serve with, on each prompt sampled twice (~3,400 tokens: z about -4)
+SAMPLED = (("temperature", "0.8"), ("top_p", "0.9"), ("sample_top_k", "0"), ("seed", "0"))
+SAMPLED_CORPUS = "default"
+SAMPLED_COLD = (("temperature", "0.6"), ("top_p", "0.9"), ("sample_top_k", "0"), ("seed", "0"),
+                ("samples", "2"))
+SAMPLED_COLD_CORPUS = "default*2"
 
 #: every fault, the bug it models and the check expected to catch it: the one place to edit
 CASES: tuple[Case, ...] = (
@@ -139,6 +153,23 @@ CASES: tuple[Case, ...] = (
          "on steps that accept K - 1 drafts", "verify_topk_drift", method="dflash", corpus="ci"),
     Case("verify-drift", "numeric drift: the GDN layers' verify-path output off by (1 + 2^-7)",
          "verify_topk_drift"),
+    # the sampler's (temperature > 0), judged against the target's own distribution
+    Case("residual-unnormalised", "speculative sampling: the rejection residual not "
+         "renormalised", "sampled_matches_target", method="mtp", engine_args=SAMPLED,
+         corpus=SAMPLED_CORPUS),
+    Case("residual-is-p", "speculative sampling: a rejection resampled from p, not "
+         "max(0, p - q)", "sampled_matches_target", method="mtp", engine_args=SAMPLED,
+         corpus=SAMPLED_CORPUS),
+    Case("temperature-target-only", "speculative sampling: temperature applied to the target "
+         "only (drafts drawn at temperature 1)", "sampled_matches_target", method="mtp",
+         engine_args=SAMPLED_COLD, corpus=SAMPLED_COLD_CORPUS),
+    Case("top-p-draft-only", "speculative sampling: top-p applied to the draft only",
+         "sampled_matches_target", method="mtp", engine_args=SAMPLED, corpus=SAMPLED_CORPUS),
+    Case("seed-reused", "sampling: one seed stream position reused at every step",
+         "sampled_matches_target", method="mtp", engine_args=SAMPLED, corpus=SAMPLED_CORPUS),
+    Case("dflash2-q-unary", "speculative sampling: DFlash2's acceptance reads another q than "
+         "the selector drew from", "sampled_matches_target", method="dflash2",
+         engine_args=SAMPLED, corpus=SAMPLED_CORPUS),
 )
 
 
@@ -232,7 +263,11 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
 
     def corpus_of(name: str) -> tuple:
         if name not in corpora:
-            c = load_corpus(name)
+            base, _, n = name.partition("*")  # "default*3": each prompt 3 times (run --samples 3)
+            c = load_corpus(base)
+            if n:
+                c = RunPlan(corpus=base, engine_args={"temperature": "1", "samples": n}).load_corpus()
+                c = replace(c, name=f"{base}-x{n}")
             corpora[name] = (c, {p.id: engine.tokenize(p) for p in c.prompts})
         return corpora[name]
 
@@ -280,6 +315,10 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
                 run_one(variant, suite, c, stored, config, -1, 5, fresh_process=False,
                         copies=together)
             rescore_suite(variant, suite, [config.name], log=lambda m: None)
+            if sampling_of(args):  # the distribution check's evidence, as `speccheck run` scores it
+                score_sampled_suite(variant, suite, [config.name], log=lambda m: None)
+                run_axes(suite, spec, variant, c, stored, config, axes)
+                return suite
             # the acceptance expected of the run, replayed as `speccheck run` does: without the fault
             clean = engine.with_args(**{k: v for k, v in args.items() if k != "fault"})
             replay_configs(clean, suite, [config], {p.id: p.max_tokens for p in c.prompts},

@@ -26,6 +26,9 @@ class Prompt:
     #: decode the full max_tokens even past end-of-sequence, so a prompt whose first token
     #: would be EOS still yields tokens to compare (vLLM's ``ignore_eos``)
     ignore_eos: bool = False
+    #: which of a sampled run's samples of one prompt this request is (run --samples N gives
+    #: each prompt N requests, ids ``<id>#s<j>`` for j >= 1); part of the request's seed
+    sample: int = 0
 
     def as_text(self) -> str:
         """The prompt as one plain string (chat messages joined in a simple template)."""
@@ -327,3 +330,29 @@ class WorkloadResult:
 
     completions: list[Completion]
     proof: dict[str, Any] = field(default_factory=dict)
+
+
+#: the engine args that say how a run samples (``speccheck run --temperature`` etc. set them);
+#: being engine args they are part of the suite's identity, so a sampled suite never mixes
+#: with a greedy one
+SAMPLING_ARGS = ("temperature", "top_p", "sample_top_k", "seed", "samples")
+
+
+def sampling_of(engine_args: dict | None) -> dict | None:
+    """The run's sampling settings from its engine args, or None for a greedy run
+    (temperature absent or 0)."""
+    args = engine_args or {}
+    try:
+        t = float(args.get("temperature") or 0)
+    except (TypeError, ValueError):
+        return None
+    if t <= 0:
+        return None
+    return {"temperature": t, "top_p": float(args.get("top_p") or 1.0),
+            "top_k": int(args.get("sample_top_k") or 0), "seed": int(args.get("seed") or 0),
+            "samples": max(1, int(args.get("samples") or 1))}
+
+
+def sample_seed(seed: int, sample: int) -> int:
+    """The seed of sample j of a prompt (mixed with the prompt by each engine)."""
+    return int(seed) + 1_000_003 * int(sample)

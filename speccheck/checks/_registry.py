@@ -87,6 +87,10 @@ class CheckSpec:
     row: Callable[[ConfigResult, Check], str] | None = None
     #: judged only for configs of these methods (empty: every method)
     methods: tuple[str, ...] = ()
+    #: in a sampled suite (temperature > 0): "judged" as in a greedy one, "greedy-only" (it
+    #: assumes argmax decoding: shown as not exercised, never as a pass) or "reported"
+    #: (judged and shown, not gated)
+    sampled: str = "judged"
 
     def applies_to(self, config: str) -> bool:
         if self.methods:
@@ -95,6 +99,18 @@ class CheckSpec:
 
     def run(self, result: ConfigResult, policy) -> Check:
         """The verdict on one config: missing evidence fails uniformly, else the judge decides."""
+        sampling = getattr(result, "sampling", None)
+        if sampling and self.sampled == "greedy-only":
+            return Check(self.name, True, f"not exercised: a sampled suite (temperature "
+                         f"{sampling['temperature']:g}); this check assumes argmax decoding",
+                         skipped=True)
+        check = self._run(result, policy)
+        if sampling and self.sampled == "reported":
+            check.skipped = True
+            check.message += " (reported, not gated at temperature > 0)"
+        return check
+
+    def _run(self, result: ConfigResult, policy) -> Check:
         absent = [e for e in self.needs if not e.present(result)]
         if not absent:
             return self.judge(result, policy)
@@ -105,7 +121,8 @@ class CheckSpec:
         return Check(self.name, False, f"{missing}; {partial.message}")
 
     def diff_row(self, result: ConfigResult, check: Check) -> str:
-        if self.row is not None and not (check.message.startswith("evidence missing")):
+        if self.row is not None and not check.message.startswith(("evidence missing",
+                                                                   "not exercised")):
             return self.row(result, check)
         return check.message
 

@@ -137,6 +137,7 @@ def judge(r: ConfigResult, p) -> Check:
 
 
 CHECK = CheckSpec(
+    sampled="greedy-only",
     name="acceptance_replayed", label="replayed", order=115, judge=judge, measure=measure, policy=POLICY,
     guards="acceptance-only bugs on any corpus, no golden needed: MTP fed the wrong hidden states "
            "(vLLM #36531), DFlash features from the wrong layer (#42704), a fall after an upgrade "

@@ -74,6 +74,7 @@ def _pct2(x: float | None) -> str:
 
 
 CHECK = CheckSpec(
+    sampled="greedy-only",
     name="agrees_with_baseline", label="agreement", order=50, judge=judge, row=row, policy=POLICY,
     needs=(COMPARED, RESCORED),
     guards="any bug that changes outputs often: a wrong verify, a wrong state after rejection",

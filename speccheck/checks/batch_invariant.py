@@ -37,6 +37,7 @@ def judge(r: ConfigResult, p) -> Check:
 
 
 CHECK = CheckSpec(
+    sampled="reported",
     name="batch_invariant", label="all at once", order=30, baseline=True, judge=judge, policy=POLICY,
     guards="state shared between the rows of a batch: padded rows aliasing request 0's state slot "
            "(SGLang #27202), wrong outputs only when requests run together (vLLM #42728)",

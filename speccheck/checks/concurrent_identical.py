@@ -46,6 +46,7 @@ def judge(r: ConfigResult, p) -> Check:
 
 
 CHECK = CheckSpec(
+    sampled="reported",
     name="concurrent_identical", label="", order=40, baseline=True, judge=judge, policy=POLICY,
     guards="identical concurrent requests that get different completions (SGLang #35150: 111 of 304 "
            "requests wrong at concurrency 8)",

@@ -39,6 +39,7 @@ def row(r: ConfigResult, c: Check) -> str:
 
 
 CHECK = CheckSpec(
+    sampled="greedy-only",
     name="divergences_are_low_confidence", label="divergences", order=60, judge=judge, row=row,
     policy=POLICY, needs=(COMPARED, RESCORED),
     guards="silent corruption: hybrid state not rolled back after a rejection (vLLM #50272, "

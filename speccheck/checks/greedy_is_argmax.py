@@ -64,6 +64,7 @@ def judge(r: ConfigResult, p) -> Check:
 
 
 CHECK = CheckSpec(
+    sampled="greedy-only",
     name="greedy_is_argmax", label=None, order=17, baseline=True, judge=judge, measure=measure,
     policy=POLICY,
     guards="a sampler that draws at a small temperature on the verify path, or a draft accepted "

@@ -104,6 +104,7 @@ def _power(lc, p) -> str:
 
 
 CHECK = CheckSpec(
+    sampled="greedy-only",
     name="logprobs_consistent", label="logprobs", order=100, judge=judge, row=first_line, policy=POLICY,
     needs=(LOGPROB_PAIRS, PATH_NOISE),
     guards="numeric drift on the verify path (precision lost in the state carried between verify "

@@ -29,6 +29,7 @@ def judge(r: ConfigResult, p) -> Check:
 
 
 CHECK = CheckSpec(
+    sampled="greedy-only",
     name="same_stopping", label="stopping", order=70, judge=judge, row=first_line, needs=(COMPARED,),
     guards="output boundaries: emission past max_tokens or past an end-of-sequence token inside "
            "accepted drafts; legitimate tokens stripped as mask tokens",

@@ -151,6 +151,15 @@ class Engine(ABC):
               top_k: int) -> list[Scored]:
         """Teacher-forced scores of each continuation after its prompt (non-speculative)."""
 
+    def score_sampled(self, prompt_ids: Sequence[Sequence[int]],
+                      continuations: Sequence[Sequence[int]]) -> list:
+        """Teacher-forced target distribution (under the run's sampling transform) at each
+        sampled position: float64 [n, 5] per continuation -- mass above the token, mass tied
+        with it, its probability, E[log p], E[(log p)^2] (verify/sampled.py). Engines that
+        cannot see the full distribution raise ScoringUnavailable."""
+        raise ScoringUnavailable(f"the {self.name} engine cannot score full next-token "
+                                 "distributions")
+
     #: replay_acceptance() is implemented (the plan then asks for a replay of each spec config)
     replays_acceptance: ClassVar[bool] = False
 

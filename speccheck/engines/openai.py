@@ -67,6 +67,11 @@ ARGS = {
     "backoff": "first retry delay in seconds, doubled each retry (default 1.0)",
     "tokenizer": "path to tokenizer.json to tokenize locally (default: the server's /tokenize)",
     "score_base_url": "a baseline server to rescore on (default: base_url; see score())",
+    "temperature": "sampling temperature sent with every request (speccheck run --temperature)",
+    "top_p": "sampling: top_p sent with every request",
+    "sample_top_k": "sampling: top_k sent with every request (0: off)",
+    "seed": "sampling: the run's seed; each request sends its own, derived from it and the prompt",
+    "samples": "sampling: requests per prompt (the plan repeats each prompt, each its own seed)",
     "method": "ignored (the config under test says what the server runs)",
     "k": "ignored (as method)",
 }
@@ -441,6 +446,27 @@ def _redact(url: str) -> str:
 
 
 # --- the engine ------------------------------------------------------------------------------
+
+def sampled_body(engine_args: dict, ids: Sequence[int], sample: int = 0) -> dict:
+    """The sampling fields of a generation request (none for a greedy run): temperature,
+    top_p, top_k and a per-request seed (vLLM's server takes ``seed`` per request), derived
+    from the run's seed and the prompt so that a request repeats exactly."""
+    from speccheck.types import sample_seed, sampling_of
+
+    sp = sampling_of(engine_args)
+    if sp is None:
+        return {}
+    return {"temperature": sp["temperature"], "top_p": sp["top_p"],
+            **({"top_k": sp["top_k"]} if sp["top_k"] else {}),
+            "seed": request_seed(sample_seed(sp["seed"], sample), ids)}
+
+
+def request_seed(seed: int, ids: Sequence[int]) -> int:
+    """A request's seed: the run's seed mixed with a digest of its prompt ids (31 bits)."""
+    import hashlib
+    h = hashlib.sha256(",".join(map(str, [int(seed), *map(int, ids)])).encode()).digest()
+    return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+
 
 class OpenAIEngine(Engine):
     name = "openai"
@@ -930,6 +956,7 @@ class OpenAIEngine(Engine):
                 "max_tokens": int(prompt.max_tokens), "temperature": 0,
                 "logprobs": int(top_k), "return_tokens_as_token_ids": True,
                 "return_token_ids": True}
+        body.update(sampled_body(self.engine_args, ids, prompt.sample))
         if prompt.ignore_eos:  # vLLM's extra parameter; sent only when asked for
             body["ignore_eos"] = True
         choice, wall, ttft = self._stream("/v1/completions", body, f"prompt {prompt.id}")

@@ -153,6 +153,11 @@ def parse_value(text: str) -> Any:
         return text
 
 
+#: the sampling engine args (types.SAMPLING_ARGS) -> their SamplingParams fields
+SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "sample_top_k": "top_k",
+                   "seed": "seed"}
+
+
 def split_engine_args(args: dict[str, str]) -> dict[str, dict]:
     """--engine-arg pairs -> {"llm": LLM kwargs, "env": worker env, "sampling": ...,
     "spec": extra speculative_config keys, "own": this engine's options}."""
@@ -166,6 +171,11 @@ def split_engine_args(args: dict[str, str]) -> dict[str, dict]:
             out["env"][name] = str(raw)
         elif key.startswith("sampling."):
             out["sampling"][key[9:]] = parse_value(raw)
+        elif key == "samples":  # the plan repeats each prompt (Prompt.sample): the seed mixes it
+            out["own"]["samples"] = parse_value(raw)
+        elif key in SAMPLING_FIELDS:  # speccheck run --temperature/--top-p/--sample-top-k/--seed
+            if not (key == "sample_top_k" and parse_value(raw) == 0):  # 0: no top-k cut
+                out["sampling"][SAMPLING_FIELDS[key]] = parse_value(raw)
         elif key.startswith("spec."):
             out["spec"][key[5:]] = parse_value(raw)
         elif key in OWN_OPTIONS:
@@ -1150,6 +1160,7 @@ class VllmEngine(Engine):
                "max_tokens": [int(p.max_tokens) for p in prompts], "top_k": int(top_k),
                "stop_token_ids": eos_token_ids(self.model), "sampling": self.args["sampling"],
                "ignore_eos": [bool(p.ignore_eos) for p in prompts],
+               "samples": [int(p.sample) for p in prompts],
                "warmup": bool(self.args["own"].get("warmup", True)), "together": together,
                "pad_batch": int(self.args["own"].get("pad_batch", 0))}
         result = self._call(req, spec, DFLASH2_ENV if config.method == "dflash2" else {})

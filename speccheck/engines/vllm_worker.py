@@ -638,9 +638,22 @@ def greedy_params(max_tokens: int, top_k: int, stop_token_ids: list[int], ignore
     """Greedy SamplingParams with top-k logprobs, token ids only. With ignore_eos the
     end-of-sequence ids are not stop ids either (vLLM stops at stop_token_ids regardless)."""
     from vllm import SamplingParams
-    return SamplingParams(temperature=0.0, max_tokens=int(max_tokens), logprobs=int(top_k),
-                          detokenize=False, stop_token_ids=[] if ignore_eos else list(stop_token_ids),
-                          ignore_eos=ignore_eos, **extra)
+    # a sampled run (speccheck run --temperature) passes temperature/top_p/top_k/seed in extra
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": int(max_tokens),
+                             "logprobs": int(top_k), "detokenize": False,
+                             "stop_token_ids": [] if ignore_eos else list(stop_token_ids),
+                             "ignore_eos": ignore_eos, **extra})
+
+
+def with_request_seed(extra: dict, ids, sample: int = 0) -> dict:
+    """``extra`` with its run seed replaced by the request's own (the run's seed mixed with a
+    digest of the prompt ids, as the openai engine derives it), so every request repeats."""
+    if "seed" not in extra:
+        return extra
+    import hashlib
+    seed = int(extra["seed"]) + 1_000_003 * int(sample)  # types.sample_seed (no import here)
+    h = hashlib.sha256(",".join(map(str, [seed, *map(int, ids)])).encode()).digest()
+    return {**extra, "seed": int.from_bytes(h[:4], "little") & 0x7FFFFFFF}
 
 
 class Worker:
@@ -689,8 +702,9 @@ class Worker:
                       for i in req.get("ignore_eos") or [False] * len(prompts)]
             extra.pop("ignore_eos", None)
             params = [greedy_params(max_tokens, req["top_k"], req.get("stop_token_ids") or [],
-                                    ign, extra)
-                      for max_tokens, ign in zip(req["max_tokens"], ignore)]
+                                    ign, with_request_seed(extra, ids, j))
+                      for max_tokens, ign, ids, j in zip(req["max_tokens"], ignore, prompts,
+                                                         req.get("samples") or [0] * len(prompts))]
             if req.get("together"):  # one call: the scheduler batches every request
                 before = self.spec_metrics()
                 t0 = time.perf_counter()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -18,6 +18,7 @@ from speccheck.types import SpecCounters
 from speccheck.verify.ties import canonical_rows
 
 from . import dflash2 as _dflash2
+from . import sampling as _sampling
 from .graphs import GraphDecoding
 from .model import (ATTN_FORMS, DRAFT_ATTN_FORMS, GDN_FORMS, Cache, DFlashDrafter, MTPModule,
                     Qwen3_5TextModel, ReferenceConfig, set_nondeterministic, set_verify_scale)
@@ -111,6 +112,7 @@ FAULTS = {
                             "accepted count): its positions are off whenever two steps in a row "
                             "keep different counts (vLLM #52071, #38556; async_scheduling=on)",
 }
+FAULTS.update(_sampling.FAULTS)  # the sampler's (temperature > 0)
 
 
 #: positions per cache block of the fault conv-block-boundary
@@ -216,6 +218,8 @@ class Decoder:
         self.graphs = (GraphDecoding(self) if knobs.cuda_graphs and self.device.type == "cuda"
                        else None)
         self._prefilled: OrderedDict = OrderedDict()  # prompt ids -> (cache, hidden, aux)
+        #: temperature > 0: requests are sampled (sampling.py), one at a time
+        self.sampling: _sampling.SamplingParams | None = None
         self._drafter_layers = (tuple(cfg.drafter.target_layer_ids)
                                 if drafter is not None or dflash2 is not None else ())
         self._arm()
@@ -239,7 +243,8 @@ class Decoder:
     def generate_batch(self, prompts: list[list[int]], max_tokens: list[int],
                        method: str = "baseline", k: int = 0, top_k: int = 5,
                        ignore_eos: list[bool] | None = None,
-                       emit: list[Callable | None] | None = None) -> list[Generation]:
+                       emit: list[Callable | None] | None = None,
+                       seeds: list[int] | None = None) -> list[Generation]:
         """Greedy decoding of several prompts as one batch: each prompt is prefilled alone,
         then all decode together, each sequence at its own length (see Cache; speculative
         sequences also accept different numbers of tokens); one that stops leaves the
@@ -252,6 +257,11 @@ class Decoder:
         self._arm()
         ignore_eos = list(ignore_eos or [False] * len(prompts))
         emit = list(emit or [None] * len(prompts))
+        if self.sampling is not None:
+            seeds = seeds or [self.sampling.seed] * len(prompts)  # ``seeds[i]``: request i's
+            return [_sampling.generate(self, p, n, method, k, top_k, i,
+                                       replace(self.sampling, seed=s), e)
+                    for p, n, i, e, s in zip(prompts, max_tokens, ignore_eos, emit, seeds)]
         graphed = self.graphs is not None and self.graphs.handles(method, len(prompts))
         if method == "baseline":
             if graphed:

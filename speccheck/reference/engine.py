@@ -23,15 +23,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from speccheck.engines.base import (Engine, EngineError, EngineUsageError, OnTokens, chat_knobs,
-                                    rendered_thinking)
+from speccheck.engines.base import (Engine, EngineError, EngineUsageError, OnTokens,
+                                    ScoringUnavailable, chat_knobs, rendered_thinking)
 from speccheck.types import (Completion, Prompt, Replay, Request, Scored, SpecConfig, Workload,
                              WorkloadResult)
 
 from .chat import identity as chat_identity
 from .decode import FAULTS, Decoder, Knobs
+from speccheck.types import sample_seed
+
+from .sampling import SamplingParams
+from .sampling import score as _score_sampled
 from .dflash2 import DFLASH2_FILE, WALK_DTYPES, SelectorKnobs, load_dflash2
 from .kernels.attn_fused import unavailable as attn_fused_unavailable
 from .kernels.gdn_fused import unavailable as gdn_fused_unavailable
@@ -73,6 +78,14 @@ ENGINE_ARGS = {
                                          "replays a CUDA graph (no planted fault); off = eager"),
     "thinking": (("off", "on"), "off", "chat prompts render the chat template's thinking mode "
                                        "(the assistant turn opens a <think> block)"),
+    "temperature": (None, "0", "sampling temperature (0 = greedy; > 0: every request sampled "
+                               "with its own seed, speculative configs by speculative sampling)"),
+    "top_p": (None, "1", "sampling: nucleus mass kept (1 = all)"),
+    "sample_top_k": (None, "0", "sampling: most likely tokens kept (0 = all)"),
+    "seed": (None, "0", "sampling: the run's seed (each request's is derived from it and its "
+                        "prompt)"),
+    "samples": (None, "1", "sampling: requests per prompt (the plan repeats each prompt; each "
+                           "sample has its own seed)"),
     "compile": (("on", "off"), "off", "CUDA graphs: each step is torch.compile'd (Inductor fuses "
                                       "its small ops into Triton kernels) before its capture; "
                                       "bf16 roundings move (fused ops skip bf16 rounds)"),
@@ -81,7 +94,8 @@ ENGINE_ARGS = {
 #: on the loaded networks
 PATH_ARGS = ("gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode",
              "attn_verify", "attn_draft", "batch", "no_draft_every", "fault", "dflash2_selector",
-             "dflash2_top_k", "dflash2_walk", "cuda_graphs", "compile", "prefix_cache", "thinking")
+             "dflash2_top_k", "dflash2_walk", "cuda_graphs", "compile", "prefix_cache", "thinking",
+             "temperature", "top_p", "sample_top_k", "seed", "samples")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 #: the engine args that pick a kernel form per phase (Knobs fields; the identity's "knobs")
 KNOB_ARGS = ("gdn_prefill", "gdn_decode", "gdn_verify", "attn_prefill", "attn_decode",
@@ -122,6 +136,21 @@ def parse_engine_args(args: dict[str, str]) -> dict[str, str]:
     for key in ("threads", "batch", "dflash2_top_k"):
         if out[key] and not (out[key].isdigit() and int(out[key]) > 0):
             raise EngineUsageError(f"--engine-arg {key}={out[key]!r}: give a positive integer")
+    try:
+        bad = "temperature"
+        if float(out["temperature"]) < 0:
+            raise ValueError
+        bad = "top_p"
+        if not 0 < float(out["top_p"]) <= 1:
+            raise ValueError
+        bad = "sample_top_k"
+        if int(out["sample_top_k"]) < 0:
+            raise ValueError
+        bad = "seed"
+        int(out["seed"])
+    except ValueError:
+        raise EngineUsageError(f"--engine-arg {bad}={out[bad]!r}: temperature >= 0, 0 < top_p <= 1, "
+                               f"sample_top_k >= 0 (0 = off), seed an integer") from None
     if not out["no_draft_every"].isdigit():
         raise EngineUsageError(f"--engine-arg no_draft_every={out['no_draft_every']!r}: give 0 "
                                f"(every step drafts) or N >= 1 (every N-th verify step has no draft)")
@@ -273,6 +302,7 @@ class ReferenceEngine(Engine):
                                       int(top_k) if top_k else None, self.args["dflash2_walk"])
         self.decoder = Decoder(self.cfg, self.target, self.mtp, self.drafter, self.knobs,
                                self.dflash2, self.selector)
+        self.decoder.sampling = self.sampling = SamplingParams.from_args(self.args)
 
     def with_args(self, **overrides: str) -> "ReferenceEngine":
         """This engine under other code-path args (PATH_ARGS: a planted fault, kernel forms,
@@ -388,7 +418,9 @@ class ReferenceEngine(Engine):
             gens = self.decoder.generate_batch([list(ids) for ids in prompt_ids],
                                                [p.max_tokens for p in prompts],
                                                config.method, config.k, top_k,
-                                               [p.ignore_eos for p in prompts], emit)
+                                               [p.ignore_eos for p in prompts], emit,
+                                               seeds=[sample_seed(self.sampling.seed, p.sample)
+                                                      for p in prompts] if self.sampling else None)
         except ValueError as e:
             raise EngineUsageError(f"prompt {names}: {e}") from e
         except RuntimeError as e:
@@ -465,6 +497,15 @@ class ReferenceEngine(Engine):
             ids, lps, tok = self.decoder.score(list(p), list(c), top_k)
             out.append(Scored(ids, lps, tok))
         return out
+
+    def score_sampled(self, prompt_ids: Sequence[Sequence[int]],
+                      continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Teacher-forced target distribution at each sampled position (sampling.score), under
+        this engine's sampling transform: float64 [n, 5] per continuation."""
+        if self.sampling is None:
+            raise ScoringUnavailable("not a sampled run (temperature 0)")
+        return [_score_sampled(self.decoder, list(p), list(c), self.sampling)
+                for p, c in zip(prompt_ids, continuations)]
 
     def replay_acceptance(self, config: SpecConfig, prompt_ids: Sequence[Sequence[int]],
                           outputs: Sequence[Sequence[int]],

@@ -423,6 +423,27 @@ def identity_section(result: SuiteResult) -> str:
             f"<div><h3>policy</h3>{_kv_table((result.policy or {}).items())}</div></div>")
 
 
+def sampling_plots(result: SuiteResult) -> str:
+    """A sampled suite's distribution check per config: the PIT histogram (uniform under
+    losslessness: density 1) and the per-position mean of log p - E[log p] (0 under
+    losslessness). Nothing for a greedy suite."""
+    fits = {r.config: r.measured.get("sampled_matches_target") for r in ordered(result)}
+    fits = {c: f for c, f in fits.items() if hasattr(f, "pit_hist")}
+    if not fits:
+        return ""
+    colors = {c: PALETTE[i % len(PALETTE)] for i, c in enumerate(fits)}
+    hist = {c: [((i + 0.5) / len(f.pit_hist), n * len(f.pit_hist) / max(f.positions, 1))
+                for i, n in enumerate(f.pit_hist)] for c, f in fits.items()}
+    drift = {c: [(i, m if n >= 3 else None) for i, (m, n) in enumerate(zip(f.drift_mean, f.drift_n))]
+             for c, f in fits.items()}
+    return ("<h2 id='sampling'>Sampled distribution</h2>"
+            + line_plot(hist, title="PIT histogram (uniform: 1)", xlabel="PIT", ylabel="density",
+                        hlines=[(1.0, "uniform")], colors=colors, integer_x=False)
+            + line_plot(drift, title="log-likelihood drift per position (lossless: 0)",
+                        xlabel="output position", ylabel="mean log p - E log p (nats)",
+                        hlines=[(0.0, "0")], colors=colors))
+
+
 def html_report(result: SuiteResult, detok=None) -> str:
     engine = (result.identity or {}).get("engine") or (result.meta or {}).get("engine") or "?"
     corpus = (result.meta or {}).get("corpus") or "?"
@@ -439,6 +460,7 @@ def html_report(result: SuiteResult, detok=None) -> str:
         "<h2 id='sweep'>K-sweep</h2>", sweep_plots(result), speedup_notes(result),
         "<h2 id='acceptance'>Acceptance per draft position</h2>", acceptance_plot(result),
         "<h2 id='margins'>Divergence margins</h2>", margin_plot(result),
+        sampling_plots(result),
         "<h2 id='agreement'>Per-prompt agreement with the baseline</h2>", agreement_grid(result),
         "<h2 id='divergences'>Divergences</h2>", divergence_list(result, detok),
         "<h2 id='checks'>Checks</h2>", checks_section(result),
