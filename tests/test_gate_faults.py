@@ -14,6 +14,11 @@ from click.testing import CliRunner
 import speccheck.selftest as st
 from speccheck.cli import main
 from speccheck.reference.decode import FAULTS
+from speccheck.reference.sampling import FAULTS as SAMPLER_FAULTS
+
+#: the greedy faults; the sampler's take minutes each (thousands of sampled tokens to reach
+#: their power), so CI runs one of them (below) and `speccheck selftest` all
+GREEDY_FAULTS = [f for f in FAULTS if f not in SAMPLER_FAULTS]
 
 CAUGHT_BY = {"stale-state": "divergences_are_low_confidence"}
 
@@ -47,7 +52,7 @@ def test_every_fault_names_the_check_that_must_catch_it():
 
 @pytest.fixture(scope="module")
 def selftest_result():
-    return st.run_selftest()
+    return st.run_selftest(faults=GREEDY_FAULTS)
 
 
 @pytest.mark.slow
@@ -60,7 +65,7 @@ def test_selftest_clean_engine_passes_every_check(selftest_result):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("selftest")
-@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize("fault", GREEDY_FAULTS)
 def test_selftest_catches(selftest_result, fault):
     row = next(r for r in selftest_result.rows if r.fault == fault)
     assert row.caught, (f"{fault} ({row.config}) should fail {row.expected}; failed: "
@@ -89,3 +94,20 @@ def test_selftest_table_and_exit_codes(selftest_result, tmp_path, monkeypatch):
     assert "MISSED" in missed.stdout and "selftest: FAIL" in missed.stdout
     bad = runner.invoke(main, ["selftest", "--method", "eagle"])
     assert bad.exit_code == 2 and "eagle" in bad.output
+
+
+
+@pytest.mark.slow
+def test_gate_catches_a_sampler_fault_with_the_distribution_check(tmp_path):
+    """A sampled run as a user makes it (temperature 0.8, top-p 0.9) with the rejection residual
+    not renormalised: `speccheck gate` fails sampled_matches_target. The selftest runs all six
+    sampler faults at their full sample budget (minutes each)."""
+    st_dir = str(tmp_path / "st")
+    runner = CliRunner()
+    r = runner.invoke(main, ["run", "--store", st_dir, "--corpus", "ci", "--config", "mtp-k3",
+                             "--temperature", "0.8", "--top-p", "0.9", "--axes", "none",
+                             "--no-attribution", "--repeats", "1", "--concurrent", "0",
+                             "--engine-arg", "fault=residual-unnormalised"])
+    assert r.exit_code == 0, r.output
+    g = runner.invoke(main, ["gate", "--store", st_dir, "--set", "require_deterministic=false"])
+    assert g.exit_code == 1 and "sampled_matches_target failed for config mtp-k3" in g.output, g.output
