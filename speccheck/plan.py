@@ -204,18 +204,22 @@ REFERENCE_ARG_KEYS = (
     "prefix_cache=on|off, threads=N, batch=N, no_draft_every=N, "
     "fault=NAME (planted bug), "
     "dflash2_selector=on|off, dflash2_top_k=N, dflash2_walk=fp32|bf16, "
-    "thinking=on|off (chat prompts in the template's thinking mode)")
+    "thinking=on|off (chat prompts in the template's thinking mode); every engine: temperature, "
+    "top_p, sample_top_k, seed, samples (what --temperature, --top-p, --sample-top-k, --seed "
+    "and --samples set)")
 ENGINE_ARG_HELP = (
     f"Engine option key=value (repeatable). reference: {REFERENCE_ARG_KEYS}. vllm: worker=per-call|"
     "per-config, timeout_s=N, warmup=true|false, python=PATH (the worker's interpreter), "
     "score_path=prefill|decode|verify, score_spec=CONFIG, pad_batch=N (decode beside N copies), "
     "attribution_jobs=N (attribution switches at once, a worker each), "
-    "env.NAME=value (worker environment), "
+    "dflash2_draft=PATH (the DFlash2 configs' draft, beside --draft's DFlash one), "
+    "async_scheduling=on|off, env.NAME=value (worker environment), "
     "sampling.NAME=value (SamplingParams), spec.NAME=value (extra speculative_config keys; the "
     "config itself comes from --method/--k/--draft), any other key a keyword argument of "
     "vllm.LLM (e.g. attention_backend, gpu_memory_utilization, max_model_len, dtype; JSON "
     "values). openai: base_url, served_model, api_key_env, timeout, deadline, retries, backoff, "
     "tokenizer, score_base_url.")
+
 
 def parse_attribute_with(items: Sequence[str], cls) -> dict[str, str]:
     """--attribute-with LABEL=URL pairs, checked by the engine before anything runs."""
