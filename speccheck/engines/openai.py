@@ -636,7 +636,7 @@ class OpenAIEngine(Engine):
         the first chunk carrying a token, or None when that is not measurable). Retried like
         _request, also when the stream breaks off before ``data: [DONE]``; a server that
         answers with plain JSON is read as a non-streamed answer."""
-        path_shown, last = f"{path} (streamed)", ""
+        path_shown = f"{path} (streamed)"
         wait = self._waiting("POST", path_shown, self._shown)
         with wait:
             return self._stream_attempts(path, body, where, path_shown, wait)

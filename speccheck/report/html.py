@@ -17,7 +17,7 @@ from speccheck.checks import get as get_check
 from speccheck.checks import registry
 from speccheck.results import ConfigResult, SuiteResult
 from speccheck.report.text import (acceptance_str, attribution_str, best_configs, determinism_str,
-                              recommendation, recommendation_line, speedup_table)
+                              recommendation, speedup_table)
 from speccheck.report.svgplot import PALETTE, StripPoint, heat_grid, line_plot, log_strip
 from speccheck.verify import END, Divergence
 

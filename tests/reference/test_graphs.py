@@ -19,7 +19,6 @@ from speccheck.corpus import load_corpus
 from speccheck.engines.base import EngineUsageError
 from speccheck.reference.engine import ReferenceEngine
 from speccheck.reference.graphs import CAPACITY_STEP, GraphDecoding, capacity
-from speccheck.reference.model import gdn_recurrent
 from speccheck.types import Prompt, SpecConfig
 
 EQUAL = {"dtype": "fp32", "gdn_decode": "recurrent", "gdn_verify": "recurrent",

@@ -24,7 +24,7 @@ from speccheck.report.svgplot import (
 )
 from speccheck.results import Check, ConfigResult, Speed, SuiteResult, Together
 from speccheck.store import Store
-from speccheck.types import Completion, RunRecord, Scored, SpecConfig, SpecCounters
+from speccheck.types import Completion, RunRecord, SpecConfig, SpecCounters
 from speccheck.verify import Acceptance, Divergence
 from speccheck.verify.margins import Classification
 from tests.test_evaluate import complete_as_run_would
