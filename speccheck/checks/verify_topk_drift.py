@@ -95,6 +95,9 @@ def judge(r: ConfigResult, p) -> Check:
 CHECK = CheckSpec(
     name="verify_topk_drift", label="top-k drift", order=101, judge=judge, measure=measure,
     policy=POLICY, needs=(LOGPROB_PAIRS,),
+    # at temperature > 0 the engines report logprobs of the sampling distribution (temperature,
+    # top-p), not of the argmax path it compares: like logprobs_consistent, greedy suites only
+    sampled="greedy-only",
     guards="slight verify-only numeric drift (a verify kernel's output off by a small factor) and "
            "hybrid state wrong after rare steps only (a rollback skipped on one acceptance count): "
            "both move later logits a little and flip only near-ties",
