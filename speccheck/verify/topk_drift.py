@@ -118,6 +118,16 @@ class TopkDrift:
         return self.spec.n
 
 
+def _finite_pairs(a, b, who: str) -> tuple[np.ndarray, np.ndarray]:
+    """The paired per-position values as float64, pairs with a non-finite side dropped."""
+    x, y = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
+    if x.shape != y.shape:
+        raise ValueError(f"{who}: paired arrays must have the same length, got {x.shape} "
+                         f"and {y.shape}")
+    keep = np.isfinite(x) & np.isfinite(y)
+    return x[keep], y[keep]
+
+
 def topk_drift_test(a, b, max_ratio: float, alpha: float, look_closer: float,
                     min_n: int = 20) -> TopkDrift:
     """Is the spec path's per-position top-k |Δ| (``a``) larger than the baseline decode
@@ -127,12 +137,7 @@ def topk_drift_test(a, b, max_ratio: float, alpha: float, look_closer: float,
     if not max_ratio > 0 or not 0 < alpha <= look_closer <= 1:
         raise ValueError(f"topk_drift_test: need max_ratio > 0 and 0 < alpha <= look_closer <= 1, "
                          f"got {max_ratio}, {alpha}, {look_closer}")
-    x, y = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
-    if x.shape != y.shape:
-        raise ValueError(f"topk_drift_test: paired arrays must have the same length, got {x.shape} "
-                         f"and {y.shape}")
-    keep = np.isfinite(x) & np.isfinite(y)
-    x, y = x[keep], y[keep]
+    x, y = _finite_pairs(a, b, "topk_drift_test")
     if len(x) < min_n:
         return TopkDrift(summarize(x), summarize(y), math.nan, 1.0, math.inf, max_ratio, alpha,
                          look_closer, PASS)
@@ -207,12 +212,7 @@ def tail_exceedance_test(a, b, quantile: float, max_odds: float, alpha: float,
     if not 0 < quantile < 1 or not max_odds > 0 or not 0 < alpha <= look_closer <= 1:
         raise ValueError(f"tail_exceedance_test: need 0 < quantile < 1, max_odds > 0 and "
                          f"0 < alpha <= look_closer <= 1, got {quantile}, {max_odds}, {alpha}, {look_closer}")
-    x, y = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
-    if x.shape != y.shape:
-        raise ValueError(f"tail_exceedance_test: paired arrays must have the same length, got "
-                         f"{x.shape} and {y.shape}")
-    keep = np.isfinite(x) & np.isfinite(y)
-    x, y = x[keep], y[keep]
+    x, y = _finite_pairs(a, b, "tail_exceedance_test")
     if not len(x):
         return TailTest(quantile, math.nan, 0, 0, 1.0, 1.0, math.inf, max_odds, alpha, look_closer, PASS)
     t = float(np.quantile(np.concatenate([x, y]), quantile))
