@@ -1,5 +1,5 @@
 """DFlash2 for the reference engine: the DFlash block drafter plus a local dynamic convolution
-around every sublayer and a candidate selector (see ``/work/shared/DFLASH2.md`` and vLLM 0.28+'s
+around every sublayer and a candidate selector (see vLLM 0.28+'s
 ``qwen3_dflash2.py``, whose module and parameter names and shapes these follow, so the state
 dict exports by renaming nothing).
 
