@@ -23,7 +23,7 @@ from speccheck.golden import golden_acceptance, golden_noise
 from speccheck.plan import make_plan
 from speccheck.policy import load_policy
 from speccheck.results import SuiteResult
-from speccheck.runner import run_suite
+from speccheck.executors import run_suite
 from speccheck.store import Store, Suite
 
 

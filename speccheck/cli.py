@@ -245,7 +245,7 @@ def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, 
         seed, samples, store_dir):
     """Run the matrix (baseline always included) and the workload axes into the store; resumes
     finished runs."""
-    from speccheck.runner import run_suite
+    from speccheck.executors import run_suite
 
     from rich.console import Console
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
@@ -317,7 +317,7 @@ def diff(methods, k, configs, against, as_json, run_missing, corpus, suite, stor
     if corpus and not run_missing:
         raise MatrixError("--corpus applies with --run (diff reads the stored suite; pick it with --suite).")
     if run_missing:
-        from speccheck.runner import run_suite
+        from speccheck.executors import run_suite
 
         store = Store(store_dir)
         previous = store.latest_id()
@@ -405,7 +405,7 @@ def sweep(methods, k, engine, model, draft, corpus, repeats, engine_args, store_
     predicted speedup per K, the model checked on the Ks its fit left out — and the K it
     recommends, or that the top two are within noise. Use --repeats 3 or more for a spread."""
     from speccheck.report import recommendation, speedup_table, sweep_table
-    from speccheck.runner import run_suite
+    from speccheck.executors import run_suite
 
     plan = make_plan(engine, model, draft, methods, k, (), corpus, repeats, 5, engine_args, no_attribution=True,
                      axes="none")  # a sweep measures speed; the gate's axes are `run`'s

@@ -25,7 +25,7 @@ from speccheck.golden import golden_acceptance, golden_noise
 from speccheck.plan import RunPlan
 from speccheck.policy import Policy, load_policy
 from speccheck.results import Check, SuiteResult
-from speccheck.runner import run_suite
+from speccheck.executors import run_suite
 from speccheck.store import Store, Suite
 from speccheck.types import Prompt, SpecConfig
 

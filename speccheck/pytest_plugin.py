@@ -103,7 +103,7 @@ def spec_result(request: pytest.FixtureRequest):
     from speccheck.evaluate import evaluate_suite
     from speccheck.golden import golden_acceptance, golden_noise
     from speccheck.policy import load_policy
-    from speccheck.runner import run_suite
+    from speccheck.executors import run_suite
     from speccheck.store import Store
 
     cfg = request.config

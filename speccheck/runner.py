@@ -1,24 +1,21 @@
-"""The runner: corpus × matrix × repeats -> engine -> store, resumable.
-
-After the generation runs it does what verify/ needs from an engine: teacher-forced
-rescoring of every config's output by the (non-speculative) engine, the acceptance each spec
-config's output should have had, replayed by the engine's own independent drafter pass (where
-it has one), and kernel-path attribution of each first divergence (re-scoring the divergent
-prefix under the engine's alternative kernel knobs). All are stored next to the runs, so
-diff/gate/report never need an engine.
+"""What the plan's cells compute, whichever executor runs them (speccheck/executors/): the
+runs of a config (corpus × matrix × repeats), workload-axis runs, and what verify/ needs from an
+engine after them: teacher-forced rescoring of every config's output by the (non-speculative)
+engine, the acceptance each spec config's output should have had, replayed by the engine's own
+independent drafter pass (where it has one), and kernel-path attribution of each first
+divergence (re-scoring the divergent prefix under the engine's alternative kernel knobs). All
+are stored next to the runs, so diff/gate/report never need an engine; what is already stored
+is skipped (runs_to_do), so a run resumes.
 """
 from __future__ import annotations
 
 import fnmatch
 
 import json
-import os
-import subprocess
-import sys
 import time
 import traceback
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -30,8 +27,7 @@ from speccheck.axes import AxisInput
 from speccheck.axes import get as get_axis
 from speccheck.plan import RunPlan, plan_suite_id
 from speccheck.store import Store, StoreError, Suite
-from speccheck.types import (TOGETHER, RunRecord, SpecConfig, Workload, WorkloadResult, sampling_of,
-                             slot_label)
+from speccheck.types import TOGETHER, RunRecord, SpecConfig, Workload, WorkloadResult
 from speccheck.verify import first_divergence
 
 
@@ -142,21 +138,13 @@ def _summary_line(record: RunRecord) -> str:
             f"{n:6d} tok  {rate}{tpi}{fresh}")
 
 
-def run_suite(plan: RunPlan, store: Store, log: Log = _print,
-              progress: Callable[[int, int, str], None] | None = None) -> Suite:
-    """Under the store's writer lock (a second `run` on the store waits, then finds the work
-    done), run_suite_unlocked."""
-    with store.lock(notify=log):
-        return run_suite_unlocked(plan, store, log, progress)
+# --- what a run of the plan has left to do (both executors) ------------------------------------
 
-
-def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
-                       progress: Callable[[int, int, str], None] | None = None) -> Suite:
-    """Record the plan in the suite, then run every (config, repeat) not yet complete in the
-    store, then rescore and attribute. ``progress(done, total, what)`` is called before each
-    run and once at the end. The engine is made (its arguments checked) before anything is
-    written, and the plan is recorded before it generates anything."""
-    corpus = plan.load_corpus()
+def start_engine(plan: RunPlan, store: Store, corpus: Corpus) -> tuple[Engine, Suite]:
+    """The engine this process runs or plans with (its arguments checked, so bad input writes
+    nothing), checked against the corpus and the attribution paths, and the suite with the plan
+    recorded in it before anything generates. A crash at engine start still records the plan,
+    so every verdict names what is missing."""
 
     def open_planned() -> Suite:
         suite = open_suite(plan, store, corpus)
@@ -167,104 +155,68 @@ def run_suite_unlocked(plan: RunPlan, store: Store, log: Log = _print,
     try:
         engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
     except EngineUsageError:
-        raise  # bad input: nothing written
+        raise
     except BaseException:
-        open_planned()  # a crash at engine start leaves the plan, so every verdict names what is missing
+        open_planned()
         raise
     try:
         check_context(engine, corpus)
         check_attribution_paths(plan, engine)
-        suite = open_planned()  # before any generation
+        return engine, open_planned()
     except BaseException:
         engine.close()
         raise
-    try:
-        inputs = tokenized_inputs(suite, engine, corpus)
-        current = weights_fingerprint(engine.identity())
-        # TOGETHER: the corpus all at once (plan.concurrent copies of each prompt)
-        wanted = [(c, r) for c in plan.configs
-                  for r in list(range(plan.repeats)) + ([TOGETHER] if plan.concurrent else [])]
-        if plan.round_robin:  # stable: configs keep their order within a round
-            wanted.sort(key=lambda cr: cr[1] if cr[1] >= 0 else plan.repeats)
-        def is_fresh(repeat: int) -> bool:
-            return (plan.fresh_process_repeat and plan.repeats > 1 and repeat == plan.repeats - 1
-                    and not engine.fresh_process_per_config)
 
-        # a stored repeat that should have run in a fresh process but did not (a sweep's) is run again
-        todo = [(c, r) for c, r in wanted
-                if not (suite.is_complete(c.name, r)
-                        and weights_fingerprint(suite.run_identity(c.name, r)) == current
-                        and (r >= 0 or suite.load_together(c.name).copies == plan.concurrent)
-                        and (not is_fresh(r) or suite.run_manifest(c.name, r).get("fresh_process")))]
-        done = len(wanted) - len(todo)
-        together = f" + all at once x{plan.concurrent}" if plan.concurrent else ""
-        log(f"suite {suite.id}: {len(plan.configs)} configs x {plan.repeats} repeats{together} "
-            f"on corpus {corpus.name} ({len(corpus.prompts)} prompts); {done} already stored, "
-            f"{len(todo)} to run")
 
-        def in_process(config: SpecConfig, repeat: int) -> RunRecord:
-            return run_one(engine, suite, corpus, inputs, config, repeat, plan.top_k,
-                           fresh_process=engine.fresh_process_per_config,
-                           copies=plan.concurrent if repeat < 0 else 0)
+def is_fresh_repeat(plan: RunPlan, engine: Engine, repeat: int) -> bool:
+    """Whether the plan runs this repeat in a process of its own (the last of two or more,
+    unless the engine already starts a process per config)."""
+    return (plan.fresh_process_repeat and plan.repeats > 1 and repeat == plan.repeats - 1
+            and not engine.fresh_process_per_config)
 
-        two_lanes = engine.fresh_process_alongside and any(is_fresh(r) for _, r in todo)
-        eta = RunEta(todo, lanes=2 if two_lanes else 1)
-        if two_lanes:
-            run_two_lanes(todo, is_fresh, in_process,
-                          lambda c, r: run_in_fresh_process(plan, store, suite, c, r),
-                          eta, log, progress)
-        else:
-            for i, (config, repeat) in enumerate(todo):
-                if progress:
-                    progress(i, len(todo), _what(config, repeat) + eta.text(config))
-                began = time.perf_counter()
-                if is_fresh(repeat):
-                    record = run_in_fresh_process(plan, store, suite, config, repeat)
-                else:
-                    record = in_process(config, repeat)
-                eta.finish(config, repeat, time.perf_counter() - began)
-                log(_summary_line(record))
-        run_axes(plan, engine, suite, corpus, inputs, log, progress)
-        if progress:
-            progress(len(todo), len(todo), "rescoring teacher-forced")
-        if plan.rescore:
-            rescore_suite(engine, suite, [c.name for c in plan.configs], log)
-        sampled = sampling_of(plan.engine_args) is not None
-        if sampled:
-            score_sampled_suite(engine, suite, [c.name for c in plan.configs], log)
-        else:
-            replay_suite(plan, engine, suite, corpus, log, progress)
-        if plan.attribute and not sampled:
-            if progress:
-                progress(len(todo), len(todo), "attributing divergences to kernel paths")
-            spec_configs = [c for c in plan.configs if not c.is_baseline]
-            ran = suite.run_identity("baseline", 0) if suite.is_complete("baseline", 0) else None
-            variants = (engine.rerun_variants(spec_configs, ran) if plan.attribution_mode == "rerun"
-                        else engine.attribution_variants(spec_configs, ran))
-            for label, url in plan.attribute_with.items():
-                variants[label] = engine.attribution_server_args(label, url)
-            variants = select_paths(variants, plan.attribution_paths, log)
-            attribute_suite(plan, variants, suite, [c.name for c in spec_configs], log,
-                            jobs=engine.attribution_jobs)
-    finally:
-        engine.close()
-    return suite
+
+def runs_to_do(plan: RunPlan, engine: Engine, suite: Suite, corpus: Corpus,
+               log: Log = _print) -> list[tuple[SpecConfig, int]]:
+    """The (config, repeat) runs not yet stored as the plan wants them, in the order to run
+    them, said in one line. A run stored under other weights, a corpus-at-once run of another
+    size, and a repeat that should have run in a fresh process but did not (a sweep's) are run
+    again. Repeat TOGETHER is the corpus all at once (plan.concurrent copies of each prompt)."""
+    current = weights_fingerprint(engine.identity())
+    wanted = [(c, r) for c in plan.configs
+              for r in list(range(plan.repeats)) + ([TOGETHER] if plan.concurrent else [])]
+    if plan.round_robin:  # stable: configs keep their order within a round
+        wanted.sort(key=lambda cr: cr[1] if cr[1] >= 0 else plan.repeats)
+    todo = [(c, r) for c, r in wanted
+            if not (suite.is_complete(c.name, r)
+                    and weights_fingerprint(suite.run_identity(c.name, r)) == current
+                    and (r >= 0 or suite.load_together(c.name).copies == plan.concurrent)
+                    and (not is_fresh_repeat(plan, engine, r)
+                         or suite.run_manifest(c.name, r).get("fresh_process")))]
+    together = f" + all at once x{plan.concurrent}" if plan.concurrent else ""
+    log(f"suite {suite.id}: {len(plan.configs)} configs x {plan.repeats} repeats{together} "
+        f"on corpus {corpus.name} ({len(corpus.prompts)} prompts); {len(wanted) - len(todo)} already "
+        f"stored, {len(todo)} to run")
+    return todo
+
+
+def axis_runs_to_do(plan: RunPlan, suite: Suite) -> list[tuple[SpecConfig, str]]:
+    """Every planned axis level of every axis config not yet stored."""
+    return [(c, slot) for c in plan.axis_configs() for slot in plan.axes if not suite.is_complete(c.name, slot)]
+
+
+def attribution_paths(plan: RunPlan, engine: Engine, suite: Suite, log: Log = _print) -> dict[str, dict[str, str]]:
+    """The kernel paths to attribute with (label -> engine args), as the engine offers them
+    for the run its baseline made, with the plan's servers and --attribution-paths applied."""
+    spec_configs = [c for c in plan.configs if not c.is_baseline]
+    ran = suite.run_identity("baseline", 0) if suite.is_complete("baseline", 0) else None
+    variants = (engine.rerun_variants(spec_configs, ran) if plan.attribution_mode == "rerun"
+                else engine.attribution_variants(spec_configs, ran))
+    for label, url in plan.attribute_with.items():
+        variants[label] = engine.attribution_server_args(label, url)
+    return select_paths(variants, plan.attribution_paths, log)
 
 
 # --- workload axes -----------------------------------------------------------------------------
-
-def run_axes(plan: RunPlan, engine: Engine, suite: Suite, corpus: Corpus, inputs: dict[str, np.ndarray],
-             log: Log = _print, progress: Callable[[int, int, str], None] | None = None) -> None:
-    """Every planned axis level of every axis config not yet stored, after the repeats (a
-    conversation's next turn carries the config's stored answer)."""
-    todo = [(c, slot) for c in plan.axis_configs() for slot in plan.axes if not suite.is_complete(c.name, slot)]
-    if todo:
-        log(f"workload axes: {len(todo)} run(s) ({', '.join(sorted({slot_label(s) for _, s in todo}))})")
-    for i, (config, slot) in enumerate(todo):
-        if progress:
-            progress(i, len(todo), f"{config.name} {slot_label(slot)}")
-        log(_summary_line(run_axis(plan, engine, suite, corpus, inputs, config, slot)))
-
 
 def run_axis(plan: RunPlan, engine: Engine, suite: Suite, corpus: Corpus, inputs: dict[str, np.ndarray],
              config: SpecConfig, slot: str) -> RunRecord:
@@ -312,169 +264,6 @@ def serve_in_order(engine: Engine, workload: Workload, config: SpecConfig, top_k
     if isinstance(served, int):
         proof["engine_requests_served"] = served
     return WorkloadResult(comps, proof)
-
-
-# --- progress ----------------------------------------------------------------------------------
-
-def _what(config: SpecConfig, repeat: int) -> str:
-    return f"{config.name} {slot_label(repeat)}"
-
-
-class RunEta:
-    """Progress of the generation phase: per config how many of its runs are left and the time
-    they will take (from that config's own runs so far, else from the mean run: a spec config
-    and the baseline differ in speed, runs of one config cost alike), and the time left for
-    the whole matrix (divided over the lanes that run at once)."""
-
-    def __init__(self, todo: Sequence[tuple[SpecConfig, int]], lanes: int = 1):
-        self.left: dict[str, int] = {}
-        for config, _ in todo:
-            self.left[config.name] = self.left.get(config.name, 0) + 1
-        self.total, self.done, self.lanes = len(todo), 0, lanes
-        self.seconds: dict[str, list[float]] = {}
-
-    def finish(self, config: SpecConfig, repeat: int, seconds: float) -> None:
-        self.done += 1
-        self.left[config.name] -= 1
-        self.seconds.setdefault(config.name, []).append(seconds)
-
-    def per_run(self, name: str) -> float | None:
-        """Seconds one more run of config ``name`` should take; None before any run ended."""
-        own = self.seconds.get(name)
-        if own:
-            return sum(own) / len(own)
-        every = [t for ts in self.seconds.values() for t in ts]
-        return sum(every) / len(every) if every else None
-
-    def text(self, config: SpecConfig | None = None) -> str:
-        configs = len(self.left)
-        finished = sum(1 for n in self.left.values() if n == 0)
-        if not self.done:
-            return f" (configs done 0/{configs})"
-        total = sum(n * self.per_run(name) for name, n in self.left.items()) / self.lanes
-        this = ""
-        if config is not None and self.left.get(config.name):
-            n = self.left[config.name]
-            this = (f"{config.name}: {n} run{'s' if n > 1 else ''} left, about "
-                    f"{_duration(n * self.per_run(config.name))}; ")
-        return (f" ({this}configs done {finished}/{configs}, runs {self.done}/{self.total}, "
-                f"about {_duration(total)} left)")
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0, round(seconds))
-    return f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"
-
-
-# --- fresh-process repeats ---------------------------------------------------------------------
-
-def run_two_lanes(todo, is_fresh, in_process, in_fresh_process, eta: RunEta, log: Log,
-                  progress) -> None:
-    """The runs on two lanes at once, for an engine that leaves a core free (the CPU
-    reference engine at one thread): this process runs the in-process repeats, a background
-    thread starts the fresh-process repeats one after another, and runs of the corpus all at
-    once go to whichever lane is free first (in a fresh process on the second lane). Each run
-    still computes exactly what it would alone; the matrix takes about half the wall time."""
-    import threading
-
-    own = {True: [t for t in todo if t[1] >= 0 and is_fresh(t[1])],
-           False: [t for t in todo if t[1] >= 0 and not is_fresh(t[1])]}
-    either = [t for t in todo if t[1] < 0]
-    lock = threading.Lock()
-    errors: list[BaseException] = []
-
-    def take(fresh: bool):
-        with lock:
-            if errors:
-                return None
-            queue = own[fresh] or either
-            return queue.pop(0) if queue else None
-
-    def run(task, how) -> None:
-        began = time.perf_counter()
-        record = how(*task)
-        with lock:
-            eta.finish(*task, time.perf_counter() - began)
-        log(_summary_line(record))
-
-    def second_lane() -> None:
-        try:
-            while (task := take(True)) is not None:
-                run(task, in_fresh_process)
-        except BaseException as e:  # noqa: BLE001 - raised in this thread below
-            errors.append(e)
-
-    lane = threading.Thread(target=second_lane, name="speccheck-fresh-lane", daemon=True)
-    lane.start()
-    try:
-        while (task := take(False)) is not None:
-            if progress:
-                progress(eta.done, eta.total, _what(*task) + eta.text(task[0]))
-            run(task, in_process)
-    except BaseException as e:
-        errors.append(e)
-    lane.join()
-    if errors:
-        raise errors[0]
-
-
-def run_in_fresh_process(plan: RunPlan, store: Store, suite: Suite, config: SpecConfig,
-                         repeat: int) -> RunRecord:
-    """One (config, repeat) in a new Python process: catches state that leaks across runs
-    in-process (caches, allocator, JIT) and differences in process start-up. (Repeat -1, the
-    corpus all at once, runs there too when :func:`run_two_lanes` sends it.)"""
-    request = {"plan": {**plan.__dict__, "configs": [config.to_dict()]}, "store": str(store.root),
-               "suite": suite.id, "repeat": repeat, "parent": os.getpid()}
-    proc = subprocess.run([sys.executable, "-m", "speccheck.runner", json.dumps(request)],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"})
-    if proc.returncode == 2:
-        raise EngineUsageError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else
-                               "fresh-process worker rejected its input")
-    if not suite.is_complete(config.name, repeat) and not suite.run_dir(config.name, repeat).exists():
-        record = RunRecord(config=config, identity={}, corpus=plan.corpus, corpus_hash=suite.meta["corpus_hash"],
-                           repeat=repeat, fresh_process=True, status="failed",
-                           error=f"fresh-process worker exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-        suite.write_run(record)
-        return record
-    return suite.load_run(config.name, repeat)
-
-
-def _exit_with_parent(parent: int | None) -> None:
-    """A worker whose parent died (kill -9, a closed terminal) stops instead of writing into a
-    store nobody watches: a daemon thread polls the parent pid."""
-    if not parent:
-        return
-    import threading
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(3)
-
-    threading.Thread(target=watch, daemon=True, name="speccheck-parent-watch").start()
-
-
-def _worker_main(argv: Sequence[str]) -> int:
-    request = json.loads(argv[0])
-    _exit_with_parent(request.get("parent"))
-    p = request["plan"]
-    plan = RunPlan(**{**p, "configs": [SpecConfig(**c) for c in p["configs"]]})
-    store = Store(request["store"])
-    suite = store.suite(request["suite"])
-    corpus = plan.load_corpus()
-    try:
-        engine = make_engine(plan.engine, plan.model, plan.engine_args, plan.draft)
-    except EngineUsageError as e:
-        print(str(e), file=sys.stderr)
-        return 2
-    try:
-        inputs = suite.load_inputs() or tokenized_inputs(suite, engine, corpus)
-        repeat = request["repeat"]
-        run_one(engine, suite, corpus, inputs, plan.configs[0], repeat, plan.top_k,
-                fresh_process=True, copies=plan.concurrent if repeat < 0 else 0)
-    finally:
-        engine.close()
-    return 0
 
 
 # --- rescoring ---------------------------------------------------------------------------------
@@ -655,15 +444,17 @@ def select_paths(variants: dict[str, dict[str, str]], globs: Sequence[str],
 
 
 def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: Suite,
-                    config_names: Sequence[str], log: Log = _print, jobs: int = 1) -> None:
+                    config_names: Sequence[str], log: Log = _print, jobs: int = 1,
+                    map_units: MapUnits | None = None) -> None:
     """For each first divergence of a spec config from the baseline, compute the divergent
     position under every alternative kernel-path setting the engine offers and record which
     setting gives which token there: the shared prefix re-scored (rescore), or the baseline
     regenerated with the switch flipped (rerun). In rerun mode, where no switch gives the
     baseline the spec token, the spec config is regenerated with each switch too: a switch
     under which the spec run gives the baseline's token is as much the cause. Up to ``jobs``
-    engine starts run at once (where the engine says its variants can); each one's tokens are
-    stored as it ends, so a run stopped half-way resumes with the starts still to do."""
+    engine starts run at once (where the engine says its variants can), or as ``map_units``
+    runs them (an executor's cells); each one's tokens are stored as it ends, so a run stopped
+    half-way resumes with the starts still to do."""
     if not suite.is_complete("baseline", 0):
         return
     todo = _first_divergences(suite, config_names)
@@ -680,7 +471,7 @@ def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: S
     if firsts:
         tokens_at = _rerun_tokens(plan, SpecConfig()) if rerun else _rescored_tokens
         units = [_Unit(label, "baseline", firsts, tokens_at) for label in variants]
-        found = _over_units(plan, variants, units, jobs, log, suite, weights,
+        found = _over_units(plan, variants, units, jobs, log, suite, weights, map_units,
                             f"on {len(firsts)} divergent prefix(es)" + (" by rerun" if rerun else ""))
         for unit, tokens in zip(units, found):
             for group, token in zip(unique.values(), tokens or []):
@@ -695,7 +486,7 @@ def attribute_suite(plan: RunPlan, variants: dict[str, dict[str, str]], suite: S
         units = [_Unit(label, name, items, _rerun_tokens(plan, SpecConfig.from_name(name)))
                  for label in variants for name, items in left.items()]
         n = sum(map(len, left.values()))
-        found = _over_units(plan, variants, units, jobs, log, suite, weights,
+        found = _over_units(plan, variants, units, jobs, log, suite, weights, map_units,
                             f"regenerating {len(left)} spec config(s) on the {n} divergence(s) "
                             f"no baseline rerun reproduced")
         for unit, tokens in zip(units, found):
@@ -761,10 +552,27 @@ class _Unit:
         return json.dumps([plan.attribution_mode, self.label, self.config, list(weights), where])
 
 
+#: runs attribution units elsewhere: given (name, engine args, unit) per unit, yields
+#: (index, tokens) as each ends, tokens None where its engine failed (said by the mapper)
+MapUnits = Callable[[list[tuple[str, dict[str, str], _Unit]]], Iterator[tuple[int, list[int] | None]]]
+
+
+def unit_tokens(plan: RunPlan, args: dict[str, str], unit: _Unit) -> list[int]:
+    """One attribution unit computed: an engine under the unit's kernel path (engine args
+    ``args``) started, asked, closed. Engine failures are raised."""
+    engine = make_engine(plan.engine, plan.model, args, plan.draft)
+    try:
+        return [int(t) for t in unit.tokens_at(engine, unit.items)]
+    finally:
+        engine.close()
+
+
 def _over_units(plan: RunPlan, variants: dict[str, dict[str, str]], units: list[_Unit], jobs: int,
-                log: Log, suite: Suite, weights: tuple, what: str) -> list[list[int] | None]:
-    """Each unit's tokens, computed with an engine under its kernel path (``jobs`` at once) or
-    read back where a stopped run stored them; None for a path that failed (logged)."""
+                log: Log, suite: Suite, weights: tuple, map_units: MapUnits | None,
+                what: str) -> list[list[int] | None]:
+    """Each unit's tokens, computed with an engine under its kernel path (``jobs`` at once, or
+    by ``map_units``) or read back where a stopped run stored them; None for a path that failed
+    (logged)."""
     results = [suite.load_attribution_part(u.key(plan, weights)) for u in units]
     todo = [i for i, r in enumerate(results) if r is None]
     if len(todo) < len(units):
@@ -773,27 +581,32 @@ def _over_units(plan: RunPlan, variants: dict[str, dict[str, str]], units: list[
     started = time.perf_counter()
     several = len({u.config for u in units}) > 1
 
+    def name(u: _Unit) -> str:
+        return f"{u.label}, {u.config}" if several else u.label
+
     def one(n: int) -> list[int] | None:
         u = units[todo[n]]
         done = n - min(n, max(jobs, 1) - 1)  # runs finished before this one started, about
         eta = (f", about {(time.perf_counter() - started) / done * (len(todo) - n):.0f} s left"
                if done > 0 else "")
-        name = f"{u.label}, {u.config}" if several else u.label
-        log(f"attribution: kernel path {n + 1}/{len(todo)} ({name}) {what}{eta}")
+        log(f"attribution: kernel path {n + 1}/{len(todo)} ({name(u)}) {what}{eta}")
         try:
-            engine = make_engine(plan.engine, plan.model, {**plan.engine_args, **variants[u.label]},
-                                 plan.draft)
-            try:
-                tokens = [int(t) for t in u.tokens_at(engine, u.items)]
-            finally:
-                engine.close()
+            tokens = unit_tokens(plan, {**plan.engine_args, **variants[u.label]}, u)
         except (EngineError, EngineUsageError, RuntimeError) as e:
             log(f"attribution variant {u.label} failed: {e}")
             return None
         suite.write_attribution_part(u.key(plan, weights), tokens)
         return tokens
 
-    if jobs > 1 and len(todo) > 1:
+    if map_units is not None and todo:
+        log(f"attribution: {len(todo)} kernel-path run(s) {what}")
+        computed: list[list[int] | None] = [None] * len(todo)
+        calls = [(name(units[i]), {**plan.engine_args, **variants[units[i].label]}, units[i]) for i in todo]
+        for n, tokens in map_units(calls):
+            if tokens is not None:
+                suite.write_attribution_part(units[todo[n]].key(plan, weights), tokens)
+            computed[n] = tokens
+    elif jobs > 1 and len(todo) > 1:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="speccheck-attribution") as pool:
@@ -831,5 +644,3 @@ def _rerun_tokens(plan: RunPlan, config: SpecConfig):
     return tokens_at
 
 
-if __name__ == "__main__":
-    sys.exit(_worker_main(sys.argv[1:]))

@@ -80,7 +80,7 @@ def test_run_escalates_an_inconclusive_and_the_gate_judges_it_there(tmp_path):
     1e-12, look-closer 1): escalate() runs the baseline and mtp-k3 on the continued corpus into
     a linked suite, and the verdict there -- still inconclusive -- fails the gate."""
     from speccheck.plan import make_plan
-    from speccheck.runner import run_suite
+    from speccheck.executors import run_suite
 
     pol = Policy(require_deterministic=False).with_overrides(
         {"topk_drift_max_ratio": 1.0, "topk_drift_alpha": 1e-12, "topk_drift_look_closer": 1.0,

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from speccheck.cli import main
 from speccheck.engines import EngineError
 from speccheck.plan import RunPlan, plan_suite_id
-from speccheck.runner import run_suite
+from speccheck.executors import run_suite
 from speccheck.store import Store
 from speccheck.types import SpecConfig
 
@@ -41,7 +41,7 @@ def suite_dir(store: Path) -> Path:
 #: good right after storing the baseline's first run, saying so on stdout after its own lines.
 HELD_RUN = """
 import sys, threading
-import speccheck.runner, speccheck.store
+import speccheck.executors.local, speccheck.store
 from speccheck.cli import main
 
 def held(*args, **kwargs):
@@ -56,7 +56,7 @@ def write_then_stop(self, record):
         threading.Event().wait()  # held until the kill
     return path
 
-speccheck.runner.run_in_fresh_process = held
+speccheck.executors.local.run_in_fresh_process = held
 speccheck.store.Suite.write_run = write_then_stop
 sys.argv = ["speccheck", *sys.argv[1:]]
 main()
@@ -332,7 +332,8 @@ def test_rescoring_refused_is_left_for_a_later_run_that_can(tmp_path):
     rescores what was left (the openai flow: spec server, then the baseline server again)."""
     from speccheck.engines import make_engine
     from speccheck.plan import RunPlan
-    from speccheck.runner import rescore_suite, run_suite
+    from speccheck.executors import run_suite
+    from speccheck.runner import rescore_suite
     from speccheck.store import Store
     from speccheck.types import SpecConfig
 
@@ -380,7 +381,7 @@ def test_rerun_attribution_reads_the_regenerated_baseline(tmp_path):
 
     from speccheck.engines.vllm import rerun_switches
     from speccheck.plan import RunPlan
-    from speccheck.runner import run_suite
+    from speccheck.executors import run_suite
     from speccheck.store import Store
     from speccheck.types import SpecConfig
 
@@ -425,7 +426,8 @@ def test_attribution_jobs_run_kernel_paths_at_once_with_the_same_result(tmp_path
 
     from speccheck.engines import make_engine
     from speccheck.plan import RunPlan
-    from speccheck.runner import attribute_suite, run_suite
+    from speccheck.executors import run_suite
+    from speccheck.runner import attribute_suite
     from speccheck.store import Store
     from speccheck.types import SpecConfig
 
@@ -457,7 +459,8 @@ def test_rerun_attribution_also_regenerates_the_spec_side(tmp_path):
     baseline run has, so only the spec run with the fault switched off removes the divergence."""
     from speccheck.report import attribution_str
     from speccheck.plan import RunPlan
-    from speccheck.runner import attribute_suite, run_suite
+    from speccheck.executors import run_suite
+    from speccheck.runner import attribute_suite
     from speccheck.store import Store
     from speccheck.types import SpecConfig
 
@@ -487,7 +490,8 @@ def test_attribution_stopped_half_way_resumes_with_the_paths_still_to_do(tmp_pat
     stores the same attribution as one uninterrupted run."""
     import speccheck.runner as runner
     from speccheck.plan import RunPlan
-    from speccheck.runner import attribute_suite, run_suite
+    from speccheck.executors import run_suite
+    from speccheck.runner import attribute_suite
     from speccheck.store import Store
     from speccheck.types import SpecConfig
 

@@ -347,7 +347,7 @@ def test_write_run_race_in_one_process_leaves_no_litter(tmp_path):
 def test_fresh_process_worker_stops_when_its_parent_dies(tmp_path):
     """The worker's parent watch: a child started with a parent pid that is already gone
     exits (code 3) within a second instead of running on."""
-    code = ("import time; from speccheck.runner import _exit_with_parent\n"
+    code = ("import time; from speccheck.executors.local import _exit_with_parent\n"
             "import os; _exit_with_parent(os.getppid() + 10**6)\ntime.sleep(30)")
     proc = subprocess.run([sys.executable, "-c", code], timeout=20)
     assert proc.returncode == 3

@@ -7,7 +7,8 @@ import pytest
 
 from speccheck.engines import make_engine
 from speccheck.plan import RunPlan
-from speccheck.runner import RunEta, run_suite
+from speccheck.executors import run_suite
+from speccheck.executors.local import RunEta
 from speccheck.store import Store
 from speccheck.types import SpecConfig
 

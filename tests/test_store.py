@@ -178,7 +178,7 @@ def test_merge_joins_configs_run_side_by_side_and_overwrites_nothing(tmp_path):
 
     from speccheck.cli import main
     from speccheck.plan import RunPlan
-    from speccheck.runner import run_suite
+    from speccheck.executors import run_suite
 
     def plan(name):
         return RunPlan(corpus="smoke", configs=[SpecConfig(), SpecConfig.from_name(name)],
