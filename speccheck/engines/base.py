@@ -218,6 +218,11 @@ class Engine(ABC):
         """Positions the model can hold (prompt + generated); None when the engine cannot tell."""
         return None
 
+    def gpus(self) -> int:
+        """GPUs one engine of these arguments holds (TP x PP), all on one node: what an
+        executor that places engines (ray) reserves for each of its cells. 0: none."""
+        return 0
+
     def default_k(self, method: str) -> int | None:
         """K to use for ``method`` when the user names none (e.g. block_size - 1 for dflash)."""
         return None

@@ -990,6 +990,10 @@ class VllmEngine(Engine):
             self._tmp_removal = weakref.finalize(self, shutil.rmtree, self._tmp_dir, True)
         return self._tmp_dir
 
+    def gpus(self) -> int:
+        """TP x PP: every rank a GPU of its own, on one node (the mp executor in one worker)."""
+        return max(self._world_size(), 1)
+
     def _world_size(self) -> int:
         """TP x PP as asked (parallel_problem has checked they are positive ints, or will)."""
         try:

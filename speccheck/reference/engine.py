@@ -485,6 +485,11 @@ class ReferenceEngine(Engine):
             out.append(replace(r, prompt_ids=tuple(ids)))
         return out, {"chat_rendered": rendered, "thinking_prompts": len(ids_thinking)}, frozenset(ids_thinking)
 
+    def gpus(self) -> int:
+        """One GPU where this engine runs on CUDA (device=cuda, or auto where CUDA is), else 0:
+        an executor gives every cell of a suite the same device as the engine that plans it."""
+        return 1 if self.device.type == "cuda" else 0
+
     def cache_block_size(self) -> int:
         from .serving import DEFAULT_BLOCK_SIZE
 
