@@ -235,14 +235,25 @@ def merge(sources, store_dir):
                 click.echo(f"{src}: {line}")
 
 
+executor_options = [
+    click.option("--executor", default="local", show_default=True, metavar="local|ray",
+                 help="Where the cells run: local (this machine, one after another) or ray (every "
+                      "cell a Ray task sized to its engine; pip install 'speccheck[ray]')."),
+    click.option("--address", default=None, metavar="ADDRESS",
+                 help="--executor ray: the cluster, auto, HOST:PORT or ray://HOST:PORT (default: "
+                      "$RAY_ADDRESS, else Ray started on this machine)."),
+]
+
+
 @main.command()
 @_apply(run_options)
 @_apply(sampling_options)
+@_apply(executor_options)
 @store_option
 def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, top_k, engine_args,
         no_attribution, attribution_paths, attribution_mode, concurrent, base_url, served_model,
         api_key_env, attribute_with, ignore_eos, axes, axes_on, temperature, top_p, sample_top_k,
-        seed, samples, store_dir):
+        seed, samples, executor, address, store_dir):
     """Run the matrix (baseline always included) and the workload axes into the store; resumes
     finished runs."""
     from speccheck.executors import run_suite
@@ -255,7 +266,8 @@ def run(engine, model, draft, methods, k, configs, corpus, max_tokens, repeats, 
                                                               samples)
     plan = make_plan(engine, model, draft, methods, k, configs, corpus, repeats, top_k, engine_args,
                      no_attribution, base_url, served_model, api_key_env, concurrent, attribute_with,
-                     max_tokens, ignore_eos, attribution_paths, attribution_mode, axes, axes_on)
+                     max_tokens, ignore_eos, attribution_paths, attribution_mode, axes, axes_on,
+                     executor, address)
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,

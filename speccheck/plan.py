@@ -2,6 +2,7 @@
 (`speccheck run`, ``pytest -m spec``, :func:`speccheck.run`) and checked before any engine starts."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -95,6 +96,11 @@ class RunPlan:
     #: which configs: "default" (the baseline and each method's largest K) or "all"
     axes: tuple[str, ...] = ()
     axes_on: str = "default"
+    #: where the cells run (speccheck/executors/): "local" (this process, one run after another)
+    #: or "ray" (each cell a Ray task); ``address``: the Ray cluster's (None: Ray's own default,
+    #: RAY_ADDRESS or a Ray started on this machine). Not part of the suite's identity.
+    executor: str = "local"
+    address: str | None = None
 
     def axis_configs(self) -> list[SpecConfig]:
         """The configs the axes run on: the baseline and, per method, its largest K (the
@@ -161,6 +167,55 @@ class RunPlan:
             return bool(engine_class(self.engine).replays_acceptance)
         except EngineUsageError:
             return False
+
+
+#: where a plan's cells may run (speccheck/executors/)
+EXECUTORS = ("local", "ray")
+#: the oldest Ray the ray executor is written against (pyproject's ``ray`` extra says the same)
+RAY_MIN_VERSION = "2.40"
+
+
+def check_executor(executor: str, address: str | None, engine: str = "reference") -> None:
+    """``--executor`` and ``--address``, refused before an engine loads: an executor by name,
+    Ray installed for ``ray`` (looked up, not imported: the local path never imports it), an
+    address only with Ray, and an engine whose cells can run apart."""
+    import importlib.util
+
+    if executor not in EXECUTORS:
+        raise PlanError(f"--executor {executor!r}: no such executor; give local (this machine, one run "
+                        "after another: the default) or ray (every cell a task on a Ray cluster).")
+    if executor == "local":
+        if address is not None:
+            raise PlanError(f"--address {address}: an address names a Ray cluster, and the local executor "
+                            "uses none; add --executor ray, or drop --address.")
+        return
+    if importlib.util.find_spec("ray") is None:
+        raise PlanError(f"--executor ray: Ray is not installed in this Python ({sys.executable}); install "
+                        f"it with `pip install 'speccheck[ray]'` (ray>={RAY_MIN_VERSION}), or run without "
+                        "--executor ray.")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        have = version("ray")
+    except PackageNotFoundError:  # importable but not installed as a distribution: take it as is
+        have = None
+    if have is not None and _release(have) < _release(RAY_MIN_VERSION):
+        raise PlanError(f"--executor ray: Ray {have} is installed, and speccheck needs ray>={RAY_MIN_VERSION}; "
+                        f"upgrade it (`pip install -U 'speccheck[ray]'`), or run without --executor ray.")
+    if engine_class(engine).serves_one_config:
+        raise PlanError(f"--executor ray: the {engine} engine sends every run to the one server it is "
+                        "given, so there is nothing to spread over a cluster; drop --executor ray.")
+    if address is not None and not address.strip():
+        raise PlanError("--address '': give the Ray cluster's address (auto, HOST:PORT or "
+                        "ray://HOST:PORT), or drop --address to start Ray on this machine.")
+
+
+def _release(text: str) -> tuple[int, ...]:
+    """'2.60.0rc1' -> (2, 60, 0): the numeric release a version string starts with."""
+    import re
+
+    m = re.match(r"\d+(?:\.\d+)*", text)
+    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
 
 
 def plan_suite_id(plan: RunPlan, corpus: Corpus | None = None) -> str:
@@ -244,7 +299,8 @@ def make_plan(engine: str = "reference", model: str | None = None, draft: str | 
               served_model: str | None = None, api_key_env: str | None = None, concurrent: int = 0,
               attribute_with: Sequence[str] = (), max_tokens: int | None = None, ignore_eos: bool = False,
               attribution_paths: str | None = None, attribution_mode: str = "rescore",
-              axes: str | None = "default", axes_on: str = "default") -> RunPlan:
+              axes: str | None = "default", axes_on: str = "default", executor: str = "local",
+              address: str | None = None) -> RunPlan:
     """The plan `speccheck run` (and ``pytest -m spec``) would run, from its options as given on
     the command line; every cheap mistake is refused before an engine (and torch) loads."""
     args = parse_engine_args(engine_args)
@@ -260,6 +316,7 @@ def make_plan(engine: str = "reference", model: str | None = None, draft: str | 
     load_corpus(corpus)
     if engine not in engine_names():  # by name: importing an engine loads torch
         engine_class(engine)  # raises the one-paragraph error naming the engines there are
+    check_executor(executor, address, engine)
     build_matrix(methods, k, configs, offered=None, engine=engine)
     cls = engine_class(engine)
     cls.preflight(model, args, draft)  # e.g. vLLM not importable: one paragraph, not one per run
@@ -290,4 +347,4 @@ def make_plan(engine: str = "reference", model: str | None = None, draft: str | 
                    attribution_mode=attribution_mode,
                    axes=parse_axes("none" if sampling_of(args) and axes in (None, "", "default")
                                    else axes, cls.axes),
-                   axes_on=axes_on)
+                   axes_on=axes_on, executor=executor, address=address)

@@ -46,6 +46,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="decode every prompt's full max_tokens past end-of-sequence")
     g.addoption("--spec-axes", default="default",
                 help="workload axes: default, none, or e.g. 'concurrency=4+8,long_lived=500'")
+    g.addoption("--spec-executor", default="local",
+                help="where the cells run: local, or ray (every cell a Ray task; speccheck[ray])")
+    g.addoption("--spec-ray-address", default=None,
+                help="with --spec-executor ray: the cluster (auto, HOST:PORT or ray://HOST:PORT)")
     parser.addini("spec_corpus", default="default",
                   help="speccheck: the corpus `pytest -m spec` runs unless --spec-corpus says")
 
@@ -66,7 +70,8 @@ def _plan(config: pytest.Config):
                              tuple(o("--spec-method")), o("--spec-k"), tuple(o("--spec-config")),
                              _corpus(config), o("--spec-repeats"), 5,
                              tuple(o("--spec-engine-arg")), concurrent=o("--spec-concurrent"),
-                             ignore_eos=o("--spec-ignore-eos"), axes=o("--spec-axes"))
+                             ignore_eos=o("--spec-ignore-eos"), axes=o("--spec-axes"),
+                             executor=o("--spec-executor"), address=o("--spec-ray-address"))
 
 
 def _config_names(config: pytest.Config) -> list[str]:

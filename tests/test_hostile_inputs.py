@@ -12,6 +12,7 @@ serve`'s answers to malformed requests are a second table, against the real serv
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -345,6 +346,7 @@ class Row:
     phrase: str  # the paragraph must contain it
     server: str = ""  # a HostileServer behaviour the command talks to
     slow: bool = False
+    needs: str = ""  # a module the row needs (an optional extra): skipped without it
 
 
 ROWS = [
@@ -508,6 +510,16 @@ ROWS = [
     Row("--k huge", _args("run", "--store", "{store}", "--method", "mtp", "--k", "99999999999"), 2,
         "between 1 and"),
     Row("--engine-arg without =", _args("run", "--store", "{store}", "--engine-arg", "dtype"), 2, "key=value"),
+    # where the cells run: an executor of no name, an address without Ray, a cluster nobody runs
+    Row("--executor of no executor", _args("run", "--store", "{store}", *RUN, "--executor", "foo"), 2,
+        "--executor 'foo': no such executor"),
+    Row("--address without --executor ray", _args("run", "--store", "{store}", *RUN, "--address", "127.0.0.1:1"), 2,
+        "--address 127.0.0.1:1: an address names a Ray cluster"),
+    Row("--address that is no address", _args("run", "--store", "{store}", *RUN, "--executor", "ray", "--address",
+                                              "headnode"), 2, "--address headnode: write auto, HOST:PORT", needs="ray"),
+    Row("--address nothing answers at", _args("run", "--store", "{store}", *RUN, "--config", "mtp-k3", "--executor",
+                                              "ray", "--address", "127.0.0.1:1"), 2,
+        "--address 127.0.0.1:1: nothing answers there", needs="ray"),
     Row("openai timeout=0", _args(*OPENAI, "--store", "{store}", "--engine-arg", "timeout=0"), 2,
         "timeout='0' must be a number of seconds above 0"),
     Row("openai deadline=nan", _args(*OPENAI, "--store", "{store}", "--engine-arg", "deadline=nan"), 2,
@@ -583,7 +595,9 @@ def alarm(seconds: int):
         signal.signal(signal.SIGALRM, old)
 
 
-@pytest.mark.parametrize("row", [pytest.param(r, id=r.name, marks=[pytest.mark.slow] if r.slow else [])
+@pytest.mark.parametrize("row", [pytest.param(r, id=r.name, marks=([pytest.mark.slow] if r.slow else [])
+                                              + ([pytest.mark.skipif(importlib.util.find_spec(r.needs) is None,
+                                                                     reason=f"needs {r.needs}")] if r.needs else []))
                                  for r in ROWS])
 def test_hostile_input_is_answered(row: Row, made_store, tmp_path, monkeypatch):
     monkeypatch.setattr("speccheck.engines.openai.HEARTBEAT_S", 0.5)  # the waits say so sooner here
@@ -633,6 +647,43 @@ def test_a_server_that_never_answers_is_given_up_on_within_a_minute(tmp_path):
     assert "still waiting for the server" in first and said < 10 + 5, (said, first)  # + the interpreter's start
     assert proc.returncode == 3 and "did not answer GET /v1/models" in err, err
     assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.slow
+def test_a_cluster_address_that_never_takes_the_driver_in_is_given_up_on(tmp_path):
+    """--executor ray --address at a port that accepts connections and never answers (no Ray
+    there): the wait is said within 10 s, and it ends at the deadline with exit 2 and one
+    paragraph naming --address, nothing stored (a real process, as a user runs it)."""
+    pytest.importorskip("ray")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        t0 = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "speccheck.cli", "run", "--store", str(tmp_path / "st"),
+                                 *RUN, "--executor", "ray", "--address", address],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = proc.stdout.readline()
+        said = time.monotonic() - t0
+        out, err = proc.communicate(timeout=90)
+    finally:
+        listener.close()
+    assert f"connecting to {address} (--address)" in first and said < 10 + 5, (said, first)
+    assert proc.returncode == 2 and f"--address {address}: something answers there" in err, err
+    assert len([ln for ln in err.splitlines() if "error:" in ln]) == 1 and "Traceback" not in err, err
+    assert time.monotonic() - t0 < 60 and not (tmp_path / "st").exists()
+
+
+def test_executor_ray_without_ray_says_how_to_install_it():
+    """Ray missing (made unimportable in a process of its own): `--executor ray` is refused
+    before anything loads, naming the extra."""
+    code = ("import sys; sys.modules['ray'] = None; sys.argv = ['speccheck', 'run', '--corpus', 'smoke', "
+            "'--executor', 'ray']\nfrom speccheck.cli import main; main()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "--executor ray: Ray is not installed" in r.stderr and "pip install 'speccheck[ray]'" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_serve_without_its_extra_says_how_to_install_it():

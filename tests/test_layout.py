@@ -31,6 +31,17 @@ def test_importing_speccheck_and_its_engine_loads_no_training_code():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_local_path_never_imports_ray():
+    """Ray is an optional extra: the command line, the Python API, the pytest plugin and the
+    local executor (its fresh-process worker included) load without it, so a user without it
+    never pays its import (the import contract holds the same statically)."""
+    code = ("import sys, speccheck.cli, speccheck.api, speccheck.pytest_plugin, speccheck.executors.local\n"
+            "print([m for m in sys.modules if m.split('.')[0] == 'ray'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT / "tests")
+    assert out.stdout.strip() == "[]"
+
+
 def test_every_package_is_in_the_distribution():
     """`pip install .` (not editable) ships only the packages pyproject.toml lists: a new
     subpackage left out of that list imports from a checkout and fails in every install."""
