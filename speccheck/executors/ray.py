@@ -394,9 +394,10 @@ class _Driver:
         self.board = self._board()
 
     def _board(self):
-        """The board, on this node where it can be (a node that dies takes its actors along)."""
+        """The board, on the driver's own node (a node that dies takes its actors along; a soft
+        affinity lets Ray put it elsewhere even where this node has room)."""
         try:
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             return _Board.options(scheduling_strategy=here).remote()
         except Exception:  # noqa: BLE001 - Ray Client: no node of our own
             return _Board.remote()

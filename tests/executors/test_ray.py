@@ -170,6 +170,7 @@ def test_a_node_lost_mid_run_is_retried_on_another_and_nothing_is_lost(tmp_path)
     text = "\n".join(lines)
     assert not errors, (errors, text)
     assert removed.is_set(), text
+    assert "progress board is gone" not in text, text  # it lives on the driver's node
     lost = re.findall(r"^(.+): its Ray (?:worker|node) was lost", text, re.M)
     assert lost and f"retried after a lost worker or node: {lost[0]} (1x)" in text, text
     verdict = gate(tmp_path / "st", golden=None)
