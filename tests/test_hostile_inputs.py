@@ -517,6 +517,8 @@ ROWS = [
         "--address 127.0.0.1:1: an address names a Ray cluster"),
     Row("--address that is no address", _args("run", "--store", "{store}", *RUN, "--executor", "ray", "--address",
                                               "headnode"), 2, "--address headnode: write auto, HOST:PORT", needs="ray"),
+    Row("--address of a dashboard", _args("run", "--store", "{store}", *RUN, "--executor", "ray", "--address",
+                                          "http://127.0.0.1:8265"), 2, "that is a dashboard's address", needs="ray"),
     Row("--address nothing answers at", _args("run", "--store", "{store}", *RUN, "--config", "mtp-k3", "--executor",
                                               "ray", "--address", "127.0.0.1:1"), 2,
         "--address 127.0.0.1:1: nothing answers there", needs="ray"),

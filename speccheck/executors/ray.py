@@ -5,10 +5,11 @@ A cell is one thing an engine computes: a (config, repeat) run, a workload-axis 
 config, a config's teacher-forced rescoring, acceptance replay or sampled scoring, one
 kernel-path attribution run. It computes exactly what the local executor computes (the same
 runner.py functions, against a :class:`CellSuite`: the stored records it reads, sent with it,
-and the writes it makes, returned), so both executors store the same thing. A cell is sent
+and the writes it makes, returned), so both executors store the same outputs. A cell is sent
 when what it reads is stored: a config's axes, rescoring and replay after its first repeat,
 a spec config's rescoring after the baseline's, attribution once every config's first repeat
-is in (on a thread of its own, beside the rest); the wall time is the longest such chain.
+is in (on a thread of its own, beside the rest); so the wall time approaches the longest such
+chain, not the sum.
 
 Each task holds what its engine needs (Engine.gpus(): TP x PP GPUs; more than one in a
 placement group, one STRICT_PACK bundle, so all of an engine's GPUs are on one node and seen
@@ -65,8 +66,9 @@ def run_suite(plan: RunPlan, store: Store, log: Log = _print,
     store's lock. A cluster named by --address is joined first (one that is not there writes
     nothing); Ray on this machine is started only when there is something to do."""
     address = plan.address or os.environ.get("RAY_ADDRESS") or None
-    probe(address)
-    joined = connect(address, log) if address not in (None, "local") else None
+    named = "--address" if plan.address else "$RAY_ADDRESS"  # what the messages blame
+    probe(address, named)
+    joined = connect(address, log, named) if address not in (None, "local") else None
     try:
         with store.lock(notify=log):
             corpus = plan.load_corpus()
@@ -78,7 +80,7 @@ def run_suite(plan: RunPlan, store: Store, log: Log = _print,
                     log("ray: nothing to do: every cell of this plan is stored")
                     return suite
                 if joined is None:
-                    joined = connect(address, log)
+                    joined = connect(address, log, named)
                 _Driver(plan, engine, suite, corpus, inputs, log, progress).run(cells, attribute)
             finally:
                 engine.close()
@@ -90,30 +92,35 @@ def run_suite(plan: RunPlan, store: Store, log: Log = _print,
 
 # --- connecting ---------------------------------------------------------------------------------
 
-def probe(address: str | None) -> None:
+def probe(address: str | None, named: str = "--address") -> None:
     """An address that nothing answers at, said within PROBE_S (Ray itself retries for
-    minutes); a ray:// address without Ray Client installed, said before anything runs."""
+    minutes); a dashboard URL or a ray:// address without Ray Client installed, said before
+    anything runs. ``named``: where the address came from, for the message."""
     if address in (None, "auto", "local"):
         return
-    target = address.removeprefix("ray://")
+    what = f"{named} {address}"
+    if address.startswith(("http://", "https://")):
+        raise PlanError(f"{what}: that is a dashboard's address (what `ray job submit` takes); the "
+                        "driver joins a cluster at its head node's GCS address, HOST:6379, or auto on a "
+                        "node of the cluster.")
     if address.startswith("ray://") and importlib.util.find_spec("grpc") is None:
-        raise PlanError(f"--address {address}: a ray:// address goes through Ray Client, which needs "
+        raise PlanError(f"{what}: a ray:// address goes through Ray Client, which needs "
                         "`pip install 'ray[client]'`; or run `speccheck run` on a node of the cluster "
                         "with --address auto.")
-    host, sep, port = target.rpartition(":")
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise PlanError(f"--address {address}: write auto, HOST:PORT (the head node's GCS port, 6379 "
-                        "unless changed) or ray://HOST:PORT (Ray Client, port 10001).")
+        raise PlanError(f"{what}: write auto, HOST:PORT (the head node's GCS port, 6379 unless "
+                        "changed) or ray://HOST:PORT (Ray Client, port 10001).")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S).close()
     except OSError as e:
-        raise PlanError(f"--address {address}: nothing answers there within {PROBE_S:.0f} s "
+        raise PlanError(f"{what}: nothing answers there within {PROBE_S:.0f} s "
                         f"({e.strerror or type(e).__name__}); start the cluster (`ray start --head` on its "
-                        "head node), give its head node's address, or drop --address to start Ray on "
-                        "this machine.") from None
+                        "head node), give its head node's address, or leave the address out to start Ray "
+                        "on this machine.") from None
 
 
-def connect(address: str | None, log: Log) -> bool:
+def connect(address: str | None, log: Log, named: str = "--address") -> bool:
     """Join the Ray at ``address`` within CONNECT_S (None: start one on this machine), unless
     this process already has (a test's ray.init, a notebook's). True when this call started
     or joined it, so the run ends it. A Ray started here starts on the main thread (its
@@ -127,7 +134,8 @@ def connect(address: str | None, log: Log) -> bool:
             "ray: Ray on this machine (the cluster `ray start` runs here, else a new one)")
         ray.init(address=address, **options)
         return True
-    log(f"ray: connecting to {address} (--address)")
+    what = f"{named} {address}"
+    log(f"ray: connecting to {address} ({named})")
     done, failed = threading.Event(), []
 
     def join() -> None:
@@ -140,16 +148,16 @@ def connect(address: str | None, log: Log) -> bool:
 
     threading.Thread(target=join, name="speccheck-ray-connect", daemon=True).start()
     if not done.wait(CONNECT_S):
-        raise PlanError(f"--address {address}: something answers there, but no Ray cluster took this "
-                        f"driver in within {CONNECT_S:.0f} s; check that it is a Ray head node (GCS "
-                        "port, 6379 unless changed) running this Ray version, or drop --address to start "
+        raise PlanError(f"{what}: something answers there, but no Ray cluster took this driver in "
+                        f"within {CONNECT_S:.0f} s; check that it is a Ray head node (GCS port, 6379 "
+                        "unless changed) running this Ray version, or leave the address out to start "
                         "Ray on this machine.")
     if failed:
         e = failed[0]
         if isinstance(e, (ConnectionError, ValueError, RuntimeError)):
-            raise PlanError(f"--address {address}: Ray could not connect there ({e}); give the head "
-                            "node's address (auto, HOST:PORT or ray://HOST:PORT), or drop --address to "
-                            "start Ray on this machine.") from None
+            raise PlanError(f"{what}: Ray could not connect there ({e}); give the head node's address "
+                            "(auto, HOST:PORT or ray://HOST:PORT), or leave the address out to start Ray "
+                            "on this machine.") from None
         raise e
     return True
 
