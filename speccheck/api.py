@@ -33,7 +33,8 @@ def run(engine: str = "reference", *, store: str | Path = ".speccheck", methods:
         progress: Callable[[int, int, str], None] | None = None, **options) -> Suite:
     """Run the matrix (the baseline always included) into ``store``, resuming what is stored;
     ``options``: the rest of `speccheck run`'s options by their Python names (model, draft,
-    top_k, no_attribution, max_tokens, ignore_eos, attribution_paths, attribution_mode, ...)."""
+    top_k, no_attribution, max_tokens, ignore_eos, attribution_paths, attribution_mode, ...;
+    ``executor="ray"`` and ``address`` run every cell as a Ray task, see docs/how-to/ray.md)."""
     plan = make_plan(engine, methods=methods, k=k, configs=configs, corpus=corpus, repeats=repeats,
                      engine_args=engine_args, concurrent=concurrent, **options)
     suite = run_suite(plan, Store(store), log=log, progress=progress)
