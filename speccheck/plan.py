@@ -13,7 +13,7 @@ from speccheck.corpus import Corpus, load_corpus
 from speccheck.engines import RUN_ONLY_ARGS, EngineUsageError, engine_class, engine_names
 from speccheck.store import suite_id
 from speccheck.types import SpecConfig, axis_slot, sampling_of
-from speccheck.version import __version__
+from speccheck.version import __version__, release
 
 
 class PlanError(ValueError):
@@ -199,7 +199,7 @@ def check_executor(executor: str, address: str | None, engine: str = "reference"
         have = version("ray")
     except PackageNotFoundError:  # importable but not installed as a distribution: take it as is
         have = None
-    if have is not None and _release(have) < _release(RAY_MIN_VERSION):
+    if have is not None and release(have) < release(RAY_MIN_VERSION):
         raise PlanError(f"--executor ray: Ray {have} is installed, and speccheck needs ray>={RAY_MIN_VERSION}; "
                         f"upgrade it (`pip install -U 'speccheck[ray]'`), or run without --executor ray.")
     if engine_class(engine).serves_one_config:
@@ -208,14 +208,6 @@ def check_executor(executor: str, address: str | None, engine: str = "reference"
     if address is not None and not address.strip():
         raise PlanError("--address '': give the Ray cluster's address (auto, HOST:PORT or "
                         "ray://HOST:PORT), or drop --address to start Ray on this machine.")
-
-
-def _release(text: str) -> tuple[int, ...]:
-    """'2.60.0rc1' -> (2, 60, 0): the numeric release a version string starts with."""
-    import re
-
-    m = re.match(r"\d+(?:\.\d+)*", text)
-    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
 
 
 def plan_suite_id(plan: RunPlan, corpus: Corpus | None = None) -> str:

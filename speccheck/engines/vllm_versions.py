@@ -10,10 +10,11 @@ model-runner attribute. Pure: imported by the parent and by the worker (no vLLM 
 """
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+
+from speccheck.version import release
 
 #: the metric names of vLLM 0.26 (as ``LLM.get_metrics()`` gives them; a counter may also carry
 #: Prometheus' ``_total``); unchanged through 0.33 (every recorded release has them all)
@@ -108,19 +109,6 @@ MIN_VLLM = min(VLLM_RELEASES)
 #: the first release with DFlash2
 DFLASH2_MIN_VLLM = min(k for k, r in VLLM_RELEASES.items() if r.dflash2)
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
-
-
-def release(version: str) -> tuple[int, ...]:
-    """'0.28.1rc2.dev77+gabc' -> (0, 28, 1): the numeric release part."""
-    out = []
-    for part in version.split("+")[0].split("."):
-        digits = "".join(itertools.takewhile(str.isdigit, part))
-        if not digits:
-            break
-        out.append(int(digits))
-        if digits != part:
-            break
-    return tuple(out)
 
 
 def release_entry(version: str | None = None) -> VllmRelease:
