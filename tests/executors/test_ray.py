@@ -64,7 +64,7 @@ def assert_same_store(a: Path, b: Path) -> int:
 
 @pytest.fixture
 def local_ray():
-    ray.init(num_cpus=2, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, log_to_driver=False, logging_level="ERROR")
     try:
         yield ray
     finally:
@@ -89,10 +89,12 @@ def test_ray_stores_what_the_local_executor_stores(tmp_path, local_ray):
 
 
 def _run(store: Path, *extra: str) -> subprocess.Popen:
+    """The CLI with a Ray of its own (--address local): left out, Ray joins whatever cluster
+    was started last on this machine, such as another test's ray.cluster_utils.Cluster."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "speccheck.cli", "run", "--store", str(store), "--corpus", "smoke",
-                             "--config", "mtp-k3", "--executor", "ray", *extra],
+                             "--config", "mtp-k3", "--executor", "ray", "--address", "local", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
