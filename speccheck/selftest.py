@@ -122,9 +122,9 @@ CASES: tuple[Case, ...] = (
     Case("join-contaminates", "concurrency: a request joining a running batch reads a neighbour's "
          "hybrid state row (SGLang #36548, #35150)", "axis_concurrency",
          axes=("axis-concurrency-4",)),
-    Case("padded-row-real", "concurrency: padding rows of a batch not of a capture size write "
-         "their state into a real row (vLLM #45100)", "axis_concurrency",
-         axes=("axis-concurrency-4",)),
+    Case("padded-row-real", "shapes: padding rows of a batch just past a CUDA-graph capture "
+         "size write their state into a real row (vLLM #45100)", "axis_shapes",
+         axes=("axis-shapes-batch",)),
     Case("slot-residue", "long life: a reused state slot leaks the previous request's conv "
          "window (vLLM #35800, #36872)", "axis_concurrency", axes=("axis-concurrency-4",)),
     Case("prefix-wrong-block", "prefix caching x hybrid state: a hit restores another block's "
