@@ -36,7 +36,7 @@ def measure(ctx: Context):
             continue
         want = batch_targets(sizes, q or 1)
         lacking = sorted(set(want) - set(lv.proof.get("batch_sizes") or ()))
-        lv.proof["batch_targets"] = want
+        lv.proof["batches_of"] = "+".join(map(str, want))  # shown with the level's proof
         if lacking:
             lv.unproven.append(f"batch sizes {lacking} of {want} were never scheduled (scheduled: "
                                f"{sorted(lv.proof.get('batch_sizes') or ())}; capture sizes {sizes} "
