@@ -278,6 +278,19 @@ def facts(src: Path, version: str | None = None) -> dict:
         "scheduler_stats_fields": dataclass_fields(stats, "SchedulerStats"),
         "cudagraph_stat_fields": dataclass_fields(_tree(src, "vllm/compilation/cuda_graph.py"), "CUDAGraphStat"),
         "request_spec_decode_metrics_fields": dataclass_fields(stats, "RequestSpecDecodeMetrics"),
+        # the in-process client's engine core and its batch queue (async scheduling's proof),
+        # the client's get_output (each step's outputs), the resolved graph sizes
+        "inproc_client": {"attrs": [a for a in (self_attrs(_tree(src, "vllm/v1/engine/core_client.py"),
+                                                           "InprocClient") or []) if a == "engine_core"],
+                          "methods": [f.name for f in (_class(_tree(src, "vllm/v1/engine/core_client.py"),
+                                                              "InprocClient") or ast.Module([], [])).body
+                                      if isinstance(f, ast.FunctionDef) and f.name == "get_output"]},
+        "engine_core_attrs": [a for a in (self_attrs(_tree(src, "vllm/v1/engine/core.py"), "EngineCore") or [])
+                              if a == "batch_queue"],
+        "compilation_config_fields": [f for f in (class_fields(_tree(src, "vllm/config/compilation.py"),
+                                                               "CompilationConfig") or [])
+                                      if f in ("cudagraph_capture_sizes", "cudagraph_mode",
+                                               "max_cudagraph_capture_size")],
         "engine_args_observability": [f for f in (class_fields(_tree(src, "vllm/engine/arg_utils.py"),
                                                                "EngineArgs") or [])
                                       if f in ("cudagraph_metrics", "per_request_spec_decode_metrics",

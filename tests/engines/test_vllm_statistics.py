@@ -274,3 +274,31 @@ def test_prometheus_text_of_each_version_gives_the_server_counts(version):
     got = parse_metrics(generate_latest(reg).decode())
     assert got["spec"] == SpecCounters(10, 30, 18, PER_POS)
     assert got["requests"] == 7
+
+
+# ---------------------------------------------------------------- what the worker reads off the LLM
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_engine_objects_each_proof_is_read_from_exist_in_that_version(version):
+    """Where the worker reads async scheduling's proof (the in-process client's engine core's
+    batch queue: a step planned before the last one's output was read), the step outputs (the
+    client's get_output) and the capture sizes (compilation_config), built with this release's
+    names: what it reads is what the engine holds."""
+    from collections import deque
+
+    from speccheck.engines.vllm_worker import batches_in_flight, graph_facts
+
+    f = facts(version)
+    assert f["inproc_client"] == {"attrs": ["engine_core"], "methods": ["get_output"]}
+    assert f["engine_core_attrs"] == ["batch_queue"]
+    core = SimpleNamespace(**{a: deque(["planned"]) for a in f["engine_core_attrs"]})
+    client = SimpleNamespace(**{a: core for a in f["inproc_client"]["attrs"]})
+    assert batches_in_flight(SimpleNamespace(engine_core=client)) == 1
+    core.batch_queue = None  # synchronous scheduling keeps no queue
+    assert batches_in_flight(SimpleNamespace(engine_core=client)) is None
+    cc = SimpleNamespace(**{k: None for k in f["compilation_config_fields"]})
+    cc.cudagraph_capture_sizes, cc.cudagraph_mode = [4, 8, 16], SimpleNamespace(name="FULL_AND_PIECEWISE")
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(
+        compilation_config=cc, speculative_config=SimpleNamespace(num_speculative_tokens=3))))
+    assert graph_facts(llm) == {"capture_sizes": [4, 8, 16], "cudagraph_mode": "FULL_AND_PIECEWISE",
+                                "tokens_per_request": 4}
