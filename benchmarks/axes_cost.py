@@ -3,7 +3,7 @@
 `speccheck run --axes none`, each from an empty store, the two arms interleaved (A B B A per
 pair of rounds) so that both see the same load on a shared machine.
 
-    python benchmarks/axes_cost.py [--rounds 2] [--corpus default] [-- extra run args]
+    python benchmarks/axes_cost.py [--rounds 2] [--corpus default] [--axes default] [-- extra run args]
 
 Per arm: wall seconds and CPU seconds (user + system of the run and its worker processes,
 from getrusage of the children), summed over the rounds; the ratios all-axes / none; the gate's
@@ -50,11 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="rounds per arm (ABBA order)")
     ap.add_argument("--corpus", default="default")
     ap.add_argument("--keep", type=Path, help="keep the stores and logs here")
+    ap.add_argument("--axes", default="default", help="the axes of the second arm (`run --axes`)")
     ap.add_argument("extra", nargs="*", help="more `speccheck run` arguments (after --)")
     a = ap.parse_args(argv)
     work = a.keep or Path(tempfile.mkdtemp(prefix="axes-cost-"))
     work.mkdir(parents=True, exist_ok=True)
-    arms = {"none": ["--axes", "none"], "all": []}
+    arms = {"none": ["--axes", "none"], "all": ["--axes", a.axes]}
     order = [("none", "all") if r % 2 == 0 else ("all", "none") for r in range(a.rounds)]
     total = {arm: [0.0, 0.0] for arm in arms}
     print(f"machine: {cpu_model()}; python {sys.version.split()[0]}", flush=True)
