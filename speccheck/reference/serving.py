@@ -263,8 +263,8 @@ class Proof:
     #: placeholder counts fixed up by rejected drafts when a step completed
     scheduled_ahead: int = 0
     placeholder_fixups: int = 0
-    #: batched steps (decode or verify forwards): their sizes in requests, and how many were
-    #: padded up to a captured size, ran at one exactly, or ran past every one (no graph)
+    #: batched steps (decode or verify forwards): their sizes in requests, how many replayed a
+    #: captured size (of those, padded up to it) and how many ran past every one (no graph)
     batch_sizes: set = field(default_factory=set)
     padded_steps: int = 0
     graph_steps: int = 0
