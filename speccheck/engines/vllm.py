@@ -667,8 +667,7 @@ def workload_proof(stats: dict, version: str | None = None) -> dict[str, Any]:
 def graph_proof(stats: dict) -> dict[str, Any]:
     """The shapes axis's batch proof from a workload served with ``cudagraph_metrics``: the
     capture sizes vLLM resolved (tokens) and the tokens a request feeds a uniform step; the
-    batch sizes scheduled (the scheduler's running requests after each step, else the
-    running gauge's peak); per step that reported a CUDA-graph stat, whether it replayed a
+    batch sizes scheduled (the scheduler's running requests after each step); per step that reported a CUDA-graph stat, whether it replayed a
     graph (``graph_steps``), was padded up to one (``padded_steps``) or ran without one
     (``eager_steps``: mode NONE). The step keys are absent where no step reported a stat
     (cudagraph_metrics not taken, or the steps not read): the level is then not exercised."""
