@@ -128,12 +128,12 @@ def test_loop_split_accounts_for_every_step_of_the_graph_loops(monkeypatch):
 
 @pytest.mark.slow
 def test_axes_cost_runs_both_arms_and_prints_the_ratios(tmp_path, capsys):
-    """Both arms from empty stores (one config, one repeat, the smoke corpus, one axis level):
+    """Both arms from empty stores (the baseline, one repeat, the smoke corpus, one axis level):
     the axis store holds axis runs and the none store none, the ratios are printed with the
     machine."""
     bench = _load("axes_cost")
     assert bench.main(["--rounds", "1", "--corpus", "smoke", "--keep", str(tmp_path), "--axes", "shapes=k", "--",
-                       "--config", "mtp-k3", "--repeats", "1", "--no-attribution", "--concurrent", "0"]) == 0
+                       "--config", "baseline", "--repeats", "1", "--no-attribution", "--concurrent", "0"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("machine: ") and "CPUs" in out.splitlines()[0]
     m = re.search(r"wall ([\d.]+) / ([\d.]+) s = ([\d.]+)x, CPU ([\d.]+) / ([\d.]+) s = ([\d.]+)x", out)
