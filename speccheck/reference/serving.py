@@ -58,13 +58,14 @@ DEFAULT_MAX_IN_FLIGHT = 8
 #: cache blocks the prefix cache keeps (each with a hybrid state, ~0.4 MB), least recently
 #: used dropped first
 PREFIX_CACHE_BLOCKS = 512
-#: the requests a step may hold when the engine sizes its CUDA graphs (vLLM's max_num_seqs):
-#: the captured batch sizes follow vLLM's default rule from it (engines.base.vllm_capture_sizes:
-#: 1, 2, 4, 8, 16 tokens for the baseline; multiples of 1 + K up to 2 x 8 x (1 + K) with
-#: speculation); a batched step of another size is padded up to the next captured one, past
-#: the largest it runs without a graph (what the fault padded-row-real and the shapes axis's
-#: batch level are about). On CPU nothing is captured: the model only decides the padding
-CAPTURE_MAX_SEQS = DEFAULT_MAX_IN_FLIGHT
+#: the requests a step may hold when the engine sizes its CUDA graphs (vLLM's max_num_seqs; the
+#: axes put at most 32 in flight): the captured sizes follow vLLM's default rule from it
+#: (engines.base.vllm_capture_sizes: 1, 2, 4, 8, 16, ... 64 tokens for the baseline; with
+#: speculation multiples of 1 + K up to min(64 x (1 + K), 512) tokens, so K = 7 pads a batch of
+#: 33 requests to 34); a batched step of another size is padded up to the next captured one,
+#: past the largest it runs without a graph (what the fault padded-row-real and the shapes
+#: axis's batch level are about). On CPU nothing is captured: the model only decides the padding
+CAPTURE_MAX_SEQS = 32
 #: the token id of a padding row (vLLM pads input ids with 0)
 PAD_TOKEN = 0
 

@@ -152,6 +152,18 @@ def test_batches_at_capture_sizes_give_each_request_its_bits_alone(engine, corpu
                                                       config, 5).proof  # asked for by the knob only
 
 
+def test_capture_sizes_pad_a_batch_at_every_k():
+    """vLLM's rule at 32 requests: the baseline captures 1, 2, 4, 8, ... 64 tokens; K=7 every
+    count of 8-token requests up to 32, then every other one, so the batch level sends 31 to 35
+    and 33 and 35 are padded: a spec config's padding is exercised at the default run's K too."""
+    from speccheck.axes.shapes import batch_targets
+    from speccheck.engines.base import padded_size
+
+    assert capture_sizes(0)[:6] == (1, 2, 4, 8, 16, 24) and capture_sizes(0)[-1] == 64
+    assert batch_targets(capture_sizes(7), 8) == [31, 32, 33, 34, 35]
+    assert padded_size(33 * 8, capture_sizes(7)) == 34 * 8 and padded_size(65 * 8, capture_sizes(7)) is None
+
+
 @pytest.mark.slow
 def test_concurrency_in_fp32_gives_the_tokens_alone(corpus, inputs):
     """fp32's GEMMs are not row-invariant: the tokens are those alone, logprobs within 1e-4."""
