@@ -11,10 +11,13 @@ Prompts are tokenised here, once, with the model's own tokenizer; the worker see
 only (``skip_tokenizer_init``). Prompts run one at a time (single stream), so the before/after
 differences of ``LLM.get_metrics()``'s spec-decode counters belong to exactly one request.
 
-The serving workload axes (concurrency, prefix_cache, kv_pressure; run_workload) run in the
-worker through vLLM's own engine step loop (``llm.llm_engine.add_request`` at each request's
-arrival step, ``llm.llm_engine.step()``), under the workload's knobs (``enable_prefix_caching``,
-``num_gpu_blocks_override``); their proof is read from ``get_metrics()`` (names: METRIC_NAMES).
+The serving workload axes (concurrency, prefix_cache, kv_pressure, async_scheduling,
+chat_thinking and the shapes axis's batch level; run_workload) run in the worker through vLLM's
+own engine step loop (``llm.llm_engine.add_request`` at each request's arrival step,
+``llm.llm_engine.step()``), under the workload's knobs (``enable_prefix_caching``,
+``num_gpu_blocks_override``, ``async_scheduling``, ``cudagraph_metrics``); their proof is read
+from vLLM's own statistics: ``get_metrics()`` (names: METRIC_NAMES), the resolved configs, and
+each step's output as the engine core hands it over (vllm_worker.StepTap).
 
 Engine args (``--engine-arg key=value``):
   ``env.NAME=value``      environment of the worker (e.g. ``env.VLLM_USE_FLASHINFER_SAMPLER=0``)
