@@ -49,12 +49,16 @@ def policy() -> str:
 def axes() -> str:
     from speccheck.axes import registry
 
-    rows = ["| axis | default levels | proof that it was exercised | drives the engine into |",
-            "|---|---|---|---|"]
+    rows = ["| axis | default levels | run by | proof that it was exercised | drives the engine into |",
+            "|---|---|---|---|---|"]
     for a in registry():
         proofs = "; ".join(f"{lv}: {', '.join(f'`{k}`' for k in keys)} > 0"
                            for lv, keys in a.proofs.items()) or "its requests were served"
-        rows.append(f"| `{a.name}` | {', '.join(a.levels)} | {proofs} | "
+        served = [lv for lv in a.levels if lv not in a.generate_levels]
+        by = ("any engine (one request after another)" if a.runs_on == "runner" else
+              "; ".join(([f"{'+'.join(a.generate_levels)}: any engine"] if a.generate_levels else [])
+                        + [f"{'+'.join(served)}: an engine that serves it"]))
+        rows.append(f"| `{a.name}` | {', '.join(a.levels)} | {by} | {proofs} | "
                     f"{_cell(a.description)} *Guards:* {_cell(a.guards)} |")
     return "\n".join(rows)
 

@@ -7,7 +7,9 @@ SRC is the root holding the ``vllm`` package: an unpacked release wheel (``unzip
 vllm-0.28.0-*.whl 'vllm/*.py' -d SRC``; no GPU, no torch) or a git checkout. The facts (names of
 metrics, ``SpeculativeConfig`` fields and methods, environment switches, model architectures,
 model-runner and speculator attributes, ``Logprob``/``RequestOutput``/``CompletionOutput``/
-``RequestStateStats`` fields, GDN prefill and attention backends) are read from the source's
+``RequestStateStats`` fields, GDN prefill and attention backends, the metrics reader's
+dataclasses and the Prometheus metrics' kinds and labels, the engine core's step outputs and
+scheduler / CUDA-graph stats) are read from the source's
 syntax tree; tests hold the engine's version table (speccheck/engines/vllm_versions.py)
 against them and build vLLM-shaped objects from them.
 """
@@ -111,6 +113,88 @@ def enum_members(tree: ast.Module | None, cls: str) -> list[str] | None:
     return [t.id for s in c.body if isinstance(s, ast.Assign) for t in s.targets if isinstance(t, ast.Name)]
 
 
+def dataclass_fields(tree: ast.Module | None, name: str) -> list[str] | None:
+    """A class's annotated fields, its bases' (in the same module) first, as a dataclass or
+    msgspec Struct orders them."""
+    c = _class(tree, name)
+    if c is None:
+        return None
+    out: list[str] = []
+    for b in c.bases:
+        if isinstance(b, ast.Name) and _class(tree, b.id) is not None:
+            out += [f for f in dataclass_fields(tree, b.id) or [] if f not in out]
+    return out + [f for f in class_fields(tree, name) or [] if f not in out]
+
+
+_KINDS = {"_gauge_cls": "gauge", "_counter_cls": "counter", "_histogram_cls": "histogram",
+          "Gauge": "gauge", "Counter": "counter", "Histogram": "histogram"}
+
+
+def prometheus_metrics(*trees: ast.Module | None) -> dict[str, dict]:
+    """Every ``vllm:`` metric the Prometheus stat loggers register: its kind (the
+    ``_gauge_cls``/``_counter_cls``/``_histogram_cls`` or prometheus_client class that makes
+    it) and its label names (``labelnames``, resolved through the function's own assignments:
+    ``labelnames = [...]``, ``labelnames + ["reason"]``). Names given through a loop over
+    ``(name, documentation)`` pairs are read from those pairs."""
+    out: dict[str, dict] = {}
+
+    def assigned(node: ast.AST) -> dict[str, list[ast.AST]]:
+        found: dict[str, list[ast.AST]] = {}
+        for n in ast.walk(node):
+            if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+                found.setdefault(n.targets[0].id, []).append(n.value)
+        return found
+
+    # a logger class that takes ``labelnames`` as a parameter gets the stat logger's own
+    everywhere: dict[str, list[ast.AST]] = {}
+    for tree in trees:
+        for name, values in (assigned(tree) if tree else {}).items():
+            everywhere.setdefault(name, []).extend(values)
+    for tree in trees:
+        for fn in ast.walk(tree) if tree else []:
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            local = assigned(fn)
+
+            def labels(node: ast.AST | None, depth: int = 0) -> list[str] | None:
+                if node is None or depth > 5:
+                    return None
+                if isinstance(node, ast.List):
+                    return [e.value for e in node.elts if isinstance(e, ast.Constant)]
+                if isinstance(node, ast.Name):
+                    for value in local.get(node.id) or everywhere.get(node.id) or []:
+                        got = labels(value, depth + 1)
+                        if got is not None:
+                            return got
+                    return None
+                if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+                    a, b = labels(node.left, depth + 1), labels(node.right, depth + 1)
+                    return None if a is None or b is None else a + b
+                return None
+
+            def pair_names() -> list[str]:  # the first strings of (name, documentation) pairs
+                return [t.elts[0].value for vs in local.values() for v in vs if isinstance(v, ast.List)
+                        for t in v.elts if isinstance(t, ast.Tuple) and t.elts
+                        and isinstance(t.elts[0], ast.Constant) and str(t.elts[0].value).startswith("vllm:")]
+
+            for call in ast.walk(fn):
+                if not isinstance(call, ast.Call):
+                    continue
+                f = call.func
+                attr = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                kind = _KINDS.get(attr)
+                kw = {k.arg: k.value for k in call.keywords}
+                if kind is None or "name" not in kw:
+                    continue
+                v = kw["name"]
+                names = ([v.value] if isinstance(v, ast.Constant) and isinstance(v.value, str)
+                         else pair_names() if isinstance(v, ast.Name) else [])
+                for name in names:
+                    if name.startswith("vllm:"):
+                        out[name] = {"kind": kind, "labels": labels(kw.get("labelnames"))}
+    return dict(sorted(out.items()))
+
+
 def facts(src: Path, version: str | None = None) -> dict:
     v = src / "vllm"
     if not v.is_dir():
@@ -130,6 +214,9 @@ def facts(src: Path, version: str | None = None) -> dict:
     d2_model = _tree(src, "vllm/model_executor/models/qwen3_dflash2.py")
     gdn = _tree(src, "vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py")
     cfg_vllm = (v / "config" / "vllm.py").read_text() if (v / "config" / "vllm.py").is_file() else ""
+    stats_reader = _tree(src, "vllm/v1/metrics/reader.py")
+    stats = _tree(src, "vllm/v1/metrics/stats.py")
+    core = _tree(src, "vllm/v1/engine/__init__.py")
     return {
         "vllm_version": version,
         "source": "recorded by scripts/record_vllm_facts.py from vLLM's own source (syntax tree, no import)",
@@ -176,6 +263,38 @@ def facts(src: Path, version: str | None = None) -> dict:
         "scheduler_config_fields": [f for f in (class_fields(_tree(src, "vllm/config/scheduler.py"),
                                                              "SchedulerConfig") or [])
                                     if f in ("async_scheduling", "max_num_batched_tokens")],
+        # what the workload axes read: LLM.get_metrics()'s objects, the metrics the Prometheus
+        # loggers register (what a server's /metrics shows), and each engine step's output as
+        # the engine core hands it to LLMEngine.step (scheduler stats, CUDA-graph stats, a
+        # request's events), and the switches that turn the last two on
+        "metrics_reader": {c: dataclass_fields(stats_reader, c)
+                           for c in ("Counter", "Gauge", "Vector", "Histogram")},
+        "prometheus_metrics": prometheus_metrics(_tree(src, "vllm/v1/metrics/loggers.py"),
+                                                 _tree(src, "vllm/v1/spec_decode/metrics.py")),
+        "engine_core_outputs_fields": dataclass_fields(core, "EngineCoreOutputs"),
+        "engine_core_output_fields": dataclass_fields(core, "EngineCoreOutput"),
+        "engine_core_event_fields": dataclass_fields(core, "EngineCoreEvent"),
+        "engine_core_event_types": enum_members(core, "EngineCoreEventType"),
+        "scheduler_stats_fields": dataclass_fields(stats, "SchedulerStats"),
+        "cudagraph_stat_fields": dataclass_fields(_tree(src, "vllm/compilation/cuda_graph.py"), "CUDAGraphStat"),
+        "request_spec_decode_metrics_fields": dataclass_fields(stats, "RequestSpecDecodeMetrics"),
+        # the in-process client's engine core and its batch queue (async scheduling's proof),
+        # the client's get_output (each step's outputs), the resolved graph sizes
+        "inproc_client": {"attrs": [a for a in (self_attrs(_tree(src, "vllm/v1/engine/core_client.py"),
+                                                           "InprocClient") or []) if a == "engine_core"],
+                          "methods": [f.name for f in (_class(_tree(src, "vllm/v1/engine/core_client.py"),
+                                                              "InprocClient") or ast.Module([], [])).body
+                                      if isinstance(f, ast.FunctionDef) and f.name == "get_output"]},
+        "engine_core_attrs": [a for a in (self_attrs(_tree(src, "vllm/v1/engine/core.py"), "EngineCore") or [])
+                              if a == "batch_queue"],
+        "compilation_config_fields": [f for f in (class_fields(_tree(src, "vllm/config/compilation.py"),
+                                                               "CompilationConfig") or [])
+                                      if f in ("cudagraph_capture_sizes", "cudagraph_mode",
+                                               "max_cudagraph_capture_size")],
+        "engine_args_observability": [f for f in (class_fields(_tree(src, "vllm/engine/arg_utils.py"),
+                                                               "EngineArgs") or [])
+                                      if f in ("cudagraph_metrics", "per_request_spec_decode_metrics",
+                                               "disable_log_stats")],
     }
 
 

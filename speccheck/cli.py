@@ -657,10 +657,12 @@ def axes_command(engine):
 
     supported = engine_class_of(engine).axes
     for a in registry():
-        runs = a.runs_on == "runner" or a.name in supported
+        runs = [lv for lv in a.levels if a.runnable(lv, supported)]
+        where = ("runs on " + engine if len(runs) == len(a.levels) else
+                 f"only {'+'.join(runs)} run by the {engine} engine" if runs else
+                 "NOT run by the " + engine + " engine")
         proofs = "; ".join(f"{lv}: {', '.join(keys)} > 0" for lv, keys in a.proofs.items())
-        click.echo(f"{a.name:13} levels {'+'.join(a.levels):12} "
-                   f"{'runs on ' + engine if runs else 'NOT run by the ' + engine + ' engine'}\n"
+        click.echo(f"{a.name:13} levels {'+'.join(a.levels):12} {where}\n"
                    f"  {a.description}\n  guards: {a.guards}" + (f"\n  proof: {proofs}" if proofs else ""))
 
 

@@ -28,9 +28,10 @@ def parse_axes(spec: str | None, supported: frozenset[str]) -> tuple[str, ...]:
     """``--axes``: "default" (every axis the engine runs, at its default levels), "none", or
     a comma list of axes, each optionally with levels (``concurrency=4+8+32``, ``long_lived=500``).
     An axis the engine cannot run is refused by name, never dropped."""
-    runnable = [a for a in axes_registry() if a.runs_on == "runner" or a.name in supported]
+    runnable = [a for a in axes_registry() if any(a.runnable(lv, supported) for lv in a.levels)]
     if spec in (None, "", "default"):
-        return tuple(axis_slot(a.name, lv) for a in runnable for lv in a.levels)
+        return tuple(axis_slot(a.name, lv) for a in runnable for lv in a.levels
+                     if a.runnable(lv, supported))
     if spec == "none":
         return ()
     slots = []
@@ -47,6 +48,9 @@ def parse_axes(spec: str | None, supported: frozenset[str]) -> tuple[str, ...]:
         for level in (levels.split("+") if levels else axis.levels):
             if not level or "-" in level:
                 raise PlanError(f"--axes {item!r}: a level is a word or a number without '-', e.g. {name}=8.")
+            if not axis.runnable(level, supported):
+                raise PlanError(f"--axes {item!r}: this engine cannot run the {name} axis's {level} "
+                                f"level (it runs {'+'.join(lv for lv in axis.levels if axis.runnable(lv, supported))}).")
             if name in ("concurrency", "long_lived") and not level.isdigit():
                 raise PlanError(f"--axes {item!r}: the {name} levels are numbers of requests, e.g. {name}=8.")
             if level.isdigit() and not 1 <= int(level) <= AXIS_LEVEL_MAX.get(name, 1 << 20):

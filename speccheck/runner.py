@@ -232,10 +232,11 @@ def run_axis(plan: RunPlan, engine: Engine, suite: Suite, corpus: Corpus, inputs
                    if suite.is_complete(config.name, 0) else {})
         ks = tuple(sorted({c.k for c in plan.configs if not c.is_baseline}))
         workload = axis.build(AxisInput(corpus, inputs, config, level, ks, outputs,
-                                        block_size=engine.cache_block_size()))
+                                        block_size=engine.cache_block_size(),
+                                        capture_sizes=tuple(engine.capture_sizes(config))))
         # an engine that serves the axis itself (its scheduler, slots, caches) runs it; any other
-        # engine runs a runner-side axis through generate()
-        result = (engine.run_workload(workload, config, plan.top_k) if name in engine.axes
+        # engine runs a runner-side axis (or level) through generate()
+        result = (engine.run_workload(workload, config, plan.top_k) if axis.served(level, engine.axes)
                   else serve_in_order(engine, workload, config, plan.top_k))
         record.completions, record.proof = result.completions, dict(result.proof)
     except EngineUsageError:

@@ -124,3 +124,24 @@ def test_loop_split_accounts_for_every_step_of_the_graph_loops(monkeypatch):
     # only the marks outlive a generation (a queue kept keeps its pinned host buffers)
     gc.collect()
     assert not [o for o in gc.get_objects() if type(o) is bench.MarkedAhead]
+
+
+@pytest.mark.slow
+def test_axes_cost_runs_both_arms_and_prints_the_ratios(tmp_path, capsys):
+    """Both arms from empty stores (the baseline, one repeat, the smoke corpus, one axis level):
+    the axis store holds axis runs and the none store none, the ratios are printed with the
+    machine."""
+    bench = _load("axes_cost")
+    assert bench.main(["--rounds", "1", "--corpus", "smoke", "--keep", str(tmp_path), "--axes", "shapes=k", "--",
+                       "--config", "baseline", "--repeats", "1", "--no-attribution", "--concurrent", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("machine: ") and "CPUs" in out.splitlines()[0]
+    m = re.search(r"wall ([\d.]+) / ([\d.]+) s = ([\d.]+)x, CPU ([\d.]+) / ([\d.]+) s = ([\d.]+)x", out)
+    assert m, out
+    arms = {a: (float(w), float(c)) for a, w, c in
+            re.findall(r"round 0 (none|all) *: +([\d.]+) s wall, +([\d.]+) s CPU", out)}
+    assert (float(m[1]), float(m[4])) == arms["all"] and (float(m[2]), float(m[5])) == arms["none"], out
+    # (the figures are printed to 0.1 s: the ratio of the printed ones is near, not equal)
+    assert float(m[3]) == pytest.approx(arms["all"][0] / arms["none"][0], rel=0.05)
+    assert float(m[6]) == pytest.approx(arms["all"][1] / arms["none"][1], rel=0.05)
+    assert list((tmp_path / "all-0").rglob("axis-*")) and not list((tmp_path / "none-0").rglob("axis-*"))

@@ -4,8 +4,8 @@ fail, naming the check that caught it; the clean engine passes.
 `speccheck selftest` runs every fault against the check named for it in
 speccheck/selftest.py (CASES); the clean engine and one fault also go through the real
 `speccheck run` + `speccheck gate`, as a user would run them (the route is the same for every
-fault; what differs is the judging, which the selftest covers). The selftest's tests share one
-run: `xdist_group` keeps them on one worker (`--dist loadgroup` in pyproject's addopts)."""
+fault; what differs is the judging, which the selftest covers). The selftest runs once, in one
+test."""
 import json
 
 import pytest
@@ -50,36 +50,24 @@ def test_every_fault_names_the_check_that_must_catch_it():
     assert len(cases) == len(st.CASES)
 
 
-@pytest.fixture(scope="module")
-def selftest_result():
-    return st.run_selftest(faults=GREEDY_FAULTS)
-
-
 @pytest.mark.slow
-@pytest.mark.xdist_group("selftest")
-def test_selftest_clean_engine_passes_every_check(selftest_result):
-    assert selftest_result.clean
-    for c in selftest_result.clean:
-        assert c.passed, f"clean engine, {c.config}: {c.error or c.messages}"
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("selftest")
-@pytest.mark.parametrize("fault", GREEDY_FAULTS)
-def test_selftest_catches(selftest_result, fault):
-    row = next(r for r in selftest_result.rows if r.fault == fault)
-    assert row.caught, (f"{fault} ({row.config}) should fail {row.expected}; failed: "
-                        f"{row.failed or 'nothing'} {row.error or ''}")
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("selftest")
-def test_selftest_table_and_exit_codes(selftest_result, tmp_path, monkeypatch):
-    """The table names every fault, its check and the verdict; the CLI exits 0 when every
-    fault is caught, 1 when one is missed (here: a case expecting the wrong check), 2 on a
-    method the engine does not offer."""
-    text = st.selftest_text(selftest_result)
-    for r in selftest_result.rows:
+def test_selftest_catches_every_greedy_fault_and_the_clean_engine_passes(monkeypatch):
+    """One selftest run (minutes: its clean settings and every greedy fault), judged whole in
+    one test so that it runs once whatever the test scheduler does (xdist's xdist_group does
+    not group under pytest 9): the clean engine passes every check, each fault fails the check
+    named for it (every miss listed), the table names every fault, its check and the verdict;
+    the CLI exits 0 when every fault is caught, 1 when one is missed (here: a case expecting
+    the wrong check), 2 on a method the engine does not offer."""
+    result = st.run_selftest(faults=GREEDY_FAULTS)
+    assert result.clean
+    dirty = [f"clean engine, {c.config}: {c.error or c.messages}" for c in result.clean if not c.passed]
+    assert not dirty, dirty
+    assert [r.fault for r in result.rows] == GREEDY_FAULTS
+    missed = [f"{r.fault} ({r.config}) should fail {r.expected}; failed: {r.failed or 'nothing'} {r.error or ''}"
+              for r in result.rows if not r.caught]
+    assert not missed, "\n".join(missed)
+    text = st.selftest_text(result)
+    for r in result.rows:
         assert r.fault in text and r.expected in text
     runner = CliRunner()
     ok = runner.invoke(main, ["selftest", "--fault", "accept-top2", "--json"])
@@ -89,12 +77,11 @@ def test_selftest_table_and_exit_codes(selftest_result, tmp_path, monkeypatch):
     wrong = tuple(st.Case(c.fault, c.models, "deterministic") if c.fault == "accept-top2" else c
                   for c in st.CASES)
     monkeypatch.setattr(st, "CASES", wrong)
-    missed = runner.invoke(main, ["selftest", "--fault", "accept-top2"])
-    assert missed.exit_code == 1, missed.output
-    assert "MISSED" in missed.stdout and "selftest: FAIL" in missed.stdout
+    missed_cli = runner.invoke(main, ["selftest", "--fault", "accept-top2"])
+    assert missed_cli.exit_code == 1, missed_cli.output
+    assert "MISSED" in missed_cli.stdout and "selftest: FAIL" in missed_cli.stdout
     bad = runner.invoke(main, ["selftest", "--method", "eagle"])
     assert bad.exit_code == 2 and "eagle" in bad.output
-
 
 
 @pytest.mark.slow

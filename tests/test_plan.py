@@ -65,7 +65,7 @@ main()
 
 #: the reference engine's default axis levels, in the registry's order (runner axes and the
 #: serving axes its run_workload runs)
-REFERENCE_AXES = ["axis-shapes-k", "axis-concurrency-8", "axis-concurrency-32", "axis-prefix_cache-cold",
+REFERENCE_AXES = ["axis-shapes-k", "axis-shapes-batch", "axis-concurrency-8", "axis-concurrency-32", "axis-prefix_cache-cold",
                   "axis-prefix_cache-hit", "axis-long_lived-200", "axis-kv_pressure-free",
                   "axis-kv_pressure-pressure", "axis-async_scheduling-off", "axis-async_scheduling-on",
                   "axis-chat_thinking-off", "axis-chat_thinking-on"]

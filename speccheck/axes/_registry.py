@@ -34,6 +34,9 @@ class AxisInput:
     seed: int = 0
     #: tokens per cache block of the engine (vLLM's block_size; the reference engine's)
     block_size: int = 16
+    #: the batch sizes, in tokens, the engine replays a captured CUDA graph for under this
+    #: config (Engine.capture_sizes; empty: none)
+    capture_sizes: tuple[int, ...] = ()
 
     def serving_prompts(self, n: int | None = None) -> list[Prompt]:
         """The corpus prompts a serving axis sends: those of at most SERVING_PROMPT_TOKENS tokens
@@ -65,6 +68,10 @@ class AxisSpec:
     #: "runner": any engine runs it through generate() (what was sent is the proof);
     #: "engine": the engine must serve it (Engine.axes, Engine.run_workload)
     runs_on: str = "engine"
+    #: levels of an engine axis that every engine runs through generate() instead, one request
+    #: after another, even one that serves the axis's other levels (shapes: the prompt lengths
+    #: need no scheduler, its batch sizes do)
+    generate_levels: tuple[str, ...] = ()
     order: int = 100
     #: per level, proof values a level must reach to count as exercised (beyond > 0): e.g. a
     #: concurrency level whose batch never reached the level did not test that level
@@ -72,6 +79,16 @@ class AxisSpec:
     #: a spec config's run is judged against the baseline's run of the same level (shapes,
     #: chat_thinking), which must then run too; else against the config's own runs
     against_baseline: bool = False
+
+
+    def runnable(self, level: str, served: frozenset[str] | set[str]) -> bool:
+        """Whether an engine that serves the axes ``served`` (Engine.axes) can run ``level``."""
+        return self.runs_on == "runner" or level in self.generate_levels or self.name in served
+
+    def served(self, level: str, served: frozenset[str] | set[str]) -> bool:
+        """Whether ``level`` goes through the engine's own serving loop (Engine.run_workload)
+        rather than generate()."""
+        return self.name in served and level not in self.generate_levels
 
 
 @lru_cache(maxsize=None)

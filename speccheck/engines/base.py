@@ -65,6 +65,32 @@ def chat_knobs(knobs: dict[str, str]) -> tuple[bool | None, dict[str, str]]:
     return thinking == "on", rest
 
 
+def vllm_capture_sizes(max_num_seqs: int, tokens_per_request: int = 1,
+                       max_num_batched_tokens: int | None = None) -> tuple[int, ...]:
+    """The batch sizes, in tokens, vLLM captures a CUDA graph for when the user names none
+    (``VllmConfig._set_cudagraph_sizes``, unchanged from 0.26 through 0.33): 1, 2, 4, then
+    multiples of 8 below 256 and of 16 from 256, up to min(2 x max_num_seqs x tokens per
+    request, 512, max_num_batched_tokens); with speculation (1 + K tokens per request) rounded
+    up to multiples of 1 + K (``adjust_cudagraph_sizes_for_spec_decode``), so that a uniform
+    verify batch of n requests is n x (1 + K) tokens. The reference engine models this rule;
+    the vllm engine predicts the sizes with it before a worker has reported them."""
+    q = max(int(tokens_per_request), 1)
+    top = min(max_num_seqs * q * 2, 512)
+    if max_num_batched_tokens:
+        top = min(top, max_num_batched_tokens)
+    base = [s for s in [1, 2, 4, *range(8, 256, 8), *range(256, top + 1, 16)] if s <= top]
+    if q == 1:
+        return tuple(base)
+    rounded = sorted({-(-s // q) * q for s in base if -(-s // q) * q <= top})
+    return tuple(rounded or ([q] if q <= top else []))
+
+
+def padded_size(n_tokens: int, capture_sizes: Sequence[int]) -> int | None:
+    """The captured size a step of ``n_tokens`` replays, padded up to it; None past the
+    largest (the step runs without a graph)."""
+    return min((c for c in capture_sizes if c >= n_tokens), default=None)
+
+
 class Engine(ABC):
     name: ClassVar[str]
     #: run every config in a fresh subprocess (GPU memory and engine state released between
@@ -208,6 +234,12 @@ class Engine(ABC):
         """The raw bytes a token stands for (byte-level tokenizers), so that a token holding
         part of a UTF-8 character can be shown as ``<0xE3>`` instead of '\ufffd'; None: unknown."""
         return None
+
+    def capture_sizes(self, config: SpecConfig) -> tuple[int, ...]:
+        """The batch sizes, in tokens, this engine replays a captured CUDA graph for under
+        ``config`` (a step of another size is padded up to the next one): the shapes axis
+        sends batches of requests at them and one either side. Empty: none (eager)."""
+        return ()
 
     def cache_block_size(self) -> int:
         """Tokens per KV-cache block (vLLM's block_size; prefix-cache hits and hybrid state are

@@ -783,7 +783,17 @@ class OpenAIEngine(Engine):
         except EngineUsageError as e:
             raise EngineUsageError(f"{e} speccheck reads the spec-decode counters from vLLM's "
                                    "Prometheus /metrics; it must be reachable.") from None
-        return self._parse_metrics(r.text, self._shown)
+        got = self._parse_metrics(r.text, self._shown)
+        if got["requests"] is not None:
+            self._server_served = got["requests"]
+        return got
+
+    @property
+    def requests_served(self) -> int | None:
+        """Requests the server has finished since it started, by its own count
+        (``vllm:request_success_total`` at the last scrape): the long_lived axis's proof that a
+        long-lived server really served them. None before a scrape or where it keeps no count."""
+        return self.__dict__.get("_server_served")
 
     @staticmethod
     def _parse_metrics(text: str, shown: str) -> dict:

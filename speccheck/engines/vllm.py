@@ -11,10 +11,13 @@ Prompts are tokenised here, once, with the model's own tokenizer; the worker see
 only (``skip_tokenizer_init``). Prompts run one at a time (single stream), so the before/after
 differences of ``LLM.get_metrics()``'s spec-decode counters belong to exactly one request.
 
-The serving workload axes (concurrency, prefix_cache, kv_pressure; run_workload) run in the
-worker through vLLM's own engine step loop (``llm.llm_engine.add_request`` at each request's
-arrival step, ``llm.llm_engine.step()``), under the workload's knobs (``enable_prefix_caching``,
-``num_gpu_blocks_override``); their proof is read from ``get_metrics()`` (names: METRIC_NAMES).
+The serving workload axes (concurrency, prefix_cache, kv_pressure, async_scheduling,
+chat_thinking and the shapes axis's batch level; run_workload) run in the worker through vLLM's
+own engine step loop (``llm.llm_engine.add_request`` at each request's arrival step,
+``llm.llm_engine.step()``), under the workload's knobs (``enable_prefix_caching``,
+``num_gpu_blocks_override``, ``async_scheduling``, ``cudagraph_metrics``); their proof is read
+from vLLM's own statistics: ``get_metrics()`` (names: METRIC_NAMES), the resolved configs, and
+each step's output as the engine core hands it over (vllm_worker.StepTap).
 
 Engine args (``--engine-arg key=value``):
   ``env.NAME=value``      environment of the worker (e.g. ``env.VLLM_USE_FLASHINFER_SAMPLER=0``)
@@ -57,7 +60,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from speccheck.engines.base import Engine, EngineError, EngineUsageError, chat_knobs
+from speccheck.engines.base import Engine, EngineError, EngineUsageError, chat_knobs, vllm_capture_sizes
 from speccheck.topology import physical_gpu_count, visible_gpus
 from speccheck.types import (Completion, Prompt, Scored, SpecConfig, SpecCounters, Workload,
                              WorkloadResult)
@@ -77,10 +80,12 @@ SPEC_KEYS = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos")
 #: axis run fails); later releases keep it for the methods of ``EagleModelTypes`` (eagle,
 #: eagle3, the MTP types and, from when it joined them, dflash) and ngram_gpu, and turn it off
 #: with a warning for the others (the proof reads ``scheduler_config.async_scheduling`` back, so
-#: a level turned off is not exercised). The chat-template knobs (engines.base.CHAT_KNOBS) are no
-#: LLM(...) argument: the worker renders the requests' messages with the model's tokenizer
+#: a level turned off is not exercised); ``cudagraph_metrics=on`` -> ``cudagraph_metrics`` (each
+#: step's CUDA-graph stat: tokens before and after padding). The chat-template knobs
+#: (engines.base.CHAT_KNOBS) are no LLM(...) argument: the worker renders the requests' messages
+#: with the model's tokenizer
 WORKLOAD_KNOBS = {"prefix_cache": "enable_prefix_caching", "kv_blocks": "num_gpu_blocks_override",
-                  "async_scheduling": "async_scheduling"}
+                  "async_scheduling": "async_scheduling", "cudagraph_metrics": "cudagraph_metrics"}
 OWN_OPTIONS = {"worker", "timeout_s", "warmup", "python", "score_path", "score_spec", "pad_batch",
                "attribution_jobs", "dflash2_draft"}
 #: identity keys that say what vLLM resolved (read back from the worker), not what was asked
@@ -502,6 +507,16 @@ def has_spec_metrics(rows: list[dict]) -> bool:
     return any(r["name"] in (SPEC_NAMES["drafts"], SPEC_NAMES["drafts"] + "_total") for r in rows)
 
 
+def request_spec_counters(m: dict) -> SpecCounters:
+    """A request's own counters from vLLM's per-request histogram (``histogram[j]``: its verify
+    steps that accepted j drafts; ``num_draft_tokens``: drafts proposed): drafts = steps,
+    accepted = sum of j x steps, and position i accepted on every step that kept more than i."""
+    h = [int(x) for x in m["histogram"]]
+    k = int(m.get("num_spec_tokens") or len(h) - 1)
+    return SpecCounters(sum(h), int(m["num_draft_tokens"]), sum(j * n for j, n in enumerate(h)),
+                        [sum(h[j] for j in range(i + 1, len(h))) for i in range(k)])
+
+
 def completion_from_dict(prompt_id: str, row: dict, top_k: int, spec: bool) -> Completion:
     """One worker row (``request_output_to_dict`` + timings + metric snapshots) -> Completion."""
     out = row["output"]
@@ -517,7 +532,9 @@ def completion_from_dict(prompt_id: str, row: dict, top_k: int, spec: bool) -> C
     else:  # no per-request stats: the whole call minus time to first token
         decode_s = max(0.0, float(row.get("wall_s", 0.0)) - ttft)
     counters = None
-    if spec and has_spec_metrics(row.get("metrics_after") or []):
+    if spec and c.get("spec_decode_metrics"):  # its own, whatever shared its steps (vLLM >= 0.33)
+        counters = request_spec_counters(c["spec_decode_metrics"])
+    elif spec and has_spec_metrics(row.get("metrics_after") or []):
         counters = spec_counters_delta(row.get("metrics_before") or [], row["metrics_after"])
     return Completion(
         prompt_id=prompt_id, prompt_ids=out["prompt_token_ids"], token_ids=tokens,
@@ -550,7 +567,7 @@ def workload_llm_kwargs(knobs: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, raw in knobs.items():
         value = str(raw).strip().lower()
-        if key in ("prefix_cache", "async_scheduling"):
+        if key in ("prefix_cache", "async_scheduling", "cudagraph_metrics"):
             if value not in ("on", "off"):
                 raise EngineUsageError(f"workload knob {key}={raw}: use on or off")
             out[WORKLOAD_KNOBS[key]] = value == "on"
@@ -615,7 +632,12 @@ def workload_proof(stats: dict, version: str | None = None) -> dict[str, Any]:
       still held a batch in flight (its ``batch_queue``: the next step was scheduled before
       this one's output was processed). Absent where not read back.
     - ``chat_rendered`` / ``thinking_prompts``: prompts the worker rendered through the chat
-      template, and of those the ones rendered in thinking mode (base.rendered_thinking)."""
+      template, and of those the ones rendered in thinking mode (base.rendered_thinking).
+    - ``preempted_requests``: the requests the engine core's step outputs carried a PREEMPTED
+      event for (vllm_worker.StepTap; vLLM records one per preemption with stats on), where
+      vLLM counts preemptions or named one; run_workload adds those whose
+      ``RequestOutput.metrics.num_preemptions`` (vLLM >= 0.33) is above 0.
+    - with ``cudagraph_metrics``: graph_proof."""
     names = metric_names(version)
     before, after = stats.get("metrics_before") or [], stats.get("metrics_after") or []
     proof: dict[str, Any] = {"requests_served": int(stats["requests_served"]),
@@ -637,7 +659,35 @@ def workload_proof(stats: dict, version: str | None = None) -> dict[str, Any]:
     for key in ("steps_scheduled_ahead", "chat_rendered", "thinking_prompts"):
         if stats.get(key) is not None:
             proof[key] = int(stats[key])
+    if stats.get("step_tap") and ("preemptions" in proof or stats.get("preempted")):
+        proof["preempted_requests"] = sorted(stats.get("preempted") or ())
+        proof["preempted_from"] = "engine core events (PREEMPTED)"
+    if "capture_sizes" in stats:
+        proof.update(graph_proof(stats))
     return proof
+
+
+def graph_proof(stats: dict) -> dict[str, Any]:
+    """The shapes axis's batch proof from a workload served with ``cudagraph_metrics``: the
+    capture sizes vLLM resolved (tokens) and the tokens a request feeds a uniform step; the
+    batch sizes scheduled (the scheduler's running requests after each step); per step that reported a CUDA-graph stat, whether it replayed a
+    graph (``graph_steps``), was padded up to one (``padded_steps``) or ran without one
+    (``eager_steps``: mode NONE). The step keys are absent where no step reported a stat
+    (cudagraph_metrics not taken, or the steps not read): the level is then not exercised."""
+    out: dict[str, Any] = {"capture_sizes": [int(x) for x in stats["capture_sizes"]],
+                           "tokens_per_request": int(stats.get("tokens_per_request") or 1)}
+    if stats.get("cudagraph_mode") is not None:
+        out["cudagraph_mode"] = str(stats["cudagraph_mode"])
+    running = [int(n) for n in stats.get("step_running") or () if int(n) > 0]
+    if running:
+        out["batch_sizes"] = sorted(set(running))
+    graphs = stats.get("step_graphs") or []
+    if graphs:
+        eager = [g for g in graphs if "NONE" in str(g[2]).upper()]
+        out["graph_steps"] = len(graphs) - len(eager)
+        out["eager_steps"] = len(eager)
+        out["padded_steps"] = sum(1 for g in graphs if g not in eager and int(g[1]) > int(g[0]))
+    return out
 
 
 def workload_speculated(config: SpecConfig, stats: dict, comps: list[Completion]) -> SpecCounters:
@@ -1182,8 +1232,32 @@ class VllmEngine(Engine):
 
     # -- workload axes
 
-    #: served through vLLM's own step loop (run_workload); shapes and long_lived are the runner's
-    axes = frozenset({"concurrency", "prefix_cache", "kv_pressure", "async_scheduling", "chat_thinking"})
+    #: served through vLLM's own step loop (run_workload); long_lived and the shapes axis's
+    #: lengths are the runner's (its batch level is served here)
+    axes = frozenset({"concurrency", "prefix_cache", "kv_pressure", "async_scheduling", "chat_thinking",
+                      "shapes"})
+
+    def capture_sizes(self, config: SpecConfig) -> tuple[int, ...]:
+        """The CUDA-graph sizes (tokens) vLLM resolved for ``config``: as the last worker of the
+        same K read them back, else predicted by vLLM's default rule (engines.base.
+        vllm_capture_sizes, from max_num_seqs / max_num_batched_tokens where given; sizes the
+        user gave in compilation_config, rounded to multiples of 1 + K); none when eager. A
+        wrong prediction only picks other batch sizes: the proof reads back what vLLM resolved
+        and the level fails where those were not reached."""
+        k = 0 if config.is_baseline else config.k
+        rt = self._runtime
+        if rt.get("cudagraph_capture_sizes") is not None and int(rt.get("num_speculative_tokens") or 0) == k:
+            return tuple(int(x) for x in rt["cudagraph_capture_sizes"])
+        kw = self.llm_kwargs
+        cc = kw.get("compilation_config") if isinstance(kw.get("compilation_config"), dict) else {}
+        if kw.get("enforce_eager") is True or str(cc.get("cudagraph_mode", "")).upper() == "NONE":
+            return ()
+        if cc.get("cudagraph_capture_sizes"):
+            q = 1 + k
+            return tuple(sorted({-(-int(x) // q) * q for x in cc["cudagraph_capture_sizes"]}))
+        seqs = kw.get("max_num_seqs") if isinstance(kw.get("max_num_seqs"), int) else 256
+        tokens = kw.get("max_num_batched_tokens") if isinstance(kw.get("max_num_batched_tokens"), int) else None
+        return vllm_capture_sizes(seqs, 1 + k, tokens)
 
     def cache_block_size(self) -> int:
         """Tokens per KV-cache block: as the last worker's vLLM resolved it (``cache_config.
@@ -1217,6 +1291,10 @@ class VllmEngine(Engine):
             raise EngineUsageError(problem)
         thinking, llm_knobs = chat_knobs(workload.knobs)
         knobs = workload_llm_kwargs(llm_knobs)
+        rel = release_entry(self._vllm_version()) if self._vllm_version() else None
+        if rel is not None and rel.per_request_spec_metrics_arg and not config.is_baseline:
+            # each request's own counters, whatever shares its steps (vLLM >= 0.33)
+            knobs[rel.per_request_spec_metrics_arg] = "summary"
         if thinking is not None and any(not r.prompt.messages for r in workload.requests):
             raise EngineUsageError(f"the {workload.axis} workload renders chat messages; a request "
                                    "has none")
@@ -1233,6 +1311,7 @@ class VllmEngine(Engine):
                "top_k": int(top_k), "sampling": self.args["sampling"],
                "stop_token_ids": eos_token_ids(self.model),
                "max_in_flight": workload.max_in_flight,
+               "cudagraph_metrics": bool(knobs.get("cudagraph_metrics")),
                "step_gauges": sorted({names["requests_running"] for names in METRIC_NAMES.values()}),
                "requests": [{"id": r.id, "prompt": [int(t) for t in r.prompt_ids],
                              "max_tokens": int(r.prompt.max_tokens), "ignore_eos": bool(r.prompt.ignore_eos),
@@ -1254,6 +1333,12 @@ class VllmEngine(Engine):
                 c.text = self.detokenize(c.token_ids)
         stats = result["workload"]
         proof = workload_proof(stats, (result.get("runtime") or {}).get("vllm_version"))
+        counted = [r.id for r, row in zip(reqs, rows)  # vLLM >= 0.33 counts them per request
+                   if int(((row["output"].get("metrics") or {}).get("num_preemptions")) or 0) > 0]
+        if counted:
+            proof["preempted_requests"] = sorted(set(proof.get("preempted_requests") or ()) | set(counted))
+            proof["preempted_from"] = ("engine core events (PREEMPTED) and RequestOutput.metrics"
+                                       if stats.get("step_tap") else "RequestOutput.metrics")
         if spec is not None:
             total = workload_speculated(config, stats, comps)
             proof["drafts"], proof["accepted_tokens"] = total.drafts, total.accepted_tokens

@@ -73,6 +73,20 @@ class VllmRelease:
                                       "last_token_ts", "first_token_latency", "num_generation_tokens")
     #: ``LLM(async_scheduling=...)`` exists (SchedulerConfig.async_scheduling)
     async_scheduling: bool = True
+    #: what the workload axes read of each engine step (``EngineCoreOutputs``, as
+    #: ``LLMEngine.step`` takes them from ``engine_core.get_output()``): the scheduler stats'
+    #: running requests; the CUDA-graph stat of the step (``LLM(cudagraph_metrics=True)``:
+    #: tokens before and after padding, the graph mode); a request's PREEMPTED events
+    step_running_field: str = "num_running_reqs"
+    cudagraph_metrics_arg: str = "cudagraph_metrics"
+    cudagraph_stat_fields: tuple[str, ...] = ("num_unpadded_tokens", "num_padded_tokens", "runtime_mode")
+    preempted_event: str = "PREEMPTED"
+    #: ``RequestStateStats`` (``RequestOutput.metrics``) counts its request's preemptions
+    request_preemptions_field: str | None = None
+    #: the ``LLM(...)`` argument that gives each request its own spec-decode counters
+    #: (``CompletionOutput.spec_decode_metrics``: a histogram of accepted drafts per verify
+    #: step), and the level asked for; None where vLLM has only the engine-wide counters
+    per_request_spec_metrics_arg: str | None = None
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -96,13 +110,16 @@ VLLM_RELEASES: dict[tuple[int, ...], VllmRelease] = {
                          dflash2_draft_class="DFlash2Qwen3ForCausalLM",
                          gdn_decode_kernel_env="VLLM_GDN_DECODE_KERNEL"),
     # the selector's top-k moved to ``DFlash2Speculator.top_k`` (CandidateSampler); the GDN
-    # prefill backends grew aiter_flydsl and sycl (not CUDA paths)
+    # prefill backends grew aiter_flydsl and sycl (not CUDA paths); RequestStateStats counts a
+    # request's preemptions; per_request_spec_decode_metrics gives each request its counters
     (0, 33): VllmRelease(since=(0, 33), metrics=_METRICS_0_26, spec_methods=frozenset({"mtp", "dflash"}),
                          spec_keys=_SPEC_KEYS, dflash2=True, selector_top_k_attr="top_k",
                          dflash2_speculator="DFlash2Speculator",
                          dflash2_draft_class="DFlash2Qwen3ForCausalLM",
                          gdn_decode_kernel_env="VLLM_GDN_DECODE_KERNEL",
-                         gdn_prefill_backends=("flashinfer", "triton", "cutedsl", "aiter_flydsl", "sycl")),
+                         gdn_prefill_backends=("flashinfer", "triton", "cutedsl", "aiter_flydsl", "sycl"),
+                         request_preemptions_field="num_preemptions",
+                         per_request_spec_metrics_arg="per_request_spec_decode_metrics"),
 }
 #: the oldest release the adapter supports (older: refused, see version_problem)
 MIN_VLLM = min(VLLM_RELEASES)

@@ -62,7 +62,7 @@ def request_output_to_dict(out: Any) -> dict:
     if m is not None:
         metrics = {k: getattr(m, k) for k in (
             "arrival_time", "queued_ts", "scheduled_ts", "first_token_ts", "last_token_ts",
-            "first_token_latency", "num_generation_tokens") if hasattr(m, k)}
+            "first_token_latency", "num_generation_tokens", "num_preemptions") if hasattr(m, k)}
     return {
         "request_id": str(out.request_id),
         "prompt_token_ids": [int(t) for t in (out.prompt_token_ids or [])],
@@ -76,12 +76,24 @@ def request_output_to_dict(out: Any) -> dict:
                 "logprobs": logprobs_to_list(c.logprobs),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
+                **spec_metrics_to_dict(getattr(c, "spec_decode_metrics", None)),
             }
             for c in out.outputs
         ],
         "finished": bool(out.finished),
         "metrics": metrics,
     }
+
+
+def spec_metrics_to_dict(m: Any) -> dict:
+    """A request's own spec-decode counters (``CompletionOutput.spec_decode_metrics``, vLLM
+    0.33's RequestSpecDecodeMetrics: per verify step, a histogram of the drafts it accepted),
+    as {"spec_decode_metrics": {...}}; empty where vLLM gave none."""
+    if m is None or getattr(m, "histogram", None) is None:
+        return {}
+    return {"spec_decode_metrics": {"num_spec_tokens": int(m.num_spec_tokens),
+                                    "histogram": [int(x) for x in m.histogram],
+                                    "num_draft_tokens": int(m.num_draft_tokens)}}
 
 
 def metrics_to_dicts(metrics: Any, prefix: str = "vllm:") -> list[dict]:
@@ -426,6 +438,9 @@ def _engine_choices(llm: Any) -> dict:
         out["block_size"] = int(cfg.cache_config.block_size)
     except Exception:  # noqa: BLE001
         pass
+    graphs = graph_facts(llm)  # the shapes axis sends batches at these sizes
+    if "capture_sizes" in graphs:
+        out["cudagraph_capture_sizes"] = graphs["capture_sizes"]
     try:
         import importlib.util
         out["flashinfer_available"] = importlib.util.find_spec("flashinfer") is not None
@@ -537,8 +552,61 @@ def render_chat(tok: Any, messages: list[dict], thinking: bool) -> tuple[list[in
     return list(tok.encode(rendered, add_special_tokens=False)), rendered, text(not thinking)
 
 
+class StepTap:
+    """What each engine step's ``EngineCoreOutputs`` says, read as ``LLMEngine.step`` takes
+    them from ``engine_core.get_output()`` (the method is wrapped on the instance for the
+    workload and put back after): the scheduler stats' running requests, the step's
+    CUDA-graph stat (only with ``LLM(cudagraph_metrics=True)``: tokens before and after
+    padding, the graph mode), and each request's PREEMPTED events (recorded by the scheduler
+    with stats on and handed out with the request's next output). ``installed`` is False
+    where the engine has no such method (nothing is read then)."""
+
+    def __init__(self, engine: Any, preempted_event: str = "PREEMPTED"):
+        self.core = getattr(engine, "engine_core", None)
+        self.original = getattr(self.core, "get_output", None)
+        self.installed = callable(self.original)
+        self.own = self.installed and "get_output" in vars(self.core)
+        self.event = preempted_event
+        self.running: list[int] = []
+        self.graphs: list[list] = []  # [unpadded tokens, padded tokens, mode] per step that had one
+        self.preempted: dict[str, int] = {}  # vLLM request id -> PREEMPTED events
+        self.error: str | None = None
+        if self.installed:
+            self.core.get_output = self._get_output
+
+    def _get_output(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.original(*args, **kwargs)
+        try:
+            self.read(out)
+        except Exception as e:  # noqa: BLE001 - said in the stats; the step itself goes on
+            self.error = repr(e)[:300]
+        return out
+
+    def read(self, out: Any) -> None:
+        stats = getattr(out, "scheduler_stats", None)
+        if stats is not None:
+            self.running.append(int(stats.num_running_reqs))
+            g = getattr(stats, "cudagraph_stats", None)
+            if g is not None:
+                self.graphs.append([int(g.num_unpadded_tokens), int(g.num_padded_tokens),
+                                    str(g.runtime_mode)])
+        for o in getattr(out, "outputs", None) or ():
+            for e in getattr(o, "events", None) or ():
+                if getattr(e.type, "name", str(e.type)) == self.event:
+                    rid = str(o.request_id)
+                    self.preempted[rid] = self.preempted.get(rid, 0) + 1
+
+    def close(self) -> None:
+        if self.installed:
+            if self.own:
+                self.core.get_output = self.original
+            else:
+                del self.core.get_output
+
+
 def serve_workload(engine: Any, items: list[dict], max_in_flight: int | None,
-                   read_metrics: Any, step_gauges: Any = ()) -> tuple[list[dict], dict]:
+                   read_metrics: Any, step_gauges: Any = (),
+                   preempted_event: str = "PREEMPTED") -> tuple[list[dict], dict]:
     """Serve a workload through vLLM's engine step loop, as ``LLM.generate`` does it but with
     arrivals: ``engine`` is ``llm.llm_engine`` (``add_request(request_id, prompt, params)``,
     ``step()`` -> RequestOutputs, ``get_num_unfinished_requests()``); ``items`` are dicts
@@ -555,18 +623,45 @@ def serve_workload(engine: Any, items: list[dict], max_in_flight: int | None,
     steps, mixed_steps (a request's first token in the same step as another's further
     tokens), max_unfinished, step_max, requests_served, metrics_before/after, and
     steps_scheduled_ahead (steps after which a batch was still in flight: batches_in_flight;
-    None where the engine keeps no batch queue)."""
+    None where the engine keeps no batch queue); from the engine core's step outputs
+    (StepTap): step_running (the scheduler's running requests after each step), step_graphs
+    ([unpadded, padded tokens, graph mode] of each step that reported one), preempted
+    ({request: PREEMPTED events}); step_tap says whether they were read at all."""
     ids = {f"{ID_PREFIX}{i}": it["id"] for i, it in enumerate(items)}
     vid = {own: v for v, own in ids.items()}
     pending = list(items)
     inflight: dict[str, dict] = {}  # own id -> {"tokens", "alone", "before", "t0"}
     done: dict[str, dict] = {}
-    snap = read_metrics()
-    first_snap = snap
+    first_snap = read_metrics()
+    step_max: dict[str, float] = {}
+    tap = StepTap(engine, preempted_event)
+    try:
+        steps, mixed, max_unfinished, ahead, snap = _serve_steps(
+            engine, pending, inflight, done, ids, vid, first_snap, read_metrics, step_gauges,
+            max_in_flight, step_max)
+    finally:
+        tap.close()
+    preempted: dict[str, int] = {}
+    for rid, n in tap.preempted.items():
+        own = _own_id(rid, ids)
+        if own is not None:
+            preempted[own] = preempted.get(own, 0) + n
+    stats = {"steps": steps, "mixed_steps": mixed, "max_unfinished": max_unfinished,
+             "step_max": step_max, "requests_served": len(done), "steps_scheduled_ahead": ahead,
+             "metrics_before": first_snap, "metrics_after": snap, "step_tap": tap.installed,
+             "step_running": tap.running, "step_graphs": tap.graphs, "preempted": preempted,
+             **({"step_tap_error": tap.error} if tap.error else {})}
+    return [done[it["id"]] for it in items], stats
+
+
+def _serve_steps(engine: Any, pending: list[dict], inflight: dict, done: dict, ids: dict,
+                 vid: dict, snap: list, read_metrics: Any, step_gauges: Any,
+                 max_in_flight: int | None, step_max: dict) -> tuple:
+    """serve_workload's loop: (steps, mixed steps, most unfinished, steps scheduled ahead,
+    the last metrics snapshot)."""
     clock = steps = mixed = idle = 0
     ahead: int | None = None
     max_unfinished = 0
-    step_max: dict[str, float] = {}
     while pending or inflight:
         for it in list(pending):
             if max_in_flight is not None and len(inflight) >= max_in_flight:
@@ -627,10 +722,34 @@ def serve_workload(engine: Any, items: list[dict], max_in_flight: int | None,
                 f"the engine gave no output in {STALL_STEPS} steps with {len(inflight)} request(s) "
                 f"unfinished ({', '.join(list(inflight)[:3])}): one can never be scheduled (a KV "
                 "block budget smaller than one request needs?)")
-    stats = {"steps": steps, "mixed_steps": mixed, "max_unfinished": max_unfinished,
-             "step_max": step_max, "requests_served": len(done), "steps_scheduled_ahead": ahead,
-             "metrics_before": first_snap, "metrics_after": snap}
-    return [done[it["id"]] for it in items], stats
+    return steps, mixed, max_unfinished, ahead, snap
+
+
+def _release_of(llm: Any) -> Any:
+    """The version table's entry for the vLLM this worker runs."""
+    from speccheck.engines.vllm_versions import release_entry
+    try:
+        import vllm
+        return release_entry(getattr(vllm, "__version__", None))
+    except ImportError:
+        return release_entry(None)
+
+
+def graph_facts(llm: Any) -> dict:
+    """The CUDA-graph sizes vLLM resolved for this LLM (``compilation_config.
+    cudagraph_capture_sizes``, in tokens), its graph mode, and the tokens a request feeds a
+    uniform step (1 + K with speculation); absent where not readable."""
+    out: dict[str, Any] = {}
+    try:
+        cfg = llm.llm_engine.vllm_config
+        cc = cfg.compilation_config
+        out["capture_sizes"] = [int(x) for x in (cc.cudagraph_capture_sizes or [])]
+        out["cudagraph_mode"] = str(getattr(cc.cudagraph_mode, "name", cc.cudagraph_mode))
+        spec = getattr(cfg, "speculative_config", None)
+        out["tokens_per_request"] = 1 + int(getattr(spec, "num_speculative_tokens", 0) or 0)
+    except Exception:  # noqa: BLE001 - absent: the proof then says not read back
+        pass
+    return out
 
 
 def greedy_params(max_tokens: int, top_k: int, stop_token_ids: list[int], ignore_eos: bool,
@@ -765,7 +884,10 @@ class Worker:
                         thinking_ids.add(it["id"])
             done, stats = serve_workload(llm.llm_engine, items, req.get("max_in_flight"),
                                          lambda: metrics_to_dicts(llm.get_metrics()),
-                                         req.get("step_gauges") or ())
+                                         req.get("step_gauges") or (),
+                                         _release_of(llm).preempted_event)
+            if req.get("cudagraph_metrics"):  # the sizes the steps were padded to, as resolved
+                stats.update(graph_facts(llm))
             result["requests"] = [{**row, "output": request_output_to_dict(row["output"])}
                                   for row in done]
             if chat is not None:

@@ -100,9 +100,9 @@ FAULTS = {
     "preempt-loses-draft-state": "a request recomputed after preemption resumes with its "
                                  "drafter state lost, not rebuilt from the recompute (acceptance "
                                  "falls; tokens move at near-ties only; kv_blocks)",
-    "padded-row-real": "a batch not of a CUDA-graph capture size (1, 2, 4, 8, 16, ...) is "
-                       "padded; the padding rows write their state into the last row's slot "
-                       "(vLLM #45100)",
+    "padded-row-real": "a batched step not of a CUDA-graph capture size (vLLM's default "
+                       "sizes in tokens, 1 + K a request) is padded up to the next; the padding "
+                       "rows write their state into the last row's slot (vLLM #45100)",
     "thinking-no-rollback": "a request whose prompt the chat template rendered in thinking "
                             "mode is verified on a path that keeps the rejected drafts' GDN "
                             "state (a verify path keyed on the reasoning mode; the thinking-mode "

@@ -220,7 +220,7 @@ class ReferenceEngine(Engine):
     replays_acceptance = True
     #: the workload axes its serving loop runs (reference/serving.py)
     axes = frozenset({"concurrency", "prefix_cache", "kv_pressure", "long_lived", "async_scheduling",
-                      "chat_thinking"})
+                      "chat_thinking", "shapes"})
 
     def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
                  draft: str | None = None) -> None:
@@ -489,6 +489,12 @@ class ReferenceEngine(Engine):
         """One GPU where this engine runs on CUDA (device=cuda, or auto where CUDA is), else 0:
         an executor gives every cell of a suite the same device as the engine that plans it."""
         return 1 if self.device.type == "cuda" else 0
+
+    def capture_sizes(self, config: SpecConfig) -> tuple[int, ...]:
+        """The graph sizes its serving loop pads batched steps to (serving.capture_sizes)."""
+        from .serving import capture_sizes
+
+        return capture_sizes(0 if config.is_baseline else config.k)
 
     def cache_block_size(self) -> int:
         from .serving import DEFAULT_BLOCK_SIZE

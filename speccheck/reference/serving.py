@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from speccheck.engines.base import padded_size, vllm_capture_sizes
 from speccheck.types import Request, SpecCounters
 
 from .decode import Decoder
@@ -57,10 +58,14 @@ DEFAULT_MAX_IN_FLIGHT = 8
 #: cache blocks the prefix cache keeps (each with a hybrid state, ~0.4 MB), least recently
 #: used dropped first
 PREFIX_CACHE_BLOCKS = 512
-#: batch sizes with a captured CUDA graph (vLLM's default capture sizes 1, 2, 4, 8, 16, 24, ...):
-#: a batch of another size is padded up to the next one (fault padded-row-real)
-CAPTURE_SMALL = (1, 2, 4)
-CAPTURE_STEP = 8
+#: the requests a step may hold when the engine sizes its CUDA graphs (vLLM's max_num_seqs; the
+#: axes put at most 32 in flight): the captured sizes follow vLLM's default rule from it
+#: (engines.base.vllm_capture_sizes: 1, 2, 4, 8, 16, ... 64 tokens for the baseline; with
+#: speculation multiples of 1 + K up to min(64 x (1 + K), 512) tokens, so K = 7 pads a batch of
+#: 33 requests to 34); a batched step of another size is padded up to the next captured one,
+#: past the largest it runs without a graph (what the fault padded-row-real and the shapes
+#: axis's batch level are about). On CPU nothing is captured: the model only decides the padding
+CAPTURE_MAX_SEQS = 32
 #: the token id of a padding row (vLLM pads input ids with 0)
 PAD_TOKEN = 0
 
@@ -77,11 +82,16 @@ KNOBS = {
                         "placeholder tokens for the step in flight, fixed up by its rejected "
                         "drafts when the step completes; finishes and freed slots are seen a "
                         "step late; the worker places the step from the scheduler's count",
+    "cudagraph_metrics": "on | off: the proof counts each batched step's rows, the captured "
+                         "size it was padded up to and the steps past every captured size "
+                         "(vLLM's cudagraph_metrics)",
 }
 
 
-def is_capture_size(n: int) -> bool:
-    return n in CAPTURE_SMALL or n % CAPTURE_STEP == 0
+def capture_sizes(k: int) -> tuple[int, ...]:
+    """The batch sizes, in tokens, of the graphs this engine models for K drafts (0: the
+    baseline): vLLM's default rule at max_num_seqs CAPTURE_MAX_SEQS."""
+    return vllm_capture_sizes(CAPTURE_MAX_SEQS, 1 + k)
 
 
 def blocks(n_tokens: int, block_size: int) -> int:
@@ -99,6 +109,8 @@ def parse_knobs(knobs: dict[str, str]) -> tuple[str | None, int, int | None]:
     if prefix not in (None, "on", "off"):
         raise ValueError(f"workload knob prefix_cache={prefix!r}: give on or off")
     async_knob(knobs)
+    if knobs.get("cudagraph_metrics", "off") not in ("on", "off"):
+        raise ValueError(f"workload knob cudagraph_metrics={knobs['cudagraph_metrics']!r}: give on or off")
     out = []
     for key in ("block_size", "kv_blocks"):
         v = knobs.get(key)
@@ -252,6 +264,12 @@ class Proof:
     #: placeholder counts fixed up by rejected drafts when a step completed
     scheduled_ahead: int = 0
     placeholder_fixups: int = 0
+    #: batched steps (decode or verify forwards): their sizes in requests, how many replayed a
+    #: captured size (of those, padded up to it) and how many ran past every one (no graph)
+    batch_sizes: set = field(default_factory=set)
+    padded_steps: int = 0
+    graph_steps: int = 0
+    eager_steps: int = 0
 
 
 class Server:
@@ -296,6 +314,8 @@ class Server:
         self.block_size, self.kv_blocks = bs, kv_blocks
         self.prefix_on = prefix == "on"
         self.prefix_mode = prefix
+        self.graph_metrics = (knobs or {}).get("cudagraph_metrics") == "on"
+        self.capture = capture_sizes(k)
         fault = dec.knobs.fault
         self.aux_ids = tuple(dec.cfg.drafter.target_layer_ids) if method not in ("baseline", "mtp") else ()
         if fault == "dflash-wrong-layer":
@@ -435,6 +455,10 @@ class Server:
         if self.async_on:
             out.update(async_scheduling=1, steps_scheduled_ahead=p.scheduled_ahead,
                        placeholder_fixups=p.placeholder_fixups)
+        if self.graph_metrics:
+            out.update(capture_sizes=list(self.capture), tokens_per_request=1 + self.k,
+                       batch_sizes=sorted(p.batch_sizes), padded_steps=p.padded_steps,
+                       graph_steps=p.graph_steps, eager_steps=p.eager_steps)
         return out
 
     # ------------------------------------------------------------------ scheduling
@@ -696,9 +720,18 @@ class Server:
         return c
 
     def _padding(self, live: list[_Seq], c: Cache, n_tokens: int) -> None:
-        """(fault padded-row-real) A batch not of a capture size is padded up to one; the
-        padding rows, mapped to the last row's state slot, write their state over it."""
-        if self.dec.knobs.fault != "padded-row-real" or is_capture_size(len(live)):
+        """A batched step of ``len(live)`` rows of ``n_tokens`` tokens each replays the
+        captured graph of the next size up (vLLM pads a batch to it), or runs without one past
+        the largest; counted for the proof. Fault padded-row-real: the padding rows, mapped to
+        the last row's state slot, write their state over it."""
+        n = len(live)
+        size = padded_size(n * n_tokens, self.capture)
+        p = self.proof
+        p.batch_sizes.add(n)
+        p.eager_steps += size is None
+        p.graph_steps += size is not None
+        p.padded_steps += size is not None and size > n * n_tokens
+        if self.dec.knobs.fault != "padded-row-real" or size is None or size == n * n_tokens:
             return
         dec = self.dec
         pad = _gather(self.pool, [live[-1].slot])  # the last row's state before this step

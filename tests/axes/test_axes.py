@@ -200,3 +200,69 @@ def test_a_concurrency_level_whose_batch_never_reached_it_fails(suite):  # noqa:
     res = evaluate_suite(suite, LOOSE, ["baseline", "mtp-k3"])
     c = res.get("mtp-k3").check("axis_concurrency")
     assert not c.passed and "concurrency (32) was not exercised: max_batch = 9 < 32" in c.message
+
+
+def test_batch_targets_are_the_capture_sizes_and_one_either_side():
+    """In requests of 1 + K tokens: vLLM's default sizes (1, 2, 4, 8, 16, ... tokens) give the
+    baseline 3, 4, 5 (5 pads to 8) and 7, 8, 9; rounded up to multiples of 4 for K=3 they are
+    1, 2, 4, 6, 8, ... requests; with K=7 every count up to the last size is captured, so the
+    last one and the first past every graph; no size reported: a fixed guess (the proof then
+    shows no graph)."""
+    from speccheck.axes.shapes import batch_targets
+
+    base = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]
+    assert batch_targets(base, 1) == [3, 4, 5, 7, 8, 9]
+    assert batch_targets(sorted({-(-s // 4) * 4 for s in base}), 4) == [3, 4, 5, 6, 7]
+    assert batch_targets(list(range(8, 129, 8)), 8) == [15, 16, 17]
+    assert batch_targets([], 4) == [3, 4, 5]
+    assert max(batch_targets(range(1, 1000), 1)) <= 64
+
+
+def test_shapes_batch_level_sends_each_target_batch_alone():
+    """Each target size arrives at once, after the batch before it has ended (its requests
+    decode a fixed budget past end-of-sequence), at most the largest in flight."""
+    from speccheck.axes.shapes import BATCH_TOKENS, batch_targets
+
+    sizes = tuple(range(4, 65, 4))  # 1 + K = 4 tokens a request
+    w = get("shapes").build(AxisInput(CORPUS, inputs(), SpecConfig("mtp", 3), "batch", (3,),
+                                      capture_sizes=sizes))
+    want = batch_targets(sizes, 4)
+    waves: dict[int, list] = {}
+    for r in w.requests:
+        waves.setdefault(r.arrive_after, []).append(r)
+    assert [len(v) for _, v in sorted(waves.items())] == want
+    starts = sorted(waves)
+    assert all(b - a > BATCH_TOKENS for a, b in zip(starts, starts[1:]))
+    assert all(r.prompt.ignore_eos and r.prompt.max_tokens == BATCH_TOKENS for r in w.requests)
+    assert w.max_in_flight == max(want) and w.knobs == {"cudagraph_metrics": "on"}
+
+
+def test_the_batch_level_runs_only_on_an_engine_that_serves_it():
+    assert axis_slot("shapes", "batch") not in parse_axes("default", frozenset())
+    assert {axis_slot("shapes", "k"), axis_slot("shapes", "batch")} <= set(parse_axes("default", frozenset({"shapes"})))
+    with pytest.raises(PlanError, match="cannot run the shapes axis's batch level"):
+        parse_axes("shapes=batch", frozenset())
+    assert parse_axes("shapes=k", frozenset()) == (axis_slot("shapes", "k"),)
+
+
+@pytest.mark.parametrize("proof, unproven", [
+    ({"capture_sizes": [1, 2, 4, 8, 16], "tokens_per_request": 1, "batch_sizes": [3, 4, 5, 7, 8],
+      "graph_steps": 9}, "batch sizes [9] of [3, 4, 5, 7, 8, 9] were never scheduled"),
+    ({"capture_sizes": [], "tokens_per_request": 1, "batch_sizes": [3, 4, 5], "graph_steps": 0},
+     "capture_sizes = []"),
+    ({"batch_sizes": [3, 4, 5]}, "graph_steps = not read back"),
+])
+def test_a_batch_level_that_missed_its_sizes_is_not_exercised(suite, proof, unproven):  # noqa: F811
+    """Batches that never reached a target size, an engine that captured no graph (eager),
+    or one that reports nothing: the shapes axis fails naming what was missing."""
+    _plan_axes(suite, [axis_slot("shapes", "batch")])
+    for name, spec in (("baseline", None), ("mtp-k3", MTP_COUNTERS)):
+        _axis_run(suite, name, "shapes", "batch", _requests("b3/00", spec), proof)
+    c = evaluate_suite(suite, LOOSE, ["mtp-k3"]).get("mtp-k3").check("axis_shapes")
+    assert not c.passed and "shapes (batch) was not exercised" in c.message and unproven in c.message, c.message
+    good = {"capture_sizes": [1, 2, 4, 8, 16], "tokens_per_request": 1, "batch_sizes": [3, 4, 5, 7, 8, 9],
+            "graph_steps": 9, "padded_steps": 4}
+    for name, spec in (("baseline", None), ("mtp-k3", MTP_COUNTERS)):
+        _axis_run(suite, name, "shapes", "batch", _requests("b3/00", spec), good)
+    c = evaluate_suite(suite, LOOSE, ["mtp-k3"]).get("mtp-k3").check("axis_shapes")
+    assert c.passed, c.message

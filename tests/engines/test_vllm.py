@@ -328,10 +328,22 @@ RequestOutput, CompletionOutput, Logprob and the metrics reader's Counter/Gauge/
 an ``llm_engine`` with the step loop of vLLM's LLMEngine (FakeEngine). Its "model" is
 arithmetic: logit(t | ids) = -((t - 7 * len(ids) - sum(ids)) % V) / 3."""
 import math
+import os
 from types import SimpleNamespace
 
-__version__ = "0.28.0+fake"
+# FAKE_VLLM_VERSION=0.33.0: per-request preemption counts and spec-decode counters, as 0.33 has
+__version__ = os.environ.get("FAKE_VLLM_VERSION", "0.28.0+fake")
 V = 50
+NEW = tuple(int(x) for x in __version__.split("+")[0].split(".")[:2]) >= (0, 33)
+
+
+def capture_sizes(max_num_seqs, q, eager):
+    """vLLM 0.26's default CUDA-graph sizes in tokens (1 + K a request), none when eager."""
+    if eager:
+        return []
+    top = min(max_num_seqs * q * 2, 512)
+    base = [s for s in [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, top + 1, 16)) if s <= top]
+    return sorted({-(-s // q) * q for s in base if -(-s // q) * q <= top})
 
 
 class SamplingParams:
@@ -434,6 +446,28 @@ class Req:
     def __init__(self, rid, ids, sp):
         self.rid, self.ids, self.sp = rid, list(ids), sp
         self.toks, self.lps, self.computed, self.queried = [], [], False, False
+        self.events, self.preemptions, self.histogram, self.drafted = [], 0, None, 0
+
+
+class EventType:
+    """vllm.v1.engine.EngineCoreEventType's members as the fake's events carry them."""
+
+    def __init__(self, name):
+        self.name = name
+
+
+class FakeCore:
+    """The engine core client as LLMEngine.step reads it: get_output() runs one scheduler
+    step and returns EngineCoreOutputs (outputs with each request's events, scheduler_stats
+    with the running requests and, with cudagraph_metrics, the step's CUDA-graph stat); the
+    in-process core's batch queue under engine_core."""
+
+    def __init__(self, engine, batch_queue):
+        self.engine = engine
+        self.engine_core = SimpleNamespace(batch_queue=batch_queue)
+
+    def get_output(self):
+        return self.engine.schedule_step()
 
 
 class FakeEngine:
@@ -465,8 +499,9 @@ class FakeEngine:
         # step planned ahead while requests run (none at all when scheduling synchronously)
         import collections
         asynchronous = vllm_config.scheduler_config.async_scheduling
-        self.engine_core = SimpleNamespace(engine_core=SimpleNamespace(
-            batch_queue=collections.deque() if asynchronous else None))
+        self.engine_core = FakeCore(self, collections.deque() if asynchronous else None)
+        self.graph_stats = bool(kw.get("cudagraph_metrics"))
+        self.per_request = kw.get("per_request_spec_decode_metrics", "none") != "none"
 
     def add_request(self, request_id, prompt, params, arrival_time=None, **kwargs):
         kind = getattr(params.output_kind, "name", "CUMULATIVE")
@@ -484,12 +519,17 @@ class FakeEngine:
         return -(-(len(r.ids) + len(r.toks) + new) // self.block)
 
     def step(self):
+        return self.engine_core.get_output().request_outputs
+
+    def schedule_step(self):
         spec = self.llm.spec
         k = len(self.llm.per_pos) if spec and spec["method"] != "ngram" else 0
         budget = float("inf") if self.budget is None else self.budget
         while self.running and sum(self.blocks(r, 1 + k) for r in self.running) > budget:
             r = self.running.pop()  # the newest gives its blocks back, and starts over later
             r.computed = False
+            r.preemptions += 1
+            r.events.append(SimpleNamespace(type=EventType("PREEMPTED"), timestamp=0.0))
             self.waiting.insert(0, r)
             self.stats["vllm:num_preemptions"] += 1
         used = sum(self.blocks(r, 1 + k) for r in self.running)
@@ -507,7 +547,9 @@ class FakeEngine:
                 self.stats["vllm:prefix_cache_queries"] += len(r.ids)
                 self.stats["vllm:prefix_cache_hits"] += hit * self.block
         self.num_running = len(self.running)
-        outs = []
+        outs, core_outs = [], []
+        fed = [1 + k if r.computed else len(r.ids) + len(r.toks) for r in self.running]
+        uniform = all(r.computed for r in self.running)
         for r in list(self.running):
             n = 1 + k if r.computed else 1
             if not r.computed and self.prefix:
@@ -529,13 +571,25 @@ class FakeEngine:
                 self.llm.counts[2] += made - 1
                 for i in range(made - 1):
                     self.llm.per_pos[i] += 1
+                if self.per_request:  # RequestSpecDecodeMetrics.observe
+                    r.histogram = r.histogram or [0] * (k + 1)
+                    r.histogram[made - 1] += 1
+                    r.drafted += k
+            own = None
+            if self.per_request and finished and r.histogram is not None:
+                own = SimpleNamespace(num_spec_tokens=k, histogram=list(r.histogram),
+                                      num_draft_tokens=r.drafted)
             comp = SimpleNamespace(index=0, text="", token_ids=list(r.toks), cumulative_logprob=None,
                                    logprobs=list(r.lps) if r.sp.logprobs else None,
                                    finish_reason=("stop" if stopped else "length") if finished else None,
-                                   stop_reason=None)
+                                   stop_reason=None, spec_decode_metrics=own)
             rid = f"{r.rid}-{self.suffix}" if self.suffix else r.rid
             outs.append(SimpleNamespace(request_id=rid, prompt_token_ids=r.ids, prompt_logprobs=None,
-                                        outputs=[comp], finished=finished, metrics=None))
+                                        outputs=[comp], finished=finished,
+                                        metrics=SimpleNamespace(num_preemptions=r.preemptions) if NEW else None))
+            core_outs.append(SimpleNamespace(request_id=rid, new_token_ids=r.toks[-made:],
+                                             events=r.events or None))
+            r.events = []
             if finished:
                 self.running.remove(r)
         queue = self.engine_core.engine_core.batch_queue
@@ -543,7 +597,17 @@ class FakeEngine:
             queue.clear()
             if self.running or self.waiting:
                 queue.append("step planned ahead")
-        return outs
+        graph = None
+        if self.graph_stats and fed:
+            tokens = sum(fed)
+            padded = min((c for c in self.vllm_config.compilation_config.cudagraph_capture_sizes
+                          if c >= tokens), default=None)
+            graph = SimpleNamespace(num_unpadded_tokens=tokens, num_padded_tokens=padded or tokens,
+                                    num_paddings=(padded or tokens) - tokens,
+                                    runtime_mode="NONE" if padded is None else
+                                    "FULL" if uniform else "PIECEWISE")
+        stats = SimpleNamespace(num_running_reqs=self.num_running, cudagraph_stats=graph)
+        return SimpleNamespace(outputs=core_outs, scheduler_stats=stats, request_outputs=outs)
 
 
 class FakeTokenizer:
@@ -567,8 +631,9 @@ class FakeTokenizer:
 
 class LLM:
     def __init__(self, model, speculative_config=None, **kwargs):
-        if "bogus_arg" in kwargs:
-            raise TypeError("EngineArgs.__init__() got an unexpected keyword argument 'bogus_arg'")
+        for arg in ("bogus_arg",) + (() if NEW else ("per_request_spec_decode_metrics",)):
+            if arg in kwargs:
+                raise TypeError(f"EngineArgs.__init__() got an unexpected keyword argument '{arg}'")
         import os
         # async scheduling with speculation: FAKE_VLLM_ASYNC_SPEC=refuse raises as vLLM 0.10
         # did, =disable turns it off as later releases do for a method they do not support
@@ -599,6 +664,10 @@ class LLM:
                                                num_speculative_tokens=len(self.per_pos))
             if self.spec else None,
             additional_config=kwargs.get("additional_config") or {},
+            compilation_config=SimpleNamespace(
+                cudagraph_mode="NONE" if kwargs.get("enforce_eager") else "FULL_AND_PIECEWISE",
+                cudagraph_capture_sizes=capture_sizes(int(kwargs.get("max_num_seqs") or 256),
+                                                      1 + len(self.per_pos), kwargs.get("enforce_eager"))),
             cache_config=SimpleNamespace(
                 block_size=block, enable_prefix_caching=bool(kwargs.get("enable_prefix_caching")))))
 

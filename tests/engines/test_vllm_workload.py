@@ -340,7 +340,7 @@ def test_proof_keys_absent_where_the_fake_vllm_has_no_counter(fake_vllm, monkeyp
     assert proof["max_batch_from"] == "unfinished requests" and proof["max_batch"] == 4
 
 
-@pytest.mark.parametrize("axis", ["shapes", "long_lived", "swap"])
+@pytest.mark.parametrize("axis", ["long_lived", "swap"])
 def test_an_axis_the_engine_lacks_is_refused_before_any_worker(dirs, axis):  # noqa: F811
     eng = VllmEngine(model=str(dirs[0]))
     wl = Workload(axis, "k", [Request("a:p", Prompt("p", "x", 4, text="a"), (1, 2))])
@@ -348,7 +348,7 @@ def test_an_axis_the_engine_lacks_is_refused_before_any_worker(dirs, axis):  # n
         eng.run_workload(wl, SpecConfig(), 5)
     assert eng._worker is None and eng._tmp_dir is None
     assert eng.axes == frozenset({"concurrency", "prefix_cache", "kv_pressure", "async_scheduling",
-                                  "chat_thinking"})
+                                  "chat_thinking", "shapes"})
 
 
 @pytest.mark.parametrize("workload,match", [
@@ -546,3 +546,86 @@ def test_async_and_chat_axes_through_run_workload(fake_vllm, config, monkeypatch
                 run("async_scheduling", "on")
     finally:
         eng.close()
+
+
+# ---------------------------------------------------------------- CUDA-graph sizes and preemptions
+
+def test_capture_sizes_predicted_from_the_engine_args(dirs):  # noqa: F811
+    """Before a worker has read them back: vLLM's default rule (1 + K tokens a request), the
+    user's own sizes rounded to multiples of 1 + K, none when eager."""
+    eng = VllmEngine(model=str(dirs[0]))
+    assert eng.capture_sizes(SpecConfig())[:6] == (1, 2, 4, 8, 16, 24)
+    assert eng.capture_sizes(SpecConfig("mtp", 3))[:5] == (4, 8, 16, 24, 32)
+    own = VllmEngine(model=str(dirs[0]), engine_args={"compilation_config": '{"cudagraph_capture_sizes": [1, 2, 5, 8]}'})
+    assert own.capture_sizes(SpecConfig("mtp", 3)) == (4, 8)
+    assert VllmEngine(model=str(dirs[0]), engine_args={"enforce_eager": "true"}).capture_sizes(SpecConfig()) == ()
+    eng._runtime = {"cudagraph_capture_sizes": [2, 4], "num_speculative_tokens": 1}
+    assert eng.capture_sizes(SpecConfig("mtp", 1)) == (2, 4)  # read back for this K
+    assert eng.capture_sizes(SpecConfig("mtp", 3))[:2] == (4, 8)  # another K: predicted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [SpecConfig(), SpecConfig("mtp", 3)], ids=lambda c: c.name)
+def test_batch_level_through_run_workload(fake_vllm, config):  # noqa: F811
+    """The shapes axis's batch level with the fake vLLM (test double, vLLM 0.26's default
+    capture sizes): each batch of capture size ± 1 requests was scheduled, read from the
+    engine core's step outputs, the steps past a size padded up to the next (cudagraph_metrics),
+    and every request gives its tokens alone; an eager engine reports no size and the check
+    fails the level as not exercised."""
+    from speccheck.axes.shapes import batch_targets
+
+    target, draft = fake_vllm
+    if not (target / "tokenizer.json").is_file():
+        pytest.skip("reference tokenizer not shipped yet")
+    for eager in (False, True):
+        eng = VllmEngine(model=str(target), draft=str(draft),
+                         engine_args={"worker": "per-config", **({"enforce_eager": "true"} if eager else {})})
+        try:
+            corpus, inputs, outputs, alone = corpus_inputs(eng, config)
+            sizes = eng.capture_sizes(config)
+            wl = get_axis("shapes").build(AxisInput(corpus, inputs, config, "batch", (3,), outputs,
+                                                    capture_sizes=sizes))
+            result = eng.run_workload(wl, config, 5)
+        finally:
+            eng.close()
+        p = result.proof
+        if eager:  # no size to pad to, no step on a graph: axis_shapes fails it (tests/axes)
+            assert sizes == () and p["capture_sizes"] == [] and p["graph_steps"] == 0
+            assert p["eager_steps"] == p["steps"]
+            continue
+        check_outputs(result, wl, alone)
+        q = 1 if config.is_baseline else 4
+        assert p["tokens_per_request"] == q and tuple(p["capture_sizes"]) == sizes
+        assert set(batch_targets(sizes, q)) <= set(p["batch_sizes"])
+        assert p["padded_steps"] > 0 and p["graph_steps"] > p["padded_steps"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["0.28.0", "0.33.0"])
+def test_preempted_requests_named_by_vllm(fake_vllm, monkeypatch, version):  # noqa: F811
+    """Under a KV budget the fake vLLM (test double) preempts: the proof names the preempted
+    requests from the engine core's PREEMPTED events (every version) and, as of vLLM 0.33,
+    their RequestOutput.metrics; 0.33 also gives each request its own spec counters (a
+    histogram of accepted drafts per step), so requests that shared their steps are judged one
+    by one; before 0.33 only requests alone in flight have counters."""
+    monkeypatch.setenv("FAKE_VLLM_VERSION", version)
+    target, draft = fake_vllm
+    eng = VllmEngine(model=str(target), draft=str(draft))
+    try:  # a repeat first, as `speccheck run` runs them: the worker then says which vLLM it is
+        eng.generate([Prompt("a", "x", 4, text="a")], [[1, 2, 3]], SpecConfig("mtp", 3), 5)
+        result = eng.run_workload(pressure_workload(), SpecConfig("mtp", 3), 5)
+    finally:
+        eng.close()
+    p = result.proof
+    assert p["preemptions"] > 0 and p["preempted_requests"]
+    assert set(p["preempted_requests"]) <= {r.id for r in pressure_workload().requests}
+    if version == "0.33.0":
+        assert "RequestOutput.metrics" in p["preempted_from"]
+        assert all(c.spec is not None and c.spec.drafts > 0 for c in result.completions)
+        for c in result.completions:  # the fake accepts every draft the budget leaves room for
+            s = c.spec
+            assert s.draft_tokens == 3 * s.drafts and s.accepted_tokens == sum(s.accepted_per_pos)
+            assert s.accepted_per_pos[0] == s.drafts >= s.accepted_per_pos[-1] >= s.drafts - 1
+    else:
+        assert p["preempted_from"] == "engine core events (PREEMPTED)"
+        assert all(c.spec is None for c in result.completions)  # in flight together: shared counters

@@ -12,7 +12,7 @@ from speccheck.axes import AxisInput, get
 from speccheck.corpus import load_corpus
 from speccheck.engines.base import EngineError, EngineUsageError
 from speccheck.reference.engine import ReferenceEngine
-from speccheck.reference.serving import blocks
+from speccheck.reference.serving import blocks, capture_sizes
 from speccheck.types import Prompt, Request, SpecConfig, Workload
 from speccheck.verify import counter_problems, find_divergences
 
@@ -54,6 +54,12 @@ def _build(axis, level, corpus, inputs, config, outputs=None):
     return get(axis).build(AxisInput(corpus, inputs, config, level, (3, 7), outputs or {}))
 
 
+def _batches(corpus, inputs, config):
+    """The shapes axis's batch level at the engine's capture sizes for this config."""
+    sizes = capture_sizes(0 if config.is_baseline else config.k)
+    return get("shapes").build(AxisInput(corpus, inputs, config, "batch", (3, 7), {}, capture_sizes=sizes))
+
+
 def _bits(c) -> tuple:
     return (c.token_ids.tobytes(), c.logprobs.tobytes(), c.topk_ids.tobytes(),
             c.topk_logprobs.tobytes())
@@ -76,14 +82,17 @@ def _consistent(c, k: int) -> bool:
 
 def test_axes_and_knobs(engine, corpus, inputs):
     assert engine.axes == {"concurrency", "prefix_cache", "kv_pressure", "long_lived", "async_scheduling",
-                           "chat_thinking"}
+                           "chat_thinking", "shapes"}
     wl = _build("concurrency", "4", corpus, inputs, SpecConfig())
     for knobs, msg in (({"prefix_cache": "maybe"}, "prefix_cache"), ({"kv_blocks": "0"}, "kv_blocks"),
                        ({"swap": "on"}, "swap"), ({"async_scheduling": "yes"}, "async_scheduling")):
         with pytest.raises(EngineUsageError, match=msg):
             engine.run_workload(Workload("concurrency", "x", wl.requests, 4, knobs), SpecConfig(), 5)
-    with pytest.raises(EngineUsageError, match="shapes"):
-        engine.run_workload(Workload("shapes", "k", wl.requests), SpecConfig(), 5)
+    with pytest.raises(EngineUsageError, match="swap"):
+        engine.run_workload(Workload("swap", "k", wl.requests), SpecConfig(), 5)
+    with pytest.raises(EngineUsageError, match="cudagraph_metrics"):
+        engine.run_workload(Workload("shapes", "batch", wl.requests, 4, {"cudagraph_metrics": "yes"}),
+                            SpecConfig(), 5)
     with pytest.raises(EngineUsageError, match="eagle"):
         engine.run_workload(wl, SpecConfig("eagle", 3), 5)
     with pytest.raises(EngineUsageError, match="not in the workload"):
@@ -114,6 +123,45 @@ def test_concurrency_gives_each_request_its_bits_alone(engine, corpus, inputs, a
     p = res.proof
     assert p["max_batch"] == 4 and p["mixed_steps"] > 0 and p["slot_reuses"] > 0
     assert p["requests_served"] >= 8 and "prefix_hits" not in p and "preemptions" not in p
+
+
+@pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: c.name)
+def test_batches_at_capture_sizes_give_each_request_its_bits_alone(engine, corpus, inputs, alone, config):
+    """The shapes axis's batch level: batches of exactly the captured sizes and one either side
+    (the baseline: 3, 4, 5 and 7, 8, 9 requests; MTP K=3, 4 tokens a request: 3 to 7), each
+    arriving after the one before ended; the steps padded up to a captured size are counted,
+    and every request gives the bits it gives alone."""
+    from speccheck.axes.shapes import batch_targets
+
+    ref = alone(config)
+    wl = _batches(corpus, inputs, config)
+    res = engine.run_workload(wl, config, 5)
+    q = 1 + config.k if not config.is_baseline else 1
+    want = {"baseline": [3, 4, 5, 7, 8, 9], "mtp-k3": [3, 4, 5, 6, 7]}[config.name]
+    assert batch_targets(capture_sizes(config.k if q > 1 else 0), q) == want
+    p = res.proof
+    assert set(want) <= set(p["batch_sizes"]) and p["tokens_per_request"] == q
+    assert p["padded_steps"] > 0 and p["graph_steps"] >= p["padded_steps"] and p["eager_steps"] == 0
+    assert p["max_batch"] == max(want) and len(res.completions) == sum(want)
+    for c in res.completions:  # past the prompt's own end-of-sequence too: compared where both ran
+        a = ref[c.prompt_id.rsplit(":", 1)[1]]
+        n = min(a.n_tokens, c.n_tokens)
+        assert c.n_tokens == 8 and c.token_ids[:n].tolist() == a.token_ids[:n].tolist(), c.prompt_id
+        assert c.topk_logprobs[:n].tobytes() == a.topk_logprobs[:n].tobytes(), c.prompt_id
+    assert "capture_sizes" not in engine.run_workload(_build("concurrency", "4", corpus, inputs, config),
+                                                      config, 5).proof  # asked for by the knob only
+
+
+def test_capture_sizes_pad_a_batch_at_every_k():
+    """vLLM's rule at 32 requests: the baseline captures 1, 2, 4, 8, ... 64 tokens; K=7 every
+    count of 8-token requests up to 32, then every other one, so the batch level sends 31 to 35
+    and 33 and 35 are padded: a spec config's padding is exercised at the default run's K too."""
+    from speccheck.axes.shapes import batch_targets
+    from speccheck.engines.base import padded_size
+
+    assert capture_sizes(0)[:6] == (1, 2, 4, 8, 16, 24) and capture_sizes(0)[-1] == 64
+    assert batch_targets(capture_sizes(7), 8) == [31, 32, 33, 34, 35]
+    assert padded_size(33 * 8, capture_sizes(7)) == 34 * 8 and padded_size(65 * 8, capture_sizes(7)) is None
 
 
 @pytest.mark.slow
@@ -254,7 +302,7 @@ def _short(corpus, inputs, config):
 #: fault -> (config, the workload of its regime)
 REGIME = {
     "join-contaminates": (SpecConfig("mtp", 3), lambda c, i, cfg, o: _build("concurrency", "4", c, i, cfg)),
-    "padded-row-real": (SpecConfig(), lambda c, i, cfg, o: _build("concurrency", "4", c, i, cfg)),
+    "padded-row-real": (SpecConfig(), lambda c, i, cfg, o: _batches(c, i, cfg)),
     "slot-residue": (SpecConfig(), lambda c, i, cfg, o: _build("concurrency", "8", c, i, cfg)),
     "prefix-wrong-block": (SpecConfig(), lambda c, i, cfg, o: _build("prefix_cache", "hit", c, i, cfg, o)),
     "short-prompt-verify": (SpecConfig("mtp", 3), lambda c, i, cfg, o: _short(c, i, cfg)),
