@@ -672,7 +672,8 @@ def kernels() -> None:
 @kernels.command("gdn")
 @click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda")
 @click.option("--positions", default=8192, show_default=True, type=click.IntRange(1, 1 << 20),
-              help="Sequence length of the synthetic inputs.")
+              help="Sequence length of the synthetic inputs (bounded by the memory it takes: "
+                   "about heads x head dim^2 x 4 bytes per position).")
 @click.option("--heads", default=4, show_default=True, type=click.IntRange(1, 256), help="GDN heads.")
 @click.option("--head-dim", default=None, type=click.IntRange(1, 512),
               help="Key/value head dim [default: 128 where FlashInfer's GDN prefill runs (its only "
@@ -689,9 +690,9 @@ def kernels_gdn(device, positions, heads, head_dim, verify_block, seed, json_out
     inputs against an fp64 recurrence: error, argmax flips, and flips by fp64 margin."""
     import torch
 
-    from speccheck.kernels.gdn import (compare, default_head_dim, flashinfer_auto_path, form_flips,
-                                       kernels as gdn_kernels, make_inputs, margin_curves,
-                                       margin_table, table)
+    from speccheck.kernels.gdn import (MAX_BYTES, compare, default_head_dim, flashinfer_auto_path,
+                                       form_flips, kernels as gdn_kernels, make_inputs, margin_curves,
+                                       margin_table, max_positions, memory_budget, memory_needed, table)
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -704,12 +705,20 @@ def kernels_gdn(device, positions, heads, head_dim, verify_block, seed, json_out
                                  "another path (or --json alone for stdout)", param_hint="--json")
     if head_dim is None:
         head_dim = default_head_dim(device)
+    need, budget = memory_needed(positions, heads, head_dim, head_dim), memory_budget(device)
+    if need > budget:
+        most = max_positions(heads, head_dim, head_dim, budget)
+        raise click.BadParameter(
+            f"{positions} positions x {heads} heads at head dim {head_dim} would take about "
+            f"{need / 2 ** 30:.1f} GiB ({device} has room for {budget / 2 ** 30:.1f} GiB here: half of "
+            f"what is free, at most {MAX_BYTES // 2 ** 30} GiB); the kernels keep a state per position "
+            f"and head. Give at most --positions {most} at these --heads/--head-dim"
+            + (", or fewer --heads" if heads > 1 else "") + ".", param_hint="--positions")
     inputs = make_inputs(positions, heads, head_dim, head_dim, seed, device)
     missing: list[str] = []
     impls = gdn_kernels(device, missing, head_dim, verify_block)
-    cpu_eta = f"; about {186 * positions * heads / (8192 * 4):.0f} s on 2 CPU cores" if device == "cpu" else ""
     click.echo(f"kernels gdn: fp64 reference, then {len(impls)} kernel(s) x 3 timed repeats on {positions} "
-               f"positions x {heads} heads ({device}{cpu_eta}) ...", err=True)
+               f"positions x {heads} heads ({device}, about {need / 2 ** 30:.1f} GiB) ...", err=True)
     comparison = compare(inputs, impls)
     results, curves = comparison.results, margin_curves(comparison)
     fi_auto = flashinfer_auto_path(device, heads) if "flashinfer chunked" in impls else None
