@@ -129,6 +129,34 @@ def _settings(items: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+class OffOrCount(click.ParamType):
+    """A count in [lo, hi], or ``off``: what turns a run off is said in a word, never by a 0
+    (read as 0 internally)."""
+
+    name = "count|off"
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):
+            text = str(value)
+        else:
+            text = str(value).strip().lower()
+        if text in ("off", "false", "no", "none"):
+            return 0
+        try:
+            n = int(text)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number from {self.lo} to {self.hi} nor off.", param, ctx)
+        if n == 0:
+            self.fail("0: write off to leave this run out (its checks are then skipped, not passed), "
+                      f"or a number from {self.lo} to {self.hi}.", param, ctx)
+        if not self.lo <= n <= self.hi:
+            self.fail(f"{n} is not in the range {self.lo} to {self.hi} (or off).", param, ctx)
+        return n
+
+
 store_option = click.option("--store", "store_dir", default=".speccheck", show_default=True,
                             type=click.Path(file_okay=False), help="Store directory.")
 golden_option = click.option("--golden", "golden_dir", default="golden", show_default=True,
@@ -176,9 +204,10 @@ run_options = [
                       "path); rerun: regenerate the divergent prompts' baseline with each switch "
                       "flipped and read the token where the spec run diverged (slower; it follows "
                       "the path the run took, where a re-score prefills the prefix)."),
-    click.option("--concurrent", default=2, show_default=True, type=click.IntRange(0, 64),
+    click.option("--concurrent", default="2", show_default=True, type=OffOrCount(1, 64), metavar="N|off",
                  help="Also run each config on the whole corpus at once, every prompt N times: "
-                      "batch-composition invariance and N identical concurrent requests (0: off)."),
+                      "batch-composition invariance and N identical concurrent requests (off: not "
+                      "run; those checks are then skipped, not passed)."),
     click.option("--base-url", default=None,
                  help="openai engine: server URL, with or without /v1 (default $OPENAI_BASE_URL, "
                       "else http://127.0.0.1:8000)."),

@@ -303,6 +303,11 @@ def make_plan(engine: str = "reference", model: str | None = None, draft: str | 
               address: str | None = None) -> RunPlan:
     """The plan `speccheck run` (and ``pytest -m spec``) would run, from its options as given on
     the command line; every cheap mistake is refused before an engine (and torch) loads."""
+    for option, value, lo, hi in (("--repeats", repeats, 1, 100), ("--top-k", top_k, 2, 20),
+                                  ("--concurrent", concurrent, 0, 64)):
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise PlanError(f"{option} {value!r}: give a whole number from {max(lo, 1)} to {hi}"
+                            + (" (or off)" if option == "--concurrent" else "") + ".")
     args = parse_engine_args(engine_args)
     server = {"base_url": base_url, "served_model": served_model, "api_key_env": api_key_env}
     args.update({key: v for key, v in server.items() if v is not None})

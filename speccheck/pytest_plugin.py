@@ -20,6 +20,30 @@ from speccheck.checks import registry
 
 
 
+def _count(lo: int, hi: int, off: bool = False):
+    """An option's value as a count in [lo, hi] (``off``: or the word off, read as 0; a 0 is
+    refused, never read as off): a bad value is pytest's usage error, before any run."""
+    import argparse
+
+    def convert(text: str) -> int:
+        word = str(text).strip().lower()
+        if off and word in ("off", "false", "no", "none"):
+            return 0
+        try:
+            n = int(word)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from {lo} to {hi}"
+                                             + (" (or off)" if off else "")) from None
+        if off and n == 0:
+            raise argparse.ArgumentTypeError("0: write off to leave this run out (its tests are then "
+                                             f"skipped), or a number from {lo} to {hi}")
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"{n} is not in the range {lo} to {hi}"
+                                             + (" (or off)" if off else ""))
+        return n
+    return convert
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("speccheck", "speculative-decoding gate (speccheck)")
     g.addoption("--spec-engine", default="reference", help="engine: reference | vllm | openai")
@@ -33,15 +57,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="corpus name or file (default: the ini value spec_corpus, else 'default')")
     g.addoption("--spec-store", default=".speccheck", help="store directory")
     g.addoption("--spec-golden", default="golden", help="golden directory")
-    g.addoption("--spec-repeats", default=2, type=int, help="repeats per config")
+    g.addoption("--spec-repeats", default=2, type=_count(1, 100), help="repeats per config (1-100)")
     from speccheck.plan import ENGINE_ARG_HELP
 
     g.addoption("--spec-engine-arg", action="append", default=[],
                 help=ENGINE_ARG_HELP.replace("Engine option", "engine option"))
     g.addoption("--spec-policy", default=None, help="policy TOML file")
-    g.addoption("--spec-concurrent", default=2, type=int,
+    g.addoption("--spec-concurrent", default=2, type=_count(1, 64, off=True),
                 help="also run the corpus all at once, each prompt N times (batch invariance, "
-                     "identical concurrent requests); 0: off")
+                     "identical concurrent requests), 1-64; off: not run")
     g.addoption("--spec-ignore-eos", action="store_true",
                 help="decode every prompt's full max_tokens past end-of-sequence")
     g.addoption("--spec-axes", default="default",

@@ -247,7 +247,7 @@ class HostileServer:
 # --- the catalogue ----------------------------------------------------------------------------
 
 OPENAI = ["run", "--engine", "openai", "--method", "baseline", "--corpus", "smoke", "--repeats", "1",
-          "--concurrent", "0", "--no-attribution", "--axes", "none", "--served-model", "m",
+          "--concurrent", "off", "--no-attribution", "--axes", "none", "--served-model", "m",
           "--engine-arg", "retries=1", "--engine-arg", "backoff=0"]
 
 
@@ -287,7 +287,7 @@ def _corpus(content: str | bytes) -> Callable[[Ctx], list[str]]:
         f = c.tmp / "mine.jsonl"
         f.write_bytes(content if isinstance(content, bytes) else content.encode())
         return ["run", "--store", str(c.store), "--corpus", str(f), "--config", "baseline", "--repeats", "1",
-                "--concurrent", "0", "--no-attribution", "--axes", "none"]
+                "--concurrent", "off", "--no-attribution", "--axes", "none"]
     return make
 
 

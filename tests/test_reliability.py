@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from speccheck import cli
 from speccheck.cli import main
 
-RUN = ["--corpus", "smoke", "--config", "mtp-k2", "--repeats", "1", "--concurrent", "0", "--no-attribution",
+RUN = ["--corpus", "smoke", "--config", "mtp-k2", "--repeats", "1", "--concurrent", "off", "--no-attribution",
        "--axes", "none"]
 LOOSE = ["--set", "min_token_agreement=0"]
 
@@ -727,7 +727,7 @@ def test_doctor_and_run_against_speccheck_serve_with_v1_url(tmp_path):
         assert "serves ref" in r.output and "server version" in r.output, r.output
         st = tmp_path / "st"
         r = invoke("run", "--engine", "openai", "--base-url", url + "/v1", "--method", "baseline",
-                   "--store", str(st), "--corpus", "smoke", "--repeats", "1", "--concurrent", "0",
+                   "--store", str(st), "--corpus", "smoke", "--repeats", "1", "--concurrent", "off",
                    "--no-attribution", "--axes", "none")
         assert r.exit_code == 0, r.output
         assert "4 prompts" in r.output
@@ -845,7 +845,7 @@ def test_pytest_plugin_progress_is_visible_without_s(tmp_path):
     (tmp_path / "test_one.py").write_text("def test_it(spec_result):\n    assert spec_result\n")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
                         "-n", "0", "test_one.py", "--spec-corpus", "smoke", "--spec-method", "mtp", "--spec-k", "2",
-                        "--spec-repeats", "1", "--spec-concurrent", "0", "--spec-store", str(tmp_path / "st")],
+                        "--spec-repeats", "1", "--spec-concurrent", "off", "--spec-store", str(tmp_path / "st")],
                        cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "speccheck: [0/2] baseline r0" in r.stdout and "speccheck: [2/2] rescoring" in r.stdout, r.stdout
@@ -857,7 +857,7 @@ def test_rescoring_says_what_it_will_score_and_how_long_is_left(tmp_path):
     the rescoring (outputs, configs, tokens) before it starts, and each later config's share
     with the time left at the pace so far."""
     r = invoke("run", "--store", str(tmp_path / "st"), "--corpus", "smoke", "--config", "mtp-k2",
-               "--config", "dflash-k3", "--repeats", "1", "--concurrent", "0", "--no-attribution",
+               "--config", "dflash-k3", "--repeats", "1", "--concurrent", "off", "--no-attribution",
                "--engine-arg", "fault=conv-not-rolled-back")
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
@@ -879,7 +879,7 @@ def test_compare_a_config_never_run_says_so(store):
 
 STREAM_KEY_ENV = "SPECCHECK_TEST_STREAM_KEY"
 OPENAI_RUN = ["--engine", "openai", "--axes", "none", "--method", "baseline", "--corpus", "smoke", "--repeats", "1",
-              "--concurrent", "0", "--no-attribution", "--engine-arg", "retries=1",
+              "--concurrent", "off", "--no-attribution", "--engine-arg", "retries=1",
               "--engine-arg", "backoff=0", "--api-key-env", STREAM_KEY_ENV]
 #: (misbehaviour of the stream, exit code by the contract, what the paragraph must say)
 STREAM_FAULTS = [
@@ -1017,7 +1017,7 @@ def test_vllm_check_is_made_against_the_named_interpreter(tmp_path):
     ckpt = Path(__file__).parents[1] / "speccheck" / "reference" / "weights"  # config + tokenizer
     r = invoke("run", "--engine", "vllm", "--model", str(ckpt), "--store", str(tmp_path / "st"),
                "--corpus", "smoke", "--method", "mtp", "--k", "3", "--repeats", "1",
-               "--concurrent", "0", "--no-attribution", "--axes", "none", "--engine-arg", f"python={other}")
+               "--concurrent", "off", "--no-attribution", "--axes", "none", "--engine-arg", f"python={other}")
     assert r.exit_code == 3 and "cannot import vLLM" not in r.output, r.output
     assert "FAILED runs: baseline r0, mtp-k3 r0" in r.output and "Traceback" not in r.output
     assert "other-site/vllm" in r.output  # the workers ran there, and found the fake's vllm
