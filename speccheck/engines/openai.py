@@ -379,8 +379,9 @@ class _Waiting:
     """One request in flight, its retries included: a line on stderr every HEARTBEAT_S while
     nothing arrives from the server, and the time left before its total deadline."""
 
-    def __init__(self, what: str, timeout: float, deadline: float) -> None:
-        self.what, self.timeout, self.deadline = what, timeout, deadline
+    def __init__(self, what: str, timeout: float, deadline: float,
+                 hint: str = "--engine-arg timeout=S / deadline=S") -> None:
+        self.what, self.timeout, self.deadline, self.hint = what, timeout, deadline, hint
         self.t0 = self.last = time.monotonic()
         self._said = self.t0
         self._stop = threading.Event()
@@ -415,7 +416,7 @@ class _Waiting:
                 self._said = now
                 print(f"speccheck: still waiting for {self.what}: nothing from the server for "
                       f"{now - self.last:.0f} s ({now - self.t0:.0f} s since the first attempt; it gives "
-                      f"up after {self.deadline:.0f} s in all: --engine-arg timeout=S / deadline=S)",
+                      f"up after {self.deadline:.0f} s in all{': ' + self.hint if self.hint else ''})",
                       file=sys.stderr, flush=True)
 
 
