@@ -19,6 +19,8 @@ RUN_ONLY_ARGS: dict[str, frozenset[str]] = {
     "openai": frozenset({"score_base_url", "timeout", "deadline", "retries", "backoff", "api_key_env"}),
     "vllm": frozenset({"gpu_memory_utilization", "kv_cache_memory_bytes", "worker", "python",
                        "timeout_s", "warmup", "attribution_jobs",
+                       # what the model is called (the golden's folder takes it; not numerics)
+                       "served_model_name",
                        # a path (its weights' hash is in the identity, as --draft's is)
                        "dflash2_draft"}),
 }

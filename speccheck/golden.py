@@ -3,6 +3,7 @@ store's own format) and per-config acceptance; `check` compares today's baseline
 the same divergence classification, and refuses when model, tokenizer or corpus differ."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -45,19 +46,44 @@ PLATFORM_KEYS = ("device", "cpu_capability", "threads", "torch", "gpu", "cuda", 
                  "server_version", "driver")
 
 
-def golden_dir(root: Path, identity: dict, meta: dict) -> Path:
-    """``golden/<engine>[/<series>]/<model>/<corpus>[+<engine args>]``: engine args (dtype, kernel
-    knobs, planted faults) change the numerics, so a golden made with them never lands where
-    the default one lives; an engine whose numerics follow its release names the series in its
-    identity (``golden_series``, e.g. vLLM's ``0.28.0``), one golden per release."""
-    model = identity.get("model_id") or meta.get("model") or "default"
+#: an engine-settings label longer than this becomes a hash (the settings are in golden.json)
+LABEL_MAX = 40
+
+
+def engine_settings(identity: dict, meta: dict) -> dict[str, str]:
+    """The engine args of a suite that change its numerics (dtype, kernel knobs, planted
+    faults, ...): those a golden is recorded under; how speccheck reaches or sizes the engine
+    is left out (``RUN_ONLY_ARGS``)."""
     engine = identity.get("engine") or meta["engine"]
     skip = set(_NOT_NUMERICS) | RUN_ONLY_ARGS.get(engine, frozenset())
-    args = {k: v for k, v in (meta.get("engine_args") or {}).items() if k not in skip}
-    variant = ("+" + ",".join(f"{k}={v}" for k, v in sorted(args.items()))) if args else ""
+    return {str(k): str(v) for k, v in sorted((meta.get("engine_args") or {}).items()) if k not in skip}
+
+
+def settings_label(settings: dict[str, str]) -> str:
+    """A short, stable label of engine settings for a folder name: ``key=value,...`` where that
+    fits in LABEL_MAX characters, else ``settings-`` and 10 hex digits of their hash."""
+    if not settings:
+        return ""
+    plain = _slug(",".join(f"{k}={v}" for k, v in sorted(settings.items())))
+    if len(plain) <= LABEL_MAX:
+        return plain
+    digest = hashlib.sha256(json.dumps(sorted(settings.items())).encode()).hexdigest()[:10]
+    return f"settings-{digest}"
+
+
+def golden_dir(root: Path, identity: dict, meta: dict) -> Path:
+    """``golden/<engine>[/<series>]/<model>/<corpus>[+<settings>]``: engine settings (dtype,
+    kernel knobs, planted faults) change the numerics, so a golden made with them never lands
+    where the default one lives (:func:`settings_label`; golden.json keeps the settings
+    themselves); an engine whose numerics follow its release names the series in its identity
+    (``golden_series``, e.g. vLLM's ``0.28.0``), one golden per release. The model is named as
+    the engine names it (``model_id``: for vLLM, the name the checkpoint declares)."""
+    model = identity.get("model_id") or meta.get("model") or "default"
+    engine = identity.get("engine") or meta["engine"]
+    label = settings_label(engine_settings(identity, meta))
     series = identity.get("golden_series")
     return Path(root) / _slug(engine) / (_slug(str(series)) if series else "") \
-        / _slug(Path(str(model)).name) / _slug(meta["corpus"] + variant)
+        / _slug(Path(str(model)).name) / _slug(meta["corpus"] + (f"+{label}" if label else ""))
 
 
 def portable_identity(identity: dict) -> dict:
@@ -132,6 +158,7 @@ def record(suite: Suite, result: SuiteResult, root: Path, force: bool = False) -
     m["identity"] = portable_identity(m.get("identity") or {})
     write_checked_text(manifest, json.dumps(m, indent=1, ensure_ascii=False))
     meta = {"suite": suite.id, "engine": suite.meta["engine"], "corpus": suite.meta["corpus"],
+            "engine_settings": engine_settings(base.identity, suite.meta),
             "identity": portable_identity(base.identity), "fingerprint": _fingerprint(base.identity, base.corpus_hash),
             "numerics": _numerics(base.identity),
             "noise": result.noise, "acceptance": acceptance,
@@ -225,8 +252,15 @@ def load_golden(suite: Suite, root: Path) -> tuple[Path, dict, RunRecord]:
     base = suite.load_run("baseline", 0)
     path = golden_dir(root, base.identity, suite.meta)
     if not (path / "golden.json").exists() and not (path / "golden.json").is_symlink():
-        raise GoldenMismatch(f"no golden at {path} (option --golden); record one with "
-                             "`speccheck golden record` after a clean `speccheck run`.")
+        settings = engine_settings(base.identity, suite.meta)
+        others = sorted(p.name for p in path.parent.glob("*") if (p / "golden.json").is_file()) \
+            if path.parent.is_dir() else []
+        raise GoldenMismatch(
+            f"no golden at {path} (option --golden)"
+            + (f" for the engine settings {', '.join(f'{k}={v}' for k, v in settings.items())}" if settings else "")
+            + (f"; this model has goldens recorded under other corpora or settings: {', '.join(others[:5])} "
+               "(their golden.json lists the settings)" if others else "")
+            + "; record one with `speccheck golden record` after a clean `speccheck run`.")
     meta, gold = _read_golden(path)
     return path, meta, gold
 

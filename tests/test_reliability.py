@@ -526,11 +526,18 @@ def test_golden_key_includes_engine_args_and_numerics_are_checked(store, tmp_pat
     ident = {"engine": "vllm", "model_id": "m"}
     assert golden_dir(tmp_path, ident, roomy) == golden_dir(tmp_path, ident, vllm)
     assert "TRITON_ATTN" in golden_dir(tmp_path, ident, vllm).name
+    # many settings: a short stable label (their hash), whatever order they were given in
+    many = {"engine": "vllm", "corpus": "smoke", "engine_args": {f"env.VLLM_SETTING_{i}": "1" for i in range(6)}}
+    shuffled = {**many, "engine_args": dict(reversed(list(many["engine_args"].items())))}
+    label = golden_dir(tmp_path, ident, many).name
+    assert label.startswith("smoke_settings-") and len(label) < 40
+    assert golden_dir(tmp_path, ident, shuffled).name == label
+    assert label != golden_dir(tmp_path, ident, {**many, "engine_args": {"env.VLLM_SETTING_0": "2"}}).name
     gold = tmp_path / "golden"
     assert invoke("golden", "record", "--store", str(store), "--golden", str(gold), *PASSING).exit_code == 0
     gjson = next(gold.rglob("golden.json"))
     g = json.loads(gjson.read_text())
-    assert g["numerics"]["dtype"] == "bf16"
+    assert g["numerics"]["dtype"] == "bf16" and g["engine_settings"] == {}  # the settings it was recorded under
     g["numerics"]["dtype"] = "fp32"
     gjson.write_text(json.dumps(g))
     reseal(gjson)

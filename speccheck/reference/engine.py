@@ -157,6 +157,17 @@ def parse_engine_args(args: dict[str, str]) -> dict[str, str]:
     return out
 
 
+#: the name the reference network goes by, here and in every checkpoint exported from it
+REFERENCE_MODEL_NAME = "speccheck-reference-qwen3_5-tiny"
+
+
+def reference_model_name(trained: bool = True, linear_head_dim: int | None = None) -> str:
+    """The reference network's name: ``-untrained`` for the fixed-seed init, ``-gdn<D>`` for an
+    export whose GDN heads were padded to D (another checkpoint, another hash)."""
+    return (REFERENCE_MODEL_NAME + ("" if trained else "-untrained")
+            + (f"-gdn{linear_head_dim}" if linear_head_dim else ""))
+
+
 def load_networks(model_dir: Path, cfg: ReferenceConfig | None = None, draft: Path | None = None):
     """(config, target, mtp, drafter, trained) from a weights directory, fp32 on CPU.
     Missing files mean a fixed-seed random init of that part."""
@@ -332,7 +343,7 @@ class ReferenceEngine(Engine):
                  for n in ("config.json", "model.safetensors", "drafter.safetensors",
                            DFLASH2_FILE)}
         target = {n: files[n] for n in ("config.json", "model.safetensors")}
-        model_id = "speccheck-reference-qwen3_5-tiny" + ("" if self.trained else "-untrained")
+        model_id = reference_model_name(self.trained)
         # the identity keys every engine shares: model_id, model_hash (the target, MTP included),
         # draft_hash (the external drafter), tokenizer_hash; golden check compares these
         return {
