@@ -71,7 +71,7 @@ def test_end_to_end_smoke_run_diff_gate_report(tmp_path):
     mtp = data["configs"][1]
     assert mtp["identical_runs"] is True and mtp["acceptance"]["drafts"] > 0
     g = runner.invoke(main, ["gate", "--store", st, "--junit", str(tmp_path / "j.xml"),
-                             "--set", "min_token_agreement=0"])
+                             "--set", "min_token_agreement=0.01"])
     assert g.exit_code in (0, 1) and "gate:" in g.output and (tmp_path / "j.xml").exists()
     rep = runner.invoke(main, ["report", "--store", st, "--out", str(tmp_path / "rep")])
     assert rep.exit_code == 0 and "| mtp-k2 | 2 |" in (tmp_path / "rep" / "report.md").read_text()

@@ -241,6 +241,53 @@ class HostileServer:
             while not self._stop.wait(0.2):
                 conn.sendall(b"1\r\na\r\n")
             return False
+        elif how == "huge":  # promises 4 GiB and sends it as fast as it can
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 4294967296\r\n\r\n")
+            block = b" " * (1 << 20)
+            for _ in range(4096):
+                if self._stop.is_set():
+                    break
+                conn.sendall(block)
+            return False
+        elif how == "flood":  # a stream of tokens that never ends, and never says [DONE]
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            event = b"data: " + json.dumps(_canned_stream(1)[0]).encode() + b"\n\n"
+            chunk = f"{len(event):x}\r\n".encode() + event + b"\r\n"
+            while not self._stop.is_set():
+                conn.sendall(chunk * 64)
+            return False
+        elif how == "long":  # 40 tokens, whatever max_tokens asked for
+            events = _canned_stream(40)
+            self._answer(conn, 200, b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+                         + b"data: [DONE]\n\n", "text/event-stream")
+        elif how == "dupids":  # one id listed twice in a top-k, spelled two ways
+            events = _canned_stream()
+            for e in events:
+                top = e["choices"][0]["logprobs"]["top_logprobs"][0]
+                first = next(iter(top))
+                top["token_id:0" + first.split(":")[1]] = top[first]
+            self._answer(conn, 200, b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+                         + b"data: [DONE]\n\n", "text/event-stream")
+        elif how == "mass":  # a top-5 whose probabilities add up to 4.5
+            events = _canned_stream(lp=-0.1)
+            for e in events:
+                lp = e["choices"][0]["logprobs"]
+                lp["top_logprobs"] = [{k: -0.1 - 0.001 * j for j, k in enumerate(t)} for t in lp["top_logprobs"]]
+            self._answer(conn, 200, b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+                         + b"data: [DONE]\n\n", "text/event-stream")
+        elif how == "empty":
+            self._answer(conn, 200, b"")
+        elif how == "truncated":
+            self._answer(conn, 200, json.dumps({"choices": [{"index": 0, "text": "x"}]}).encode()[:25])
+        elif how == "redirect":
+            conn.sendall(b"HTTP/1.1 302 Found\r\nLocation: /v1/models\r\nContent-Length: 0\r\n\r\n")
+        elif how == "maxlen":  # a model whose context length is not a number
+            self._answer(conn, 200, json.dumps({"data": [{"id": "m", "max_model_len": "lots"}]}).encode())
+        elif how == "negative":  # token ids that cannot be
+            self._answer(conn, 200, json.dumps({"tokens": [-1, 2, 3]}).encode())
+        elif how == "nanmetric":
+            self._answer(conn, 200, b"vllm:spec_decode_num_drafts_total NaN\nvllm:request_success_total 0\n",
+                         "text/plain")
         return True
 
 
@@ -362,7 +409,7 @@ ROWS = [
         "mtp-k2/r7: a file"),
     Row("edited manifest", _store_row(lambda c: edit_json(c.file("runs/mtp-k2/r0/manifest.json"),
                                                           lambda m: m["completions"][0].update(text="EDITED")),
-                                      "--set", "min_text_similarity=0"), 2, "manifest.json: changed since it was written"),
+                                      "--set", "min_text_similarity=off"), 2, "manifest.json: changed since it was written"),
     Row("manifest checksum deleted", _store_row(lambda c: c.file("runs/mtp-k2/r0/manifest.json.sha256").unlink()),
         2, "manifest.json.sha256: missing"),
     Row("manifest is a FIFO", _store_row(lambda c: fifo(c.file("runs/mtp-k2/r0/manifest.json"))), 2,
