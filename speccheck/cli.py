@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import select
 import sys
@@ -228,16 +229,27 @@ run_options = [
 ]
 
 
+class FiniteFloat(click.FloatRange):
+    """A float range that also refuses NaN (which compares false with every bound, so click's
+    own range lets it through) and the infinities."""
+
+    def convert(self, value, param, ctx):
+        x = super().convert(value, param, ctx)
+        if not math.isfinite(x):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return x
+
+
 sampling_options = [
-    click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0),
+    click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0, 100),
                  help="Sample at this temperature (0: greedy). A sampled suite is its own suite; "
                       "every request carries its own seed, and the distribution check judges it."),
     click.option("--top-p", "top_p", default=1.0, show_default=True,
-                 type=click.FloatRange(0, 1, min_open=True), help="Sampling: nucleus mass kept."),
+                 type=FiniteFloat(0, 1, min_open=True), help="Sampling: nucleus mass kept."),
     click.option("--sample-top-k", "sample_top_k", default=0, show_default=True,
-                 type=click.IntRange(0),
+                 type=click.IntRange(0, 2 ** 31 - 1),
                  help="Sampling: most likely tokens kept (0: all; --top-k is the logprobs width)."),
-    click.option("--seed", "seed", default=0, show_default=True, type=int,
+    click.option("--seed", "seed", default=0, show_default=True, type=click.IntRange(0, 2 ** 32 - 1),
                  help="Sampling: the run's seed (each request's derives from it and the prompt)."),
     click.option("--samples", "samples", default=1, show_default=True, type=click.IntRange(1, 64),
                  help="Sampling: requests per prompt, each with its own seed (more samples: a "
@@ -448,6 +460,9 @@ def sweep(methods, k, engine, model, draft, corpus, repeats, engine_args, store_
     from speccheck.report import recommendation, speedup_table, sweep_table
     from speccheck.executors import run_suite
 
+    if all(m == "baseline" for m in methods):
+        raise MatrixError(f"--method {' --method '.join(methods)}: a sweep runs a speculative method over "
+                          "K (the baseline always runs beside it); name one, e.g. --method mtp.")
     plan = make_plan(engine, model, draft, methods, k, (), corpus, repeats, 5, engine_args, no_attribution=True,
                      axes="none")  # a sweep measures speed; the gate's axes are `run`'s
     plan.round_robin = True  # every K of a round meets the same spells of load on a shared machine
@@ -570,6 +585,7 @@ def compare(config_names, suite, store_dir, other_store, other_suite, policy_fil
         b = api.open_suite(other_store, other_suite)
     except StoreError as e:
         raise StoreError(f"--with-store {other_store}: {e}") from None
+    _two_suites(a, b, "--store / --suite", "--with-store / --with-suite")
     if config_names:
         for name in config_names:
             for side, opt in ((a, "--store"), (b, "--with-store")):
@@ -606,6 +622,15 @@ def compare(config_names, suite, store_dir, other_store, other_suite, policy_fil
     sys.exit(0 if cmp.passed else 1)
 
 
+def _two_suites(a, b, first: str, second: str) -> None:
+    """Two sides of a comparison that are one suite would agree with themselves: a pass that
+    compared nothing. Refused, naming the options."""
+    if a.root.resolve() == b.root.resolve():
+        raise MatrixError(f"{first} and {second} both name suite {a.id} of {a.root.parent.parent}: a suite "
+                          "compared with itself agrees by construction. Give the other store (or suite) "
+                          "to compare with.")
+
+
 @main.command()
 @click.argument("old_store", type=click.Path(file_okay=False, exists=True))
 @click.argument("new_store", type=click.Path(file_okay=False, exists=True))
@@ -613,10 +638,11 @@ def compare(config_names, suite, store_dir, other_store, other_suite, policy_fil
 @click.option("--new-suite", default=None, help="Suite id in NEW_STORE (default: its last run).")
 @click.option("--config", "config_names", multiple=True,
               help="Config to judge (repeatable; default: every config the old suite completed).")
-@click.option("--alpha", type=float, default=None,
+@click.option("--alpha", type=FiniteFloat(0, 1, min_open=True, max_open=True), default=None,
               help="Acceptance tests' family-wise alpha (default: the policy's acceptance_alpha).")
-@click.option("--max-slowdown", type=float, default=0.10, show_default=True,
-              help="Fail a config whose warm tok/s (or speedup over its baseline) falls by more than this share.")
+@click.option("--max-slowdown", type=FiniteFloat(0, 1, max_open=True), default=0.10, show_default=True,
+              help="Fail a config whose warm tok/s (or speedup over its baseline) falls by more than this "
+                   "share (0 to below 1: a share of 1 would let any slowdown pass).")
 @_apply(policy_options)
 def upgrade(old_store, new_store, old_suite, new_suite, config_names, alpha, max_slowdown, policy_file,
             settings):
@@ -627,6 +653,7 @@ def upgrade(old_store, new_store, old_suite, new_suite, config_names, alpha, max
     from speccheck.upgrade import upgrade_lines, upgrade_suites
 
     a, b = api.open_suite(old_store, old_suite), api.open_suite(new_store, new_suite)
+    _two_suites(a, b, "OLD_STORE / --old-suite", "NEW_STORE / --new-suite")
     if a.meta.get("corpus_hash") != b.meta.get("corpus_hash"):
         raise StoreError(f"suites {a.id} and {b.id} ran different corpora (hash {a.meta.get('corpus_hash')} "
                          f"vs {b.meta.get('corpus_hash')}); an upgrade is judged on the same corpus.")

@@ -40,6 +40,9 @@ def parse_k(spec: str) -> list[int]:
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if lo > hi:
             raise MatrixError(f"--k {spec!r}: range {part!r} runs backwards; write it low-high.")
+        if hi > K_MAX:  # before the range is made: 1-99999999999 is not a billion Ks in memory
+            ks.append(hi)
+            break
         ks.extend(range(lo, hi + 1))
     bad = [k for k in ks if not 1 <= k <= K_MAX]
     if bad:

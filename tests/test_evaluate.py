@@ -443,6 +443,11 @@ def complete_as_run_would(suite) -> None:
     runs = {name: [suite.load_run(name, r) for r in suite.repeats(name)] for name in suite.configs()}
     first = next(iter(runs.values()))[0]
     suite.write_inputs({c.prompt_id: [int(x) for x in c.prompt_ids] for c in first.completions})
-    suite.extend_plan({name: {"repeats": len(rs), "fresh_process_repeat": any(r.fresh_process for r in rs),
-                              "concurrent": 0, "rescore": False, "attribute": False}
-                       for name, rs in runs.items()}, [])
+    def want(name, rs):
+        together = suite.load_together(name)
+        return {"repeats": max(suite.repeats(name)) + 1, "fresh_process_repeat": any(r.fresh_process for r in rs),
+                "concurrent": together.copies if together is not None else 0,
+                "rescore": suite.rescore_path(name, 0).exists(), "attribute": False,
+                **({"replay": True} if suite.replay_path(name, 0).exists() else {}),
+                **({"axes": suite.axis_slots(name)} if suite.axis_slots(name) else {})}
+    suite.extend_plan({name: want(name, rs) for name, rs in runs.items()}, [])

@@ -33,7 +33,7 @@ from speccheck.types import (Completion, Prompt, Replay, Request, Scored, SpecCo
 
 from .chat import identity as chat_identity
 from .decode import FAULTS, Decoder, Knobs
-from speccheck.types import sample_seed
+from speccheck.types import sample_seed, sampling_problem
 
 from .sampling import SamplingParams
 from .sampling import score as _score_sampled
@@ -120,6 +120,11 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
+#: the most threads the engine starts (libgomp segfaults when asked for 100,000)
+MAX_THREADS = 1024
+SAMPLING_KEYS = ("temperature", "top_p", "sample_top_k", "seed", "samples")
+
+
 def parse_engine_args(args: dict[str, str]) -> dict[str, str]:
     """Validated engine args with defaults filled in; EngineUsageError names the bad one."""
     unknown = sorted(set(args) - set(ENGINE_ARGS))
@@ -136,21 +141,12 @@ def parse_engine_args(args: dict[str, str]) -> dict[str, str]:
     for key in ("threads", "batch", "dflash2_top_k"):
         if out[key] and not (out[key].isdigit() and int(out[key]) > 0):
             raise EngineUsageError(f"--engine-arg {key}={out[key]!r}: give a positive integer")
-    try:
-        bad = "temperature"
-        if float(out["temperature"]) < 0:
-            raise ValueError
-        bad = "top_p"
-        if not 0 < float(out["top_p"]) <= 1:
-            raise ValueError
-        bad = "sample_top_k"
-        if int(out["sample_top_k"]) < 0:
-            raise ValueError
-        bad = "seed"
-        int(out["seed"])
-    except ValueError:
-        raise EngineUsageError(f"--engine-arg {bad}={out[bad]!r}: temperature >= 0, 0 < top_p <= 1, "
-                               f"sample_top_k >= 0 (0 = off), seed an integer") from None
+    if out["threads"] and int(out["threads"]) > MAX_THREADS:  # OpenMP crashes far past it
+        raise EngineUsageError(f"--engine-arg threads={out['threads']}: give at most {MAX_THREADS} "
+                               f"(this machine has {os.cpu_count() or 1} CPU cores)")
+    bad = sampling_problem({k: out[k] for k in SAMPLING_KEYS if out.get(k) not in (None, "")})
+    if bad:
+        raise EngineUsageError(f"--engine-arg {bad}")
     if not out["no_draft_every"].isdigit():
         raise EngineUsageError(f"--engine-arg no_draft_every={out['no_draft_every']!r}: give 0 "
                                f"(every step drafts) or N >= 1 (every N-th verify step has no draft)")
