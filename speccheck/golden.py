@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import shutil
 from dataclasses import dataclass
@@ -236,16 +237,63 @@ def _read_golden(path: Path) -> tuple[dict, RunRecord]:
     """golden.json and the baseline run of a golden, each verified against its checksum (a
     damaged or unsummed golden is an error, never a golden that is silently not there)."""
     redo = _redo(path)
+    if path.is_symlink():
+        raise StoreError(f"{path}: a symlink, not a golden speccheck recorded (a golden is read from "
+                         f"where it was recorded); {redo}.")
     meta = load_checked_json(path / "golden.json", redo)
-    fp = meta.get("fingerprint") if isinstance(meta, dict) else None
-    if (not isinstance(fp, dict) or not all(isinstance(fp.get(k), (str, type(None)))
-                                            for k in ("model_hash", "tokenizer_hash", "corpus_hash"))
-            or not isinstance(meta.get("acceptance", {}), dict)
-            or not isinstance(meta.get("noise", 0.0), (int, float)) or isinstance(meta.get("noise"), bool)
-            or not isinstance(meta.get("numerics") or {}, dict)):
-        raise StoreError(f"{path / 'golden.json'}: not a golden record (fingerprint, acceptance, noise); "
-                         f"{redo}.")
+    problem = _golden_problem(meta)
+    if problem:
+        raise StoreError(f"{path / 'golden.json'}: not a golden record ({problem}); {redo}.")
     return meta, read_run(path / "baseline", redo)
+
+
+def _number(x, lo: float = 0.0, hi: float = math.inf) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and lo <= x <= hi
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _golden_problem(meta) -> str | None:
+    """What in a golden.json is not what `golden record` writes (None: nothing): a field of
+    the wrong type or a number that cannot be would otherwise crash a check or pass it (a NaN
+    acceptance compares false with every limit)."""
+    if not isinstance(meta, dict):
+        return "not a JSON object"
+    fp = meta.get("fingerprint")
+    if not isinstance(fp, dict) or not all(isinstance(fp.get(k), (str, type(None)))
+                                           for k in ("model_hash", "tokenizer_hash", "corpus_hash")):
+        return "its fingerprint lacks model_hash/tokenizer_hash/corpus_hash"
+    if not _number(meta.get("noise", 0.0)):
+        return f"its noise is {meta.get('noise')!r}, not a finite number >= 0"
+    for key in ("numerics", "identity", "engine_settings"):
+        if not isinstance(meta.get(key) or {}, dict):
+            return f"its {key} is not an object"
+    checks = meta.get("checks") or {}
+    if not isinstance(checks, dict) or not all(
+            isinstance(v, dict) and all(isinstance(c, str) and isinstance(st, str) for c, st in v.items())
+            for v in checks.values()):
+        return "its checks are not {config: {check: state}}"
+    acceptance = meta.get("acceptance", {})
+    if not isinstance(acceptance, dict):
+        return "its acceptance is not an object"
+    for config, a in acceptance.items():
+        where = f"acceptance of {config}"
+        if not isinstance(a, dict) or not _number(a.get("tokens_per_iter")):
+            return f"the {where} has no finite tokens_per_iter"
+        if not isinstance(a.get("per_pos", []), list) or not all(_number(x, 0.0, 1.0) for x in a.get("per_pos", [])):
+            return f"the {where} has per_pos rates outside 0..1"
+        per_prompt = a.get("per_prompt", {})
+        if not isinstance(per_prompt, dict) or not all(
+                isinstance(v, list) and len(v) == 3 and _count(v[0]) and _count(v[1]) and isinstance(v[2], str)
+                for v in per_prompt.values()):
+            return f"the {where} has per_prompt entries that are not [drafts, accepted, output digest]"
+        per_pos = a.get("per_prompt_pos", {})
+        if not isinstance(per_pos, dict) or not all(isinstance(v, list) and all(map(_count, v))
+                                                    for v in per_pos.values()):
+            return f"the {where} has per_prompt_pos entries that are not lists of counts"
+    return None
 
 
 def load_golden(suite: Suite, root: Path) -> tuple[Path, dict, RunRecord]:
@@ -298,6 +346,13 @@ def _noise_samples(path: Path) -> dict[str, np.ndarray]:
     samples = load_checked_npz(path / NOISE_FILE, _redo(path))
     if any(v.ndim != 1 or not np.issubdtype(v.dtype, np.floating) for v in samples.values()):
         raise StoreError(f"{path / NOISE_FILE}: not noise samples (1-d float arrays); {_redo(path)}.")
+    if KERNEL_PATH not in samples:  # every golden records it: without it no drift is judged
+        raise StoreError(f"{path / NOISE_FILE}: lacks the kernel-path noise sample ({KERNEL_PATH!r}) every "
+                         f"golden records; {_redo(path)}.")
+    bad = next((k for k, v in samples.items() if not np.all(np.isfinite(v)) or np.any(v < 0)), None)
+    if bad is not None:  # |Δ logprob| values: a NaN compares false with every limit
+        raise StoreError(f"{path / NOISE_FILE}: sample {bad!r} holds values that are not finite |Δ logprob| "
+                         f">= 0 (NaN, infinite or negative); {_redo(path)}.")
     return {k: v.astype(np.float64) for k, v in samples.items()}
 
 

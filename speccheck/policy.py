@@ -5,6 +5,7 @@ override them, in that order."""
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import asdict, field, make_dataclass, replace
 from pathlib import Path
@@ -140,7 +141,9 @@ def _coerce(spec: PolicyKey, value: object, source: str) -> object:
 def _read_toml(path: Path) -> dict:
     try:
         if not path.is_file():
-            raise PolicyError(f"{path}: is not a regular file; pass a policy TOML file with --policy.")
+            what = ("a symlink to nothing readable (dangling or a loop)" if path.is_symlink()
+                    else "not a regular file")
+            raise PolicyError(f"{path}: is {what}; fix it, or pass a policy TOML file with --policy.")
         return tomllib.loads(path.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
         raise PolicyError(f"{path}: cannot read policy TOML ({e}); fix the file or pass another "
@@ -186,13 +189,16 @@ def load_policy(policy_file: str | None = None, overrides: dict[str, str] | None
                 cwd: Path | None = None) -> Policy:
     cwd = cwd or Path.cwd()
     policy = Policy()
+    if policy_file is not None and not str(policy_file).strip():
+        raise PolicyError("--policy '': give the path of a policy TOML file (or leave the option out).")
     pyproject = cwd / "pyproject.toml"
-    if pyproject.exists():
+    # lexists: a dangling or looping link where the policy belongs is said, not read as no policy
+    if os.path.lexists(pyproject):
         policy = policy.with_overrides(_section(_read_toml(pyproject), pyproject, True),
                                        f"{pyproject} [tool.speccheck]")
-    for path in ([cwd / "speccheck.toml"] if (cwd / "speccheck.toml").exists() else []) + \
+    for path in ([cwd / "speccheck.toml"] if os.path.lexists(cwd / "speccheck.toml") else []) + \
             ([Path(policy_file)] if policy_file else []):
-        if not path.exists():
+        if not os.path.lexists(path):
             raise PolicyError(f"--policy {path}: no such file.")
         policy = policy.with_overrides(_section(_read_toml(path), path, False), str(path))
     return policy.with_overrides(overrides or {}, "--set")

@@ -876,10 +876,15 @@ def test_rescoring_says_what_it_will_score_and_how_long_is_left(tmp_path):
     assert any(re.match(r"rescoring \S+ \(\d+ output\(s\); about \d+ s left\)", ln) for ln in lines), r.output
 
 
-def test_compare_a_config_never_run_says_so(store):
-    r = invoke("compare", "--store", str(store), "--with-store", str(store), "--config", "dflash-k7")
+def test_compare_a_config_never_run_says_so(store, tmp_path):
+    shutil.copytree(store, tmp_path / "other")
+    r = invoke("compare", "--store", str(store), "--with-store", str(tmp_path / "other"), "--config", "dflash-k7")
     assert_clean(r, 2)
     assert "holds no complete run" in r.output and "delete" not in r.output
+    # a suite compared with itself agrees by construction: refused, not passed
+    r = invoke("compare", "--store", str(store), "--with-store", str(store))
+    assert_clean(r, 2)
+    assert "compared with itself" in r.output
 
 
 # --- 9. streamed requests that go wrong, and an engine that is not installed ----------------------

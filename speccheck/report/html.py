@@ -469,7 +469,6 @@ def html_report(result: SuiteResult, detok=None) -> str:
 
 
 def write_html(result: SuiteResult, path: Path, detok=None) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(html_report(result, detok), encoding="utf-8")
-    return path
+    from speccheck.files import write_output
+
+    return write_output(Path(path), html_report(result, detok), "--html")
