@@ -41,7 +41,9 @@ EXIT_CODES_HELP = ("Exit codes: 0 pass, 1 gate failed, 2 bad input or usage, 3 e
 #: OS errors that are the user's environment, not a bug: a read-only or full disk, a
 #: permission, a path that is not a directory. They name the path and exit 2.
 _ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
-                       errno.EISDIR, errno.ENOENT, errno.ENAMETOOLONG, errno.EEXIST, errno.ENOTEMPTY}
+                       errno.EISDIR, errno.ENOENT, errno.ENAMETOOLONG, errno.EEXIST, errno.ENOTEMPTY,
+                       # a file-size limit (ulimit -f), a link loop, no file descriptors left
+                       errno.EFBIG, errno.ELOOP, errno.EMFILE, errno.ENFILE}
 
 
 def save_traceback() -> Path | None:
@@ -105,9 +107,10 @@ class SpeccheckGroup(click.Group):
         except OSError as e:
             if e.errno not in _ENVIRONMENT_ERRNOS:
                 self._internal_error(e)
-            where = e.filename or "?"
-            click.echo(f"speccheck: error: cannot use {where}: {e.strerror or e} (check the path given "
-                       "with --store / --out / --golden, its permissions and free space).", err=True)
+            where = f"cannot use {e.filename}" if e.filename else "a file could not be written or read"
+            click.echo(f"speccheck: error: {where}: {e.strerror or e} (check the path given with --store / "
+                       "--out / --golden, its permissions, free space and file-size limit (ulimit -f); "
+                       "what was stored before is kept).", err=True)
             sys.exit(EXIT_USAGE)
         except Exception as e:  # noqa: BLE001 - the top-level guard
             self._internal_error(e)

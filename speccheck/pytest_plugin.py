@@ -98,13 +98,41 @@ def _plan(config: pytest.Config):
                              executor=o("--spec-executor"), address=o("--spec-ray-address"))
 
 
+class _BadOptions(Exception):
+    """A --spec-* option (or the policy file) is bad input: said once as pytest's usage error
+    (pytest_collection_modifyitems), not as a collection traceback per generated test."""
+
+
+def _usage(config: pytest.Config, make):
+    from speccheck.cli import USAGE_ERRORS
+
+    try:
+        return make()
+    except USAGE_ERRORS as e:
+        raise _BadOptions(str(e)) from None
+
+
+_BAD = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """After -m has deselected what it does: a spec test left to run with bad options ends
+    the session with one paragraph (pytest's usage error, exit 4), before any engine starts."""
+    bad = config.stash.get(_BAD, None)
+    if bad and any(item.get_closest_marker("spec") for item in items):
+        raise pytest.UsageError(f"speccheck: {bad}")
+
+
 def _config_names(config: pytest.Config) -> list[str]:
     """The configs the options demand, and every config an earlier run planned in the same
     suite: a planned config the store misses fails its tests instead of going unseen."""
     from speccheck.plan import plan_suite_id
+    from speccheck.policy import load_policy
     from speccheck.store import Store, StoreError, config_sort_key
 
-    plan = _plan(config)
+    plan = _usage(config, lambda: _plan(config))
+    _usage(config, lambda: load_policy(config.getoption("--spec-policy")))  # read before the runs, not after
     names = {c.name for c in plan.configs}
     try:
         names |= set(Store(config.getoption("--spec-store")).suite(plan_suite_id(plan)).planned_configs())
@@ -116,7 +144,11 @@ def _config_names(config: pytest.Config) -> list[str]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "spec_config" not in metafunc.fixturenames:
         return
-    names = _config_names(metafunc.config)
+    try:
+        names = _config_names(metafunc.config)
+    except _BadOptions as e:
+        metafunc.config.stash[_BAD] = str(e)
+        names = []
     spec = getattr(metafunc.function, "check_spec", None)
     if spec is not None:  # a check's test for the configs it judges
         names = [n for n in names if spec.applies_to(n)]

@@ -120,7 +120,10 @@ def _atomic_write_bytes(path: Path, write: Callable, mode: str = "wb", sidecar: 
     """Temp file, its sum in the sidecar, then rename: a crash leaves the old file or the new,
     and never a temp file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:  # named by the file meant, not the temporary one
+        raise OSError(e.errno, e.strerror, str(path)) from None
     tmp = Path(name)
     try:
         with os.fdopen(fd, mode) as f:
@@ -129,6 +132,11 @@ def _atomic_write_bytes(path: Path, write: Callable, mode: str = "wb", sidecar: 
         if sidecar:
             _write_sidecar(path, file_sum(tmp))
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None:  # a failed write names no file: name the one being written
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -580,6 +588,10 @@ class Suite:
             self._fill_run_dir(tmp, record)
             share_mode(tmp, directory=True)
             _replace_dir(tmp, final)
+        except OSError as e:
+            if e.filename is None:  # a failed write (a full disk, a size limit) names no file
+                raise OSError(e.errno, e.strerror, str(final)) from None
+            raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return final

@@ -229,6 +229,15 @@ class ReferenceEngine(Engine):
     axes = frozenset({"concurrency", "prefix_cache", "kv_pressure", "long_lived", "async_scheduling",
                       "chat_thinking"})
 
+    @classmethod
+    def preflight(cls, model: str | None, engine_args: dict[str, str], draft: str | None) -> None:
+        """Its arguments and model directory, before anything is written: a bad one is one
+        message, not one failed run (or test) per config."""
+        parse_engine_args(engine_args)
+        if model and not Path(model).is_dir():
+            raise EngineUsageError(f"--model {model}: not a directory; give a directory with config.json, "
+                                   "model.safetensors, tokenizer.json")
+
     def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
                  draft: str | None = None) -> None:
         super().__init__(model, engine_args, draft)
