@@ -112,6 +112,9 @@ class RunPlan:
     #: RAY_ADDRESS or a Ray started on this machine). Not part of the suite's identity.
     executor: str = "local"
     address: str | None = None
+    #: whether running the plan points LATEST at its suite (False for an escalation's suite,
+    #: judged through the suite the user ran, which LATEST keeps naming meanwhile)
+    moves_latest: bool = True
 
     def axis_configs(self) -> list[SpecConfig]:
         """The configs the axes run on: the baseline and, per method, its largest K (the

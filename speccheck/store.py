@@ -41,6 +41,7 @@ import shlex
 import shutil
 import stat
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -201,7 +202,7 @@ def _load_npz(path: Path, redo: str = _REDO_DEFAULT, keys: tuple[str, ...] = (),
     """Stored arrays, their sidecar's sum checked first (``verified``: the caller checked the
     sum a manifest lists)."""
     if not verified:
-        verify_file(path, _sidecar_sum(path, redo), redo)
+        _settled(lambda: verify_file(path, _sidecar_sum(path, redo), redo))
     try:
         with np.load(path, allow_pickle=False) as z:
             out = {k: z[k] for k in z.files}
@@ -223,9 +224,28 @@ def _load_json(path: Path, redo: str = _REDO_DEFAULT):
                          "affected.") from None
 
 
+#: a reader that finds a file and its sum disagreeing looks again this many times, 50 ms apart:
+#: a writer in another process renames the sum in first, then the file (a run in progress)
+_SETTLE_TRIES = 6
+
+
+def _settled(read):
+    """``read()``, looked at again while a file and its checksum disagree for a moment (a
+    `speccheck run` writing the store while a `gate` reads it); damage stays damage."""
+    for attempt in range(_SETTLE_TRIES):
+        try:
+            return read()
+        except StoreError as e:
+            if "changed since it was written" not in str(e) or attempt == _SETTLE_TRIES - 1:
+                raise
+            time.sleep(0.05)
+
+
 def _load_checked_json(path: Path, redo: str = _REDO_DEFAULT):
-    verify_file(path, _sidecar_sum(path, redo), redo)
-    return _load_json(path, redo)
+    def read():
+        verify_file(path, _sidecar_sum(path, redo), redo)
+        return _load_json(path, redo)
+    return _settled(read)
 
 
 # the checked readers and writers, for other folders in the store's format (the golden)
