@@ -352,7 +352,7 @@ class _Unanswered(Exception):
 
 
 def server_findings(base_url: str, api_key_env: str | None = None,
-                    deadline: float = SERVER_DEADLINE_S) -> list[Finding]:
+                    deadline: float | None = None) -> list[Finding]:
     """The server's models, version and metrics, each probe read within what is left of one
     total ``deadline`` and said on stderr while it waits (the openai engine's own waiting)."""
     import httpx
@@ -367,7 +367,9 @@ def server_findings(base_url: str, api_key_env: str | None = None,
     key = os.environ.get(api_key_env or "OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     out: list[Finding] = []
-    wait = _Waiting(f"the server at {root} to answer doctor's probes", SERVER_TIMEOUT_S, deadline, hint="")
+    deadline = SERVER_DEADLINE_S if deadline is None else deadline
+    wait = _Waiting(f"the server at {root} to answer doctor's probes", min(SERVER_TIMEOUT_S, deadline), deadline,
+                    hint="")
 
     def get(client: httpx.Client, path: str) -> httpx.Response:
         try:

@@ -50,6 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from speccheck.engines.base import Engine, EngineError, EngineUsageError, ScoringUnavailable
 from speccheck.types import Completion, Prompt, Scored, SpecConfig, SpecCounters
+from speccheck.verify.finite import MASS_TOL
 from speccheck.verify.ties import canonical_topk
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -162,6 +163,10 @@ def topk_from_dict(entries: dict, k: int, where: str) -> tuple[list[int], list[f
         raise EngineError(f"{where}: the server listed token {twice[0]} twice in one top_logprobs entry "
                           f"(keys {[k for k in entries if token_id(k) == twice[0]]}): not a top-k")
     items = canonical_topk(pairs)
+    mass = float(np.logaddexp.reduce([lp for _, lp in items])) if items else -math.inf
+    if mass > MASS_TOL:  # beyond rounding: the entries are not one distribution's
+        raise EngineError(f"{where}: the server's top_logprobs add up to a probability of {math.exp(mass):.3g}, "
+                          "more than 1: not logprobs of one distribution (an engine fault)")
     if len(items) < k:
         raise EngineError(f"{where}: the server returned {len(items)} logprobs where {k} were "
                           "asked (vLLM caps them at --max-logprobs)")
@@ -599,6 +604,11 @@ class OpenAIEngine(Engine):
                 except _Deadline:
                     last = f"the answer was still arriving after {wait.deadline:.0f} s"
                     break
+                if 300 <= r.status_code < 400:
+                    raise EngineUsageError(
+                        f"the server at {shown} answered {method} {path} with a redirect (HTTP {r.status_code} "
+                        f"to {r.headers.get('location', '?')!r}); speccheck does not follow redirects: give "
+                        "--base-url the address the server answers on itself (http vs https, the port).")
                 if r.status_code < 400:
                     return r
                 last = self._refusal(r, path, shown)
@@ -689,6 +699,11 @@ class OpenAIEngine(Engine):
             try:
                 with self._client.stream("POST", self.base_url + path, json={**body, "stream": True},
                                          timeout=wait.attempt_timeout()) as r:
+                    if 300 <= r.status_code < 400:
+                        raise EngineUsageError(
+                            f"the server at {self._shown} answered POST {path_shown} with a redirect (HTTP "
+                            f"{r.status_code} to {r.headers.get('location', '?')!r}); speccheck does not follow "
+                            "redirects: give --base-url the address the server answers on itself.")
                     if r.status_code >= 400:
                         r = self._read_body(r, wait)
                         last = self._refusal(r, path_shown, self._shown)
