@@ -411,6 +411,17 @@ def _escalated_to_itself(c: Ctx) -> list[str]:
     return ["gate", "--store", str(c.store)]
 
 
+def _model(change: Callable[[Path], None], *command: str) -> Callable[[Ctx], list[str]]:
+    """A copy of the shipped reference weights, damaged by ``change``, given with --model."""
+    def make(c: Ctx) -> list[str]:
+        from speccheck.reference.export import default_weights_dir
+
+        shutil.copytree(default_weights_dir(), c.tmp / "model")
+        change(c.tmp / "model")
+        return [*(command or ("run", "--store", str(c.store), *RUN)), "--model", str(c.tmp / "model")]
+    return make
+
+
 def _doctor(c: Ctx) -> list[str]:
     return ["doctor", "--engine", "openai", "--base-url", c.url]
 
@@ -767,6 +778,19 @@ ROWS = [
     Row("corpus line nested past the parser", _corpus("[" * 100_000 + "\n"), 2, "nested too deeply"),
     Row("prompt id with a newline", _corpus(_prompt(id="a\nb")), 2, "must be printable text on one line"),
     Row("prompt id of 300 characters", _corpus(_prompt(id="p" * 300)), 2, "at most 200 characters"),
+    # a reference model directory that is not one
+    Row("--model config.json not JSON", _model(lambda m: (m / "config.json").write_text("{")), 2,
+        "config.json: cannot be loaded as the reference model's config"),
+    Row("--model config.json a field of the wrong type", _model(lambda m: (m / "config.json").write_text(json.dumps(
+        {**json.loads((m / "config.json").read_text()), "hidden_size": "big"}))), 2, "cannot be loaded"),
+    Row("--model weights truncated", _model(lambda m: truncate(m / "model.safetensors")), 2,
+        "model.safetensors: cannot be loaded as the reference model's weights"),
+    Row("--model tokenizer not JSON", _model(lambda m: (m / "tokenizer.json").write_text("{")), 2,
+        "tokenizer.json: cannot be loaded"),
+    Row("export-reference from weights truncated", _model(lambda m: truncate(m / "model.safetensors"),
+                                                          "export-reference", "out"), 2, "cannot be loaded"),
+    Row("serve from weights truncated", _model(lambda m: truncate(m / "model.safetensors"), "serve", "--port", "0"),
+        2, "cannot be loaded"),
     # files written where a FIFO sits
     Row("--junit onto a FIFO", lambda c: (os.mkfifo(c.tmp / "j.xml"),
                                           ["gate", "--store", str(c.store), "--junit", str(c.tmp / "j.xml")])[1], 2,

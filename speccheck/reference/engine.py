@@ -167,20 +167,18 @@ def reference_model_name(trained: bool = True, linear_head_dim: int | None = Non
 def load_networks(model_dir: Path, cfg: ReferenceConfig | None = None, draft: Path | None = None):
     """(config, target, mtp, drafter, trained) from a weights directory, fp32 on CPU.
     Missing files mean a fixed-seed random init of that part."""
-    from safetensors.torch import load_file
-
     cfg_path = model_dir / "config.json"
     if cfg is None:
-        cfg = (ReferenceConfig.from_dict(json.loads(cfg_path.read_text()))
-               if cfg_path.is_file() else ReferenceConfig())
-    target, mtp, drafter = Qwen3_5TextModel(cfg), MTPModule(cfg), DFlashDrafter(cfg)
+        cfg = _unbroken(cfg_path, lambda: ReferenceConfig.from_dict(json.loads(cfg_path.read_text()))
+                        if cfg_path.is_file() else ReferenceConfig())
+    target, mtp, drafter = _unbroken(cfg_path, lambda: (Qwen3_5TextModel(cfg), MTPModule(cfg), DFlashDrafter(cfg)))
     init_weights(target, 0)
     init_weights(mtp, 1)
     init_weights(drafter, 2)
     trained = False
     mfile = model_dir / "model.safetensors"
     if mfile.is_file():
-        sd = load_file(str(mfile))
+        sd = _unbroken(mfile, lambda: load_file(str(mfile)))
         _load(target, {k: v for k, v in sd.items() if not k.startswith("mtp.")}, mfile)
         msd = {k[4:]: v for k, v in sd.items() if k.startswith("mtp.")}
         if msd:
@@ -194,10 +192,32 @@ def load_networks(model_dir: Path, cfg: ReferenceConfig | None = None, draft: Pa
         if not dfile.is_file():
             raise EngineUsageError(f"--draft {draft}: no drafter.safetensors there")
     if dfile.is_file():
-        _load(drafter, load_file(str(dfile)), dfile)
+        _load(drafter, _unbroken(dfile, lambda: load_file(str(dfile))), dfile)
     elif trained:
         drafter = None
     return cfg, target, mtp, drafter, trained
+
+
+def load_file(path: str) -> dict:
+    from safetensors.torch import load_file as load
+
+    return load(path)
+
+
+def _unbroken(path: Path, read):
+    """``read()`` of a weights directory's file; a file that cannot be read as what it should
+    be (truncated, not JSON, a field of the wrong type) is the user's input, said with its
+    name -- not a crash."""
+    try:
+        return read()
+    except EngineUsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors, json, torch and the config raise their own kinds
+        raise EngineUsageError(f"{path}: cannot be loaded as the reference model's "
+                               f"{ {'config.json': 'config', 'tokenizer.json': 'tokenizer'}.get(path.name, 'weights')} "
+                               f"({type(e).__name__}: "
+                               f"{str(e)[:200]}); give --model a directory `speccheck export-reference` or the "
+                               "reference training wrote, or leave --model out for the shipped weights.") from None
 
 
 def _load(module: torch.nn.Module, sd: dict, path: Path) -> None:
@@ -253,7 +273,7 @@ class ReferenceEngine(Engine):
             raise EngineUsageError(f"no tokenizer.json in {self.model_dir} or {WEIGHTS_DIR}")
         from tokenizers import Tokenizer
 
-        self.tokenizer = Tokenizer.from_file(str(tok_path))
+        self.tokenizer = _unbroken(tok_path, lambda: Tokenizer.from_file(str(tok_path)))
         self.tok_path = tok_path
         if self.args["threads"]:
             torch.set_num_threads(int(self.args["threads"]))
@@ -283,10 +303,7 @@ class ReferenceEngine(Engine):
         d2_file = self.model_dir / DFLASH2_FILE
         self.dflash2 = None
         if d2_file.is_file():
-            try:
-                self.dflash2 = load_dflash2(d2_file, self.cfg).to(self.device, dtype).eval()
-            except ValueError as e:
-                raise EngineUsageError(str(e)) from e
+            self.dflash2 = _unbroken(d2_file, lambda: load_dflash2(d2_file, self.cfg).to(self.device, dtype).eval())
         self._set_knobs()
         #: requests this engine has served since it started (generate() and workloads alike)
         self.requests_served = 0
