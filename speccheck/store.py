@@ -866,10 +866,12 @@ class Suite:
             if np.any(k < 1) or any(np.any((acc[off[i]:off[i + 1]] < -1) | (acc[off[i]:off[i + 1]] > k[i]))
                                     for i in range(n)):
                 raise ValueError("an accepted count outside -1..K")
+            drafted = np.asarray(acc) != -1  # a step without a draft (-1) has no margin: NaN there only
             for name in ("margins", "min_margins"):  # top-1 minus top-2: >= 0, +inf with one candidate
                 m = np.asarray(a[name], dtype=np.float64)
-                if np.any(np.isnan(m)) or np.any(m < 0):
-                    raise ValueError(f"a drafter {name.replace('_', ' ')[:-1]} that is NaN or negative")
+                if np.any(np.isnan(m[drafted])) or np.any(m[~np.isnan(m)] < 0):
+                    raise ValueError(f"a drafter {name.replace('_', ' ')[:-1]} that is NaN or negative "
+                                     "at a step that drafted")
             return {pid: Replay(int(k[i]), acc[off[i]:off[i + 1]], a["margins"][off[i]:off[i + 1]],
                                 a["min_margins"][off[i]:off[i + 1]])
                     for i, pid in enumerate(a["ids"].tolist())}
