@@ -429,7 +429,7 @@ def gate(methods, k, configs, suite, store_dir, golden_dir, policy_file, setting
 @click.option("--html", "html_file", default=None, type=click.Path(dir_okay=False),
               help="Write the HTML report here instead of report.html in the --out directory.")
 def report(suite, store_dir, golden_dir, policy_file, settings, out, html_file):
-    """Write a Markdown report (the seed article's tables), a JSON summary and a self-contained
+    """Write a Markdown report (the K-sweep and method tables), a JSON summary and a self-contained
     HTML report (verdict, K-sweep and margin plots, every check and divergence)."""
     from speccheck.report import method_table, write_report
 

@@ -7,7 +7,7 @@ from typing import Sequence
 from speccheck.types import K_MAX, SpecConfig
 
 #: what `speccheck run` covers with no --method/--config: baseline + MTP K=1..7 + the block
-#: drafters (DFlash, DFlash2) at K=7 = block_size - 1 (the seed article's comparison)
+#: drafters (DFlash, DFlash2) at K=7 = block_size - 1 (the comparison that motivated speccheck)
 DEFAULT_MATRIX = ("baseline",) + tuple(f"mtp-k{k}" for k in range(1, 8)) + ("dflash-k7",
                                                                            "dflash2-k7")
 DEFAULT_K = {"mtp": list(range(1, 8))}

@@ -104,11 +104,16 @@ class _BadOptions(Exception):
 
 
 def _usage(config: pytest.Config, make):
-    from speccheck.cli import USAGE_ERRORS
+    from speccheck.config import MatrixError
+    from speccheck.corpus import CorpusError
+    from speccheck.engines import EngineUsageError
+    from speccheck.plan import PlanError
+    from speccheck.policy import PolicyError
+    from speccheck.store import StoreError
 
     try:
         return make()
-    except USAGE_ERRORS as e:
+    except (CorpusError, MatrixError, PlanError, PolicyError, StoreError, EngineUsageError) as e:
         raise _BadOptions(str(e)) from None
 
 

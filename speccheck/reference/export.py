@@ -51,7 +51,7 @@ What the loaders expect (read from source, vLLM main ≈ 0.26, transformers 5.24
   ``fc`` [hidden, 2*hidden] over ``cat(pre_fc_norm_embedding(embed), pre_fc_norm_hidden(h))``, ``norm``;
   its ``load_weights`` renames ``mtp.`` -> ``model.`` and takes ``embed_tokens`` from
   ``model.language_model.embed_tokens`` (shared; ``mtp_use_dedicated_embeddings: false``).
-  A checkpoint without ``mtp.*`` fails to load with method "mtp" (seen on the H200, DESIGN.md).
+  A checkpoint without ``mtp.*`` fails to load with method "mtp" (seen with vLLM 0.26).
 * DFlash, vLLM ``models/qwen3_dflash.py`` + registry ``"DFlashDraftModel": ("qwen3_dflash",
   "DFlashQwen3ForCausalLM")``: the draft config is a Qwen3 config (``model_type "qwen3"``) with
   ``dflash_config = {block_size, mask_token_id, target_layer_ids}``. ``load_weights`` prefixes every

@@ -1,5 +1,5 @@
 """The HTML report: one self-contained file (inline CSS and SVG; no script, no network) that
-shows in ten seconds what a suite found -- the verdict first, then the seed article's K-sweep as
+shows in ten seconds what a suite found -- the verdict first, then the K-sweep as
 plots, acceptance per draft position, every divergence's margin against the thresholds, the
 prompts x configs agreement grid, every check of every config, and the engine identity.
 
