@@ -38,7 +38,8 @@ from speccheck.store import Store
 from speccheck.types import Completion, RunRecord, Scored, SpecConfig, SpecCounters
 from speccheck.verify import canonical_rows
 
-BUILDER_VERSION = 2  # 2: top-1 logprobs at least 8 noise sds below 0 (no path reports one above 0)
+BUILDER_VERSION = 3  # 2: top-1 logprobs at least 8 noise sds below 0 (no path reports one above 0);
+#                      3: each row one distribution's (its probabilities add up to less than 1)
 VOCAB = 151_000  # ids drawn below the end-of-sequence id, so EOS never appears mid-stream
 EOS = 151_645
 TOP_K = 5
@@ -87,7 +88,11 @@ def latent_rows(rng: np.random.Generator, n: int, stop: bool) -> Latent:
                       np.where(u < 0.12, rng.exponential(0.4, n), 1 + rng.exponential(2.5, n)))
     steps = np.concatenate([np.zeros((n, 1)), margin[:, None], rng.exponential(0.7, (n, TOP_K - 2))], 1)
     top1 = -np.abs(rng.normal(0, 0.4, n)) - 8 * SIGMA  # no path's noise lifts a logprob above 0
-    return Latent(ids.astype(np.int32), (top1[:, None] - np.cumsum(steps, 1)).astype(np.float32))
+    rows = top1[:, None] - np.cumsum(steps, 1)
+    # one distribution's: the row's probabilities add up to less than 1, with room for noise
+    mass = np.logaddexp.reduce(rows, axis=1)
+    rows -= np.maximum(mass, 0.0)[:, None] + np.where(mass > -8 * SIGMA, 8 * SIGMA, 0.0)[:, None]
+    return Latent(ids.astype(np.int32), rows.astype(np.float32))
 
 
 def decode_view(rng, lat: Latent) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

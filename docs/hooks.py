@@ -38,8 +38,9 @@ def policy() -> str:
             owner[k.name] = c.name
     rows = ["| key | default | accepts | used by | meaning |", "|---|---|---|---|---|"]
     for k in KEYS.values():
-        accepts = ("true / false" if isinstance(k.default, bool) else
-                   f"{k.lo:g} … {'∞' if k.hi == float('inf') else f'{k.hi:g}'}")
+        accepts = ("true / false" if isinstance(k.default, bool) and not k.optional else
+                   f"{'above ' if k.above else ''}{k.lo:g} … {'∞' if k.hi == float('inf') else f'{k.hi:g}'}"
+                   + (" or false (report only)" if k.optional else ""))
         used = f"`{owner[k.name]}`" if k.name in owner else "divergence classes"
         rows.append(f"| `{k.name}` | `{str(k.default).lower() if isinstance(k.default, bool) else k.default}` "
                     f"| {accepts} | {used} | {_cell(k.doc)} |")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import select
 import sys
@@ -21,6 +22,7 @@ from speccheck.config import MatrixError, build_matrix
 from speccheck.corpus import CorpusError, list_corpora, load_corpus
 from speccheck.engines import EngineError, EngineUsageError
 from speccheck.engines import engine_class as engine_class_of
+from speccheck.files import OutputError, write_output
 from speccheck.gate import (EXIT_ENGINE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, EXIT_USAGE,
                             plan_note)
 from speccheck.plan import (ENGINE_ARG_HELP, REFERENCE_ARG_KEYS, PlanError, make_plan, parse_engine_args,
@@ -29,7 +31,7 @@ from speccheck.policy import PolicyError, load_policy
 from speccheck.store import Store, StoreError
 from speccheck.types import TOGETHER, slot_label
 
-USAGE_ERRORS = (CorpusError, MatrixError, PlanError, PolicyError, StoreError, EngineUsageError)
+USAGE_ERRORS = (CorpusError, MatrixError, PlanError, PolicyError, StoreError, EngineUsageError, OutputError)
 
 
 EXIT_CODES_HELP = ("Exit codes: 0 pass, 1 gate failed, 2 bad input or usage, 3 engine failure, "
@@ -39,7 +41,9 @@ EXIT_CODES_HELP = ("Exit codes: 0 pass, 1 gate failed, 2 bad input or usage, 3 e
 #: OS errors that are the user's environment, not a bug: a read-only or full disk, a
 #: permission, a path that is not a directory. They name the path and exit 2.
 _ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
-                       errno.EISDIR, errno.ENOENT, errno.ENAMETOOLONG, errno.EEXIST, errno.ENOTEMPTY}
+                       errno.EISDIR, errno.ENOENT, errno.ENAMETOOLONG, errno.EEXIST, errno.ENOTEMPTY,
+                       # a file-size limit (ulimit -f), a link loop, no file descriptors left
+                       errno.EFBIG, errno.ELOOP, errno.EMFILE, errno.ENFILE}
 
 
 def save_traceback() -> Path | None:
@@ -103,9 +107,10 @@ class SpeccheckGroup(click.Group):
         except OSError as e:
             if e.errno not in _ENVIRONMENT_ERRNOS:
                 self._internal_error(e)
-            where = e.filename or "?"
-            click.echo(f"speccheck: error: cannot use {where}: {e.strerror or e} (check the path given "
-                       "with --store / --out / --golden, its permissions and free space).", err=True)
+            where = f"cannot use {e.filename}" if e.filename else "a file could not be written or read"
+            click.echo(f"speccheck: error: {where}: {e.strerror or e} (check the path given with --store / "
+                       "--out / --golden, its permissions, free space and file-size limit (ulimit -f); "
+                       "what was stored before is kept).", err=True)
             sys.exit(EXIT_USAGE)
         except Exception as e:  # noqa: BLE001 - the top-level guard
             self._internal_error(e)
@@ -127,6 +132,34 @@ def _settings(items: tuple[str, ...]) -> dict[str, str]:
             raise PolicyError(f"--set {item!r}: write --set key=value (e.g. --set min_token_agreement=0.99).")
         out[key.strip()] = value
     return out
+
+
+class OffOrCount(click.ParamType):
+    """A count in [lo, hi], or ``off``: what turns a run off is said in a word, never by a 0
+    (read as 0 internally)."""
+
+    name = "count|off"
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):
+            text = str(value)
+        else:
+            text = str(value).strip().lower()
+        if text in ("off", "false", "no", "none"):
+            return 0
+        try:
+            n = int(text)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number from {self.lo} to {self.hi} nor off.", param, ctx)
+        if n == 0:
+            self.fail("0: write off to leave this run out (its checks are then skipped, not passed), "
+                      f"or a number from {self.lo} to {self.hi}.", param, ctx)
+        if not self.lo <= n <= self.hi:
+            self.fail(f"{n} is not in the range {self.lo} to {self.hi} (or off).", param, ctx)
+        return n
 
 
 store_option = click.option("--store", "store_dir", default=".speccheck", show_default=True,
@@ -176,9 +209,10 @@ run_options = [
                       "path); rerun: regenerate the divergent prompts' baseline with each switch "
                       "flipped and read the token where the spec run diverged (slower; it follows "
                       "the path the run took, where a re-score prefills the prefix)."),
-    click.option("--concurrent", default=2, show_default=True, type=click.IntRange(0, 64),
+    click.option("--concurrent", default="2", show_default=True, type=OffOrCount(1, 64), metavar="N|off",
                  help="Also run each config on the whole corpus at once, every prompt N times: "
-                      "batch-composition invariance and N identical concurrent requests (0: off)."),
+                      "batch-composition invariance and N identical concurrent requests (off: not "
+                      "run; those checks are then skipped, not passed)."),
     click.option("--base-url", default=None,
                  help="openai engine: server URL, with or without /v1 (default $OPENAI_BASE_URL, "
                       "else http://127.0.0.1:8000)."),
@@ -199,16 +233,27 @@ run_options = [
 ]
 
 
+class FiniteFloat(click.FloatRange):
+    """A float range that also refuses NaN (which compares false with every bound, so click's
+    own range lets it through) and the infinities."""
+
+    def convert(self, value, param, ctx):
+        x = super().convert(value, param, ctx)
+        if not math.isfinite(x):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return x
+
+
 sampling_options = [
-    click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0),
+    click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0, 100),
                  help="Sample at this temperature (0: greedy). A sampled suite is its own suite; "
                       "every request carries its own seed, and the distribution check judges it."),
     click.option("--top-p", "top_p", default=1.0, show_default=True,
-                 type=click.FloatRange(0, 1, min_open=True), help="Sampling: nucleus mass kept."),
+                 type=FiniteFloat(0, 1, min_open=True), help="Sampling: nucleus mass kept."),
     click.option("--sample-top-k", "sample_top_k", default=0, show_default=True,
-                 type=click.IntRange(0),
+                 type=click.IntRange(0, 2 ** 31 - 1),
                  help="Sampling: most likely tokens kept (0: all; --top-k is the logprobs width)."),
-    click.option("--seed", "seed", default=0, show_default=True, type=int,
+    click.option("--seed", "seed", default=0, show_default=True, type=click.IntRange(0, 2 ** 32 - 1),
                  help="Sampling: the run's seed (each request's derives from it and the prompt)."),
     click.option("--samples", "samples", default=1, show_default=True, type=click.IntRange(1, 64),
                  help="Sampling: requests per prompt, each with its own seed (more samples: a "
@@ -384,7 +429,7 @@ def gate(methods, k, configs, suite, store_dir, golden_dir, policy_file, setting
 @click.option("--html", "html_file", default=None, type=click.Path(dir_okay=False),
               help="Write the HTML report here instead of report.html in the --out directory.")
 def report(suite, store_dir, golden_dir, policy_file, settings, out, html_file):
-    """Write a Markdown report (the seed article's tables), a JSON summary and a self-contained
+    """Write a Markdown report (the K-sweep and method tables), a JSON summary and a self-contained
     HTML report (verdict, K-sweep and margin plots, every check and divergence)."""
     from speccheck.report import method_table, write_report
 
@@ -419,6 +464,9 @@ def sweep(methods, k, engine, model, draft, corpus, repeats, engine_args, store_
     from speccheck.report import recommendation, speedup_table, sweep_table
     from speccheck.executors import run_suite
 
+    if all(m == "baseline" for m in methods):
+        raise MatrixError(f"--method {' --method '.join(methods)}: a sweep runs a speculative method over "
+                          "K (the baseline always runs beside it); name one, e.g. --method mtp.")
     plan = make_plan(engine, model, draft, methods, k, (), corpus, repeats, 5, engine_args, no_attribution=True,
                      axes="none")  # a sweep measures speed; the gate's axes are `run`'s
     plan.round_robin = True  # every K of a round meets the same spells of load on a shared machine
@@ -541,6 +589,7 @@ def compare(config_names, suite, store_dir, other_store, other_suite, policy_fil
         b = api.open_suite(other_store, other_suite)
     except StoreError as e:
         raise StoreError(f"--with-store {other_store}: {e}") from None
+    _two_suites(a, b, "--store / --suite", "--with-store / --with-suite")
     if config_names:
         for name in config_names:
             for side, opt in ((a, "--store"), (b, "--with-store")):
@@ -577,6 +626,15 @@ def compare(config_names, suite, store_dir, other_store, other_suite, policy_fil
     sys.exit(0 if cmp.passed else 1)
 
 
+def _two_suites(a, b, first: str, second: str) -> None:
+    """Two sides of a comparison that are one suite would agree with themselves: a pass that
+    compared nothing. Refused, naming the options."""
+    if a.root.resolve() == b.root.resolve():
+        raise MatrixError(f"{first} and {second} both name suite {a.id} of {a.root.parent.parent}: a suite "
+                          "compared with itself agrees by construction. Give the other store (or suite) "
+                          "to compare with.")
+
+
 @main.command()
 @click.argument("old_store", type=click.Path(file_okay=False, exists=True))
 @click.argument("new_store", type=click.Path(file_okay=False, exists=True))
@@ -584,10 +642,11 @@ def compare(config_names, suite, store_dir, other_store, other_suite, policy_fil
 @click.option("--new-suite", default=None, help="Suite id in NEW_STORE (default: its last run).")
 @click.option("--config", "config_names", multiple=True,
               help="Config to judge (repeatable; default: every config the old suite completed).")
-@click.option("--alpha", type=float, default=None,
+@click.option("--alpha", type=FiniteFloat(0, 1, min_open=True, max_open=True), default=None,
               help="Acceptance tests' family-wise alpha (default: the policy's acceptance_alpha).")
-@click.option("--max-slowdown", type=float, default=0.10, show_default=True,
-              help="Fail a config whose warm tok/s (or speedup over its baseline) falls by more than this share.")
+@click.option("--max-slowdown", type=FiniteFloat(0, 1, max_open=True), default=0.10, show_default=True,
+              help="Fail a config whose warm tok/s (or speedup over its baseline) falls by more than this "
+                   "share (0 to below 1: a share of 1 would let any slowdown pass).")
 @_apply(policy_options)
 def upgrade(old_store, new_store, old_suite, new_suite, config_names, alpha, max_slowdown, policy_file,
             settings):
@@ -598,6 +657,7 @@ def upgrade(old_store, new_store, old_suite, new_suite, config_names, alpha, max
     from speccheck.upgrade import upgrade_lines, upgrade_suites
 
     a, b = api.open_suite(old_store, old_suite), api.open_suite(new_store, new_suite)
+    _two_suites(a, b, "OLD_STORE / --old-suite", "NEW_STORE / --new-suite")
     if a.meta.get("corpus_hash") != b.meta.get("corpus_hash"):
         raise StoreError(f"suites {a.id} and {b.id} ran different corpora (hash {a.meta.get('corpus_hash')} "
                          f"vs {b.meta.get('corpus_hash')}); an upgrade is judged on the same corpus.")
@@ -674,7 +734,8 @@ def kernels() -> None:
 @kernels.command("gdn")
 @click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda")
 @click.option("--positions", default=8192, show_default=True, type=click.IntRange(1, 1 << 20),
-              help="Sequence length of the synthetic inputs.")
+              help="Sequence length of the synthetic inputs (bounded by the memory it takes: "
+                   "about heads x head dim^2 x 4 bytes per position).")
 @click.option("--heads", default=4, show_default=True, type=click.IntRange(1, 256), help="GDN heads.")
 @click.option("--head-dim", default=None, type=click.IntRange(1, 512),
               help="Key/value head dim [default: 128 where FlashInfer's GDN prefill runs (its only "
@@ -691,9 +752,9 @@ def kernels_gdn(device, positions, heads, head_dim, verify_block, seed, json_out
     inputs against an fp64 recurrence: error, argmax flips, and flips by fp64 margin."""
     import torch
 
-    from speccheck.kernels.gdn import (compare, default_head_dim, flashinfer_auto_path, form_flips,
-                                       kernels as gdn_kernels, make_inputs, margin_curves,
-                                       margin_table, table)
+    from speccheck.kernels.gdn import (MAX_BYTES, compare, default_head_dim, flashinfer_auto_path,
+                                       form_flips, kernels as gdn_kernels, make_inputs, margin_curves,
+                                       margin_table, max_positions, memory_budget, memory_needed, table)
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -706,12 +767,24 @@ def kernels_gdn(device, positions, heads, head_dim, verify_block, seed, json_out
                                  "another path (or --json alone for stdout)", param_hint="--json")
     if head_dim is None:
         head_dim = default_head_dim(device)
+    need, budget = memory_needed(positions, heads, head_dim, head_dim), memory_budget(device)
+    if need > budget:
+        most = max_positions(heads, head_dim, head_dim, budget)
+        raise click.BadParameter(
+            f"{positions} positions x {heads} heads at head dim {head_dim} would take about "
+            f"{need / 2 ** 30:.1f} GiB ({device} has room for {budget / 2 ** 30:.1f} GiB here: half of "
+            f"what is free, at most {MAX_BYTES // 2 ** 30} GiB); the kernels keep a state per position "
+            f"and head. Give at most --positions {most} at these --heads/--head-dim"
+            + (", or fewer --heads" if heads > 1 else "") + ".", param_hint="--positions")
     inputs = make_inputs(positions, heads, head_dim, head_dim, seed, device)
     missing: list[str] = []
     impls = gdn_kernels(device, missing, head_dim, verify_block)
-    cpu_eta = f"; about {186 * positions * heads / (8192 * 4):.0f} s on 2 CPU cores" if device == "cpu" else ""
+    # measured on 2 CPU cores: 8192 x 4 heads at head dim 64 in 4 s, 16384 x 4 in 16 s, 4096 x 4 at
+    # head dim 256 in 12 s: about 0.2 ms per position and head, head dim 64 (within 2x)
+    cpu_eta = (f", roughly {2e-4 * positions * heads * (1 + head_dim * head_dim / 4096) / 2:.0f} s on 2 CPU cores"
+               if device == "cpu" else "")
     click.echo(f"kernels gdn: fp64 reference, then {len(impls)} kernel(s) x 3 timed repeats on {positions} "
-               f"positions x {heads} heads ({device}{cpu_eta}) ...", err=True)
+               f"positions x {heads} heads ({device}, about {need / 2 ** 30:.1f} GiB{cpu_eta}) ...", err=True)
     comparison = compare(inputs, impls)
     results, curves = comparison.results, margin_curves(comparison)
     fi_auto = flashinfer_auto_path(device, heads) if "flashinfer chunked" in impls else None
@@ -736,7 +809,7 @@ def kernels_gdn(device, positions, heads, head_dim, verify_block, seed, json_out
         if json_out == "-":
             click.echo(text)
         else:
-            Path(json_out).write_text(text + "\n")
+            write_output(Path(json_out), text + "\n", "--json")
 
 
 @main.command()

@@ -7,7 +7,7 @@ from typing import Sequence
 from speccheck.types import K_MAX, SpecConfig
 
 #: what `speccheck run` covers with no --method/--config: baseline + MTP K=1..7 + the block
-#: drafters (DFlash, DFlash2) at K=7 = block_size - 1 (the seed article's comparison)
+#: drafters (DFlash, DFlash2) at K=7 = block_size - 1 (the comparison that motivated speccheck)
 DEFAULT_MATRIX = ("baseline",) + tuple(f"mtp-k{k}" for k in range(1, 8)) + ("dflash-k7",
                                                                            "dflash2-k7")
 DEFAULT_K = {"mtp": list(range(1, 8))}
@@ -19,6 +19,8 @@ RUN_ONLY_ARGS: dict[str, frozenset[str]] = {
     "openai": frozenset({"score_base_url", "timeout", "deadline", "retries", "backoff", "api_key_env"}),
     "vllm": frozenset({"gpu_memory_utilization", "kv_cache_memory_bytes", "worker", "python",
                        "timeout_s", "warmup", "attribution_jobs",
+                       # what the model is called (the golden's folder takes it; not numerics)
+                       "served_model_name",
                        # a path (its weights' hash is in the identity, as --draft's is)
                        "dflash2_draft"}),
 }
@@ -38,6 +40,9 @@ def parse_k(spec: str) -> list[int]:
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if lo > hi:
             raise MatrixError(f"--k {spec!r}: range {part!r} runs backwards; write it low-high.")
+        if hi > K_MAX:  # before the range is made: 1-99999999999 is not a billion Ks in memory
+            ks.append(hi)
+            break
         ks.extend(range(lo, hi + 1))
     bad = [k for k in ks if not 1 <= k <= K_MAX]
     if bad:

@@ -188,6 +188,10 @@ def _read_jsonl(path: str, content: str) -> list[tuple[int, dict]]:
         except json.JSONDecodeError as e:
             raise CorpusError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); "
                               f"each line must be one complete JSON object.") from None
+        except RecursionError:
+            raise CorpusError(f"{path}:{lineno}: JSON nested too deeply to read; a prompt is one flat "
+                              "object (id, category, max_tokens, text or messages).") from None
+        _check_unicode(f"{path}:{lineno}", rec)
         if not isinstance(rec, dict):
             raise CorpusError(f"{path}:{lineno}: expected a JSON object with id, category, "
                               f"max_tokens and text or messages, got {type(rec).__name__}.")
@@ -195,11 +199,29 @@ def _read_jsonl(path: str, content: str) -> list[tuple[int, dict]]:
     return out
 
 
+def _check_unicode(where: str, rec: object) -> None:
+    """Text that can be written back out: JSON's ``\\ud800`` escapes decode to lone surrogates,
+    which no UTF-8 file, tokenizer or store can hold."""
+    try:
+        json.dumps(rec, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start:e.end] if isinstance(e.object, str) else "?"
+        raise CorpusError(f"{where}: holds {bad!r}, a lone UTF-16 surrogate (a \\ud800-style escape "
+                          "without its pair), which is not text; fix the escape or the character.") from None
+
+
+#: the longest prompt id (ids name prompts in reports, JUnit and request ids)
+MAX_ID_LEN = 200
+
+
 def _read_toml(path: str, content: str) -> list[tuple[int, dict]]:
     try:
         doc = tomllib.loads(content)
     except tomllib.TOMLDecodeError as e:
         raise CorpusError(f"{path}: malformed TOML ({e}); fix the syntax.") from None
+    except RecursionError:
+        raise CorpusError(f"{path}: TOML nested too deeply to read; a corpus holds flat [[prompt]] "
+                          "tables.") from None
     extra = set(doc) - {"prompt"}
     if extra:
         raise CorpusError(f"{path}: unknown top-level key(s) {sorted(extra)}; a TOML corpus holds "
@@ -212,6 +234,15 @@ def _read_toml(path: str, content: str) -> list[tuple[int, dict]]:
     starts = [i for i, raw in enumerate(content.splitlines(), 1)
               if raw.strip().replace(" ", "").startswith("[[prompt]]")]
     return [(starts[i] if i < len(starts) else 0, t) for i, t in enumerate(tables)]
+
+
+def _check_id(where: str, pid: str) -> None:
+    """A prompt id is a name: printable, one line, at most MAX_ID_LEN characters."""
+    if len(pid) > MAX_ID_LEN or any(ch.isspace() and ch != " " or not ch.isprintable() for ch in pid):
+        shown = pid[:40] + ("..." if len(pid) > 40 else "")
+        raise CorpusError(f"{where}: prompt id {shown!r} must be printable text on one line of at most "
+                          f"{MAX_ID_LEN} characters (no newlines, tabs or control characters): ids name "
+                          "prompts in reports, JUnit and requests.")
 
 
 def _to_prompt(path: str, line: int, rec: dict) -> Prompt:
@@ -227,6 +258,7 @@ def _to_prompt(path: str, line: int, rec: dict) -> Prompt:
     pid, category, max_tokens = rec["id"], rec["category"], rec["max_tokens"]
     if not isinstance(pid, str) or not pid.strip():
         raise CorpusError(f"{where}: 'id' must be a non-empty string, got {pid!r}.")
+    _check_id(where, pid)
     if not isinstance(category, str) or not category.strip():
         raise CorpusError(f"{where}: prompt {pid!r}: 'category' must be a non-empty string, "
                           f"got {category!r}.")
@@ -276,6 +308,7 @@ def _spec_bench_prompt(path: str, line: int, rec: dict, max_tokens: int) -> Prom
     if isinstance(qid, bool) or not isinstance(qid, (int, str)) or not str(qid).strip():
         raise CorpusError(f"{where}: 'question_id' must be a number or a non-empty string, "
                           f"got {qid!r}.")
+    _check_id(where, str(qid))
     if not isinstance(category, str) or not category.strip():
         raise CorpusError(f"{where}: question {qid!r}: 'category' must be a non-empty string, "
                           f"got {category!r}.")

@@ -340,34 +340,81 @@ def peer_access(n: int) -> dict[tuple[int, int], bool] | None:
             for i in range(n) for j in range(n) if i != j}
 
 
-def server_findings(base_url: str, api_key_env: str | None = None) -> list[Finding]:
+#: every probe of a server together may take this long (a server that accepts connections and
+#: never answers, or drips its answer, is given up on; the wait is said every HEARTBEAT_S)
+SERVER_DEADLINE_S = 30.0
+#: one probe's wait for the server's next bytes
+SERVER_TIMEOUT_S = 10.0
+
+
+class _Unanswered(Exception):
+    """The probes' total deadline passed while the server's answer was still awaited."""
+
+
+def server_findings(base_url: str, api_key_env: str | None = None,
+                    deadline: float | None = None) -> list[Finding]:
+    """The server's models, version and metrics, each probe read within what is left of one
+    total ``deadline`` and said on stderr while it waits (the openai engine's own waiting)."""
     import httpx
 
-    from speccheck.engines.openai import server_root
+    from speccheck.engines.openai import _Deadline, _Waiting, server_root
 
-    root = server_root(base_url)
+    try:
+        root = server_root(base_url)
+        httpx.URL(root + "/v1/models")
+    except (httpx.InvalidURL, ValueError, TypeError) as e:
+        return [Finding(FAIL, "server", f"{base_url}: not a URL ({e})", "fix --base-url, e.g. http://127.0.0.1:8000")]
     key = os.environ.get(api_key_env or "OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     out: list[Finding] = []
+    deadline = SERVER_DEADLINE_S if deadline is None else deadline
+    wait = _Waiting(f"the server at {root} to answer doctor's probes", min(SERVER_TIMEOUT_S, deadline), deadline,
+                    hint="")
+
+    def get(client: httpx.Client, path: str) -> httpx.Response:
+        try:
+            with client.stream("GET", root + path, timeout=wait.attempt_timeout()) as r:
+                body = b""
+                for chunk in r.iter_raw():  # a drip is still a wait: only a whole answer counts
+                    wait.check()
+                    body += chunk
+                    if len(body) > 16 * 2 ** 20:
+                        raise ValueError(f"{path} answered more than 16 MiB")
+                whole = httpx.Response(r.status_code, headers=r.headers, content=body, request=r.request)
+                whole.read()
+                wait.touch()
+                return whole
+        except _Deadline:
+            raise _Unanswered(f"{path}: the answer was still arriving after {deadline:.0f} s") from None
+        except httpx.TimeoutException as e:
+            raise _Unanswered(f"{path}: nothing arrived for {wait.attempt_timeout().read:.0f} s "
+                              f"({type(e).__name__})") from None
+
     try:
-        with httpx.Client(headers=headers, timeout=10.0) as client:
-            r = client.get(root + "/v1/models")
+        with wait, httpx.Client(headers=headers) as client:
+            r = get(client, "/v1/models")
             if r.status_code in (401, 403):
                 return [Finding(FAIL, "server", f"{root}/v1/models: {r.status_code} (the API key is refused)",
                                 f"export {api_key_env or 'OPENAI_API_KEY'}=<the server's key>")]
             r.raise_for_status()
-            models = [m.get("id") for m in r.json().get("data", [])]
+            data = r.json().get("data", [])
+            if not isinstance(data, list):
+                raise ValueError("'data' is not a list of models")
+            models = [m.get("id") for m in data]
             out.append(Finding(OK, "server", f"{root} serves {', '.join(map(str, models)) or 'no model'}"))
-            v = client.get(root + "/version")
+            v = get(client, "/version")
             out.append(Finding(OK if v.status_code == 200 else WARN, "server version",
-                               v.json().get("version", "?") if v.status_code == 200 else f"/version: {v.status_code}"))
-            m = client.get(root + "/metrics")
+                               str(v.json().get("version", "?")) if v.status_code == 200 else f"/version: {v.status_code}"))
+            m = get(client, "/metrics")
             spec = m.status_code == 200 and "spec_decode_num_drafts" in m.text
             out.append(Finding(OK if m.status_code == 200 else WARN, "server metrics",
                                "/metrics has the spec-decode counters" if spec else
                                "/metrics reachable, no spec-decode counters (a baseline server, or spec decode off)"
                                if m.status_code == 200 else f"/metrics: {m.status_code}",
                                "" if m.status_code == 200 else "acceptance needs /metrics; run vLLM with metrics on"))
+    except _Unanswered as e:
+        out.append(Finding(FAIL, "server", f"{root} did not answer in time ({e}; {deadline:.0f} s for every "
+                           "probe in all)", "is the server up and not overloaded? check --base-url"))
     except httpx.InvalidURL as e:
         out.append(Finding(FAIL, "server", f"{root}: not a URL ({e})", "fix --base-url, e.g. http://127.0.0.1:8000"))
     except httpx.HTTPError as e:

@@ -155,7 +155,8 @@ def escalate(plan: RunPlan, store: Store, suite: Suite, log: Callable[[str], Non
     child_plan = replace(plan, corpus=str(path),
                          configs=[SpecConfig()] + [c for c in plan.configs if c.name in pending],
                          repeats=1, fresh_process_repeat=False, concurrent=0, attribute=False,
-                         axes=(), max_tokens=None, ignore_eos=False)
+                         axes=(), max_tokens=None, ignore_eos=False,
+                         moves_latest=False)  # a gate meanwhile judges the user's suite
     try:
         child = run_suite(child_plan, store, log=log)
     except Exception as e:  # noqa: BLE001 - the checks stay inconclusive: the gate fails them

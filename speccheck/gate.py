@@ -74,7 +74,8 @@ def write_junit(result: SuiteResult, path: Path) -> None:
             el = ET.SubElement(case, "failure", message=("inconclusive: " if c.inconclusive else "")
                                + c.message.splitlines()[0])
             el.text = c.message
+    from speccheck.files import write_output
+
     root = ET.Element("testsuites")
     root.append(suite)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+    write_output(Path(path), ET.tostring(root, encoding="utf-8", xml_declaration=True), "--junit")

@@ -3,7 +3,9 @@ store's own format) and per-config acceptance; `check` compares today's baseline
 the same divergence classification, and refuses when model, tokenizer or corpus differ."""
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import re
 import shutil
 from dataclasses import dataclass
@@ -45,19 +47,44 @@ PLATFORM_KEYS = ("device", "cpu_capability", "threads", "torch", "gpu", "cuda", 
                  "server_version", "driver")
 
 
-def golden_dir(root: Path, identity: dict, meta: dict) -> Path:
-    """``golden/<engine>[/<series>]/<model>/<corpus>[+<engine args>]``: engine args (dtype, kernel
-    knobs, planted faults) change the numerics, so a golden made with them never lands where
-    the default one lives; an engine whose numerics follow its release names the series in its
-    identity (``golden_series``, e.g. vLLM's ``0.28.0``), one golden per release."""
-    model = identity.get("model_id") or meta.get("model") or "default"
+#: an engine-settings label longer than this becomes a hash (the settings are in golden.json)
+LABEL_MAX = 40
+
+
+def engine_settings(identity: dict, meta: dict) -> dict[str, str]:
+    """The engine args of a suite that change its numerics (dtype, kernel knobs, planted
+    faults, ...): those a golden is recorded under; how speccheck reaches or sizes the engine
+    is left out (``RUN_ONLY_ARGS``)."""
     engine = identity.get("engine") or meta["engine"]
     skip = set(_NOT_NUMERICS) | RUN_ONLY_ARGS.get(engine, frozenset())
-    args = {k: v for k, v in (meta.get("engine_args") or {}).items() if k not in skip}
-    variant = ("+" + ",".join(f"{k}={v}" for k, v in sorted(args.items()))) if args else ""
+    return {str(k): str(v) for k, v in sorted((meta.get("engine_args") or {}).items()) if k not in skip}
+
+
+def settings_label(settings: dict[str, str]) -> str:
+    """A short, stable label of engine settings for a folder name: ``key=value,...`` where that
+    fits in LABEL_MAX characters, else ``settings-`` and 10 hex digits of their hash."""
+    if not settings:
+        return ""
+    plain = _slug(",".join(f"{k}={v}" for k, v in sorted(settings.items())))
+    if len(plain) <= LABEL_MAX:
+        return plain
+    digest = hashlib.sha256(json.dumps(sorted(settings.items())).encode()).hexdigest()[:10]
+    return f"settings-{digest}"
+
+
+def golden_dir(root: Path, identity: dict, meta: dict) -> Path:
+    """``golden/<engine>[/<series>]/<model>/<corpus>[+<settings>]``: engine settings (dtype,
+    kernel knobs, planted faults) change the numerics, so a golden made with them never lands
+    where the default one lives (:func:`settings_label`; golden.json keeps the settings
+    themselves); an engine whose numerics follow its release names the series in its identity
+    (``golden_series``, e.g. vLLM's ``0.28.0``), one golden per release. The model is named as
+    the engine names it (``model_id``: for vLLM, the name the checkpoint declares)."""
+    model = identity.get("model_id") or meta.get("model") or "default"
+    engine = identity.get("engine") or meta["engine"]
+    label = settings_label(engine_settings(identity, meta))
     series = identity.get("golden_series")
     return Path(root) / _slug(engine) / (_slug(str(series)) if series else "") \
-        / _slug(Path(str(model)).name) / _slug(meta["corpus"] + variant)
+        / _slug(Path(str(model)).name) / _slug(meta["corpus"] + (f"+{label}" if label else ""))
 
 
 def portable_identity(identity: dict) -> dict:
@@ -132,6 +159,7 @@ def record(suite: Suite, result: SuiteResult, root: Path, force: bool = False) -
     m["identity"] = portable_identity(m.get("identity") or {})
     write_checked_text(manifest, json.dumps(m, indent=1, ensure_ascii=False))
     meta = {"suite": suite.id, "engine": suite.meta["engine"], "corpus": suite.meta["corpus"],
+            "engine_settings": engine_settings(base.identity, suite.meta),
             "identity": portable_identity(base.identity), "fingerprint": _fingerprint(base.identity, base.corpus_hash),
             "numerics": _numerics(base.identity),
             "noise": result.noise, "acceptance": acceptance,
@@ -209,24 +237,78 @@ def _read_golden(path: Path) -> tuple[dict, RunRecord]:
     """golden.json and the baseline run of a golden, each verified against its checksum (a
     damaged or unsummed golden is an error, never a golden that is silently not there)."""
     redo = _redo(path)
+    if path.is_symlink():
+        raise StoreError(f"{path}: a symlink, not a golden speccheck recorded (a golden is read from "
+                         f"where it was recorded); {redo}.")
     meta = load_checked_json(path / "golden.json", redo)
-    fp = meta.get("fingerprint") if isinstance(meta, dict) else None
-    if (not isinstance(fp, dict) or not all(isinstance(fp.get(k), (str, type(None)))
-                                            for k in ("model_hash", "tokenizer_hash", "corpus_hash"))
-            or not isinstance(meta.get("acceptance", {}), dict)
-            or not isinstance(meta.get("noise", 0.0), (int, float)) or isinstance(meta.get("noise"), bool)
-            or not isinstance(meta.get("numerics") or {}, dict)):
-        raise StoreError(f"{path / 'golden.json'}: not a golden record (fingerprint, acceptance, noise); "
-                         f"{redo}.")
+    problem = _golden_problem(meta)
+    if problem:
+        raise StoreError(f"{path / 'golden.json'}: not a golden record ({problem}); {redo}.")
     return meta, read_run(path / "baseline", redo)
+
+
+def _number(x, lo: float = 0.0, hi: float = math.inf) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and lo <= x <= hi
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _golden_problem(meta) -> str | None:
+    """What in a golden.json is not what `golden record` writes (None: nothing): a field of
+    the wrong type or a number that cannot be would otherwise crash a check or pass it (a NaN
+    acceptance compares false with every limit)."""
+    if not isinstance(meta, dict):
+        return "not a JSON object"
+    fp = meta.get("fingerprint")
+    if not isinstance(fp, dict) or not all(isinstance(fp.get(k), (str, type(None)))
+                                           for k in ("model_hash", "tokenizer_hash", "corpus_hash")):
+        return "its fingerprint lacks model_hash/tokenizer_hash/corpus_hash"
+    if not _number(meta.get("noise", 0.0)):
+        return f"its noise is {meta.get('noise')!r}, not a finite number >= 0"
+    for key in ("numerics", "identity", "engine_settings"):
+        if not isinstance(meta.get(key) or {}, dict):
+            return f"its {key} is not an object"
+    checks = meta.get("checks") or {}
+    if not isinstance(checks, dict) or not all(
+            isinstance(v, dict) and all(isinstance(c, str) and isinstance(st, str) for c, st in v.items())
+            for v in checks.values()):
+        return "its checks are not {config: {check: state}}"
+    acceptance = meta.get("acceptance", {})
+    if not isinstance(acceptance, dict):
+        return "its acceptance is not an object"
+    for config, a in acceptance.items():
+        where = f"acceptance of {config}"
+        if not isinstance(a, dict) or not _number(a.get("tokens_per_iter")):
+            return f"the {where} has no finite tokens_per_iter"
+        if not isinstance(a.get("per_pos", []), list) or not all(_number(x, 0.0, 1.0) for x in a.get("per_pos", [])):
+            return f"the {where} has per_pos rates outside 0..1"
+        per_prompt = a.get("per_prompt", {})
+        if not isinstance(per_prompt, dict) or not all(
+                isinstance(v, list) and len(v) == 3 and _count(v[0]) and _count(v[1]) and isinstance(v[2], str)
+                for v in per_prompt.values()):
+            return f"the {where} has per_prompt entries that are not [drafts, accepted, output digest]"
+        per_pos = a.get("per_prompt_pos", {})
+        if not isinstance(per_pos, dict) or not all(isinstance(v, list) and all(map(_count, v))
+                                                    for v in per_pos.values()):
+            return f"the {where} has per_prompt_pos entries that are not lists of counts"
+    return None
 
 
 def load_golden(suite: Suite, root: Path) -> tuple[Path, dict, RunRecord]:
     base = suite.load_run("baseline", 0)
     path = golden_dir(root, base.identity, suite.meta)
     if not (path / "golden.json").exists() and not (path / "golden.json").is_symlink():
-        raise GoldenMismatch(f"no golden at {path} (option --golden); record one with "
-                             "`speccheck golden record` after a clean `speccheck run`.")
+        settings = engine_settings(base.identity, suite.meta)
+        others = sorted(p.name for p in path.parent.glob("*") if (p / "golden.json").is_file()) \
+            if path.parent.is_dir() else []
+        raise GoldenMismatch(
+            f"no golden at {path} (option --golden)"
+            + (f" for the engine settings {', '.join(f'{k}={v}' for k, v in settings.items())}" if settings else "")
+            + (f"; this model has goldens recorded under other corpora or settings: {', '.join(others[:5])} "
+               "(their golden.json lists the settings)" if others else "")
+            + "; record one with `speccheck golden record` after a clean `speccheck run`.")
     meta, gold = _read_golden(path)
     return path, meta, gold
 
@@ -264,6 +346,13 @@ def _noise_samples(path: Path) -> dict[str, np.ndarray]:
     samples = load_checked_npz(path / NOISE_FILE, _redo(path))
     if any(v.ndim != 1 or not np.issubdtype(v.dtype, np.floating) for v in samples.values()):
         raise StoreError(f"{path / NOISE_FILE}: not noise samples (1-d float arrays); {_redo(path)}.")
+    if KERNEL_PATH not in samples:  # every golden records it: without it no drift is judged
+        raise StoreError(f"{path / NOISE_FILE}: lacks the kernel-path noise sample ({KERNEL_PATH!r}) every "
+                         f"golden records; {_redo(path)}.")
+    bad = next((k for k, v in samples.items() if not np.all(np.isfinite(v)) or np.any(v < 0)), None)
+    if bad is not None:  # |Δ logprob| values: a NaN compares false with every limit
+        raise StoreError(f"{path / NOISE_FILE}: sample {bad!r} holds values that are not finite |Δ logprob| "
+                         f">= 0 (NaN, infinite or negative); {_redo(path)}.")
     return {k: v.astype(np.float64) for k, v in samples.items()}
 
 

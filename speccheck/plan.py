@@ -12,7 +12,7 @@ from speccheck.config import MatrixError, build_matrix
 from speccheck.corpus import Corpus, load_corpus
 from speccheck.engines import RUN_ONLY_ARGS, EngineUsageError, engine_class, engine_names
 from speccheck.store import suite_id
-from speccheck.types import SpecConfig, axis_slot, sampling_of
+from speccheck.types import SpecConfig, axis_slot, sampling_of, sampling_problem
 from speccheck.version import __version__, release
 
 
@@ -22,6 +22,8 @@ class PlanError(ValueError):
 
 #: the largest numeric level an axis takes (requests at once; requests in one long-lived session)
 AXIS_LEVEL_MAX = {"concurrency": 4096, "long_lived": 100_000}
+#: the axes whose levels are numbers (of requests); every other axis has its named levels only
+NUMBERED_AXES = ("concurrency", "long_lived")
 
 
 def parse_axes(spec: str | None, supported: frozenset[str]) -> tuple[str, ...]:
@@ -29,7 +31,10 @@ def parse_axes(spec: str | None, supported: frozenset[str]) -> tuple[str, ...]:
     a comma list of axes, each optionally with levels (``concurrency=4+8+32``, ``long_lived=500``).
     An axis the engine cannot run is refused by name, never dropped."""
     runnable = [a for a in axes_registry() if any(a.runnable(lv, supported) for lv in a.levels)]
-    if spec in (None, "", "default"):
+    if spec is not None and not spec.strip():  # an empty shell variable is not a choice
+        raise PlanError("--axes '': give default (every axis the engine runs), none, or axes with "
+                        "levels, e.g. 'concurrency=4+8,long_lived=500' (see `speccheck axes`).")
+    if spec in (None, "default"):
         return tuple(axis_slot(a.name, lv) for a in runnable for lv in a.levels
                      if a.runnable(lv, supported))
     if spec == "none":
@@ -45,14 +50,20 @@ def parse_axes(spec: str | None, supported: frozenset[str]) -> tuple[str, ...]:
         if axis not in runnable:
             raise PlanError(f"--axes {item!r}: this engine cannot run the {name} axis (it runs: "
                             f"{', '.join(a.name for a in runnable)}); leave it out.")
-        for level in (levels.split("+") if levels else axis.levels):
+        if _ and not levels:
+            raise PlanError(f"--axes {item!r}: no level after '='; give levels (e.g. "
+                            f"{name}={'+'.join(axis.levels)}) or the axis name alone for its defaults.")
+        for level in (levels.split("+") if levels else [lv for lv in axis.levels if axis.runnable(lv, supported)]):
             if not level or "-" in level:
                 raise PlanError(f"--axes {item!r}: a level is a word or a number without '-', e.g. {name}=8.")
+            if name in NUMBERED_AXES and not level.isdigit():
+                raise PlanError(f"--axes {item!r}: the {name} levels are numbers of requests, e.g. {name}=8.")
+            if name not in NUMBERED_AXES and level not in axis.levels:  # a typo must not run as another level
+                raise PlanError(f"--axes {item!r}: the {name} axis has the levels {', '.join(axis.levels)}; "
+                                f"{level!r} is not one of them.")
             if not axis.runnable(level, supported):
                 raise PlanError(f"--axes {item!r}: this engine cannot run the {name} axis's {level} "
                                 f"level (it runs {'+'.join(lv for lv in axis.levels if axis.runnable(lv, supported))}).")
-            if name in ("concurrency", "long_lived") and not level.isdigit():
-                raise PlanError(f"--axes {item!r}: the {name} levels are numbers of requests, e.g. {name}=8.")
             if level.isdigit() and not 1 <= int(level) <= AXIS_LEVEL_MAX.get(name, 1 << 20):
                 raise PlanError(f"--axes {item!r}: level {level} is out of range: the {name} axis takes "
                                 f"1 to {AXIS_LEVEL_MAX.get(name, 1 << 20)} (requests at once, or in one "
@@ -105,6 +116,9 @@ class RunPlan:
     #: RAY_ADDRESS or a Ray started on this machine). Not part of the suite's identity.
     executor: str = "local"
     address: str | None = None
+    #: whether running the plan points LATEST at its suite (False for an escalation's suite,
+    #: judged through the suite the user ran, which LATEST keeps naming meanwhile)
+    moves_latest: bool = True
 
     def axis_configs(self) -> list[SpecConfig]:
         """The configs the axes run on: the baseline and, per method, its largest K (the
@@ -299,7 +313,16 @@ def make_plan(engine: str = "reference", model: str | None = None, draft: str | 
               address: str | None = None) -> RunPlan:
     """The plan `speccheck run` (and ``pytest -m spec``) would run, from its options as given on
     the command line; every cheap mistake is refused before an engine (and torch) loads."""
+    for option, value, lo, hi in (("--repeats", repeats, 1, 100), ("--top-k", top_k, 2, 20),
+                                  ("--concurrent", concurrent, 0, 64)):
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise PlanError(f"{option} {value!r}: give a whole number from {max(lo, 1)} to {hi}"
+                            + (" (or off)" if option == "--concurrent" else "") + ".")
     args = parse_engine_args(engine_args)
+    bad = sampling_problem(args)
+    if bad:
+        raise PlanError(f"--engine-arg {bad} (--temperature, --top-p, --sample-top-k, --seed and --samples "
+                        "set these).")
     server = {"base_url": base_url, "served_model": served_model, "api_key_env": api_key_env}
     args.update({key: v for key, v in server.items() if v is not None})
     # cheap errors first, before an engine (and torch) loads: the corpus, the engine's name,

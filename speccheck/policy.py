@@ -5,6 +5,7 @@ override them, in that order."""
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import asdict, field, make_dataclass, replace
 from pathlib import Path
@@ -37,7 +38,8 @@ CORE_KEYS = (
               "run` continues every prompt of the corpus by its own baseline output and generates "
               "this many times its max_tokens, for the inconclusive configs and the baseline only, "
               "into a linked suite of the same store; one that stays inconclusive there fails "
-              "(0: never escalate, an inconclusive fails)"),
+              "(0: never escalate, an inconclusive fails; at most 64: the continued prompts must "
+              "still fit the model)", hi=64),
     PolicyKey("tie_floor", 0.02, "nats; see tie_noise_multiple"),
     PolicyKey("low_floor", 0.1, "nats; see tie_noise_multiple"),
 )
@@ -58,12 +60,27 @@ def _with_overrides(self, overrides: dict[str, object], source: str):
         if getattr(policy, low) > getattr(policy, high):
             raise PolicyError(f"{source}: {low} ({getattr(policy, low)}) must not exceed {high} "
                               f"({getattr(policy, high)}): a near-tie is the narrower class.")
+    for alpha, look in LOOK_CLOSER:
+        if getattr(policy, look) < getattr(policy, alpha):
+            raise PolicyError(
+                f"{source}: {look} ({getattr(policy, look):g}) is below {alpha} "
+                f"({getattr(policy, alpha):g}): an effect at alpha <= p < {look} is inconclusive "
+                f"and is judged again on more prompts. Set {look} = {getattr(policy, alpha):g} for "
+                "no inconclusive band (then every p >= alpha passes), or above it.")
     return policy
 
 
-#: the thresholds that turn measurements into pass/fail, one field per key (frozen)
+#: (alpha, look-closer) pairs: the inconclusive band alpha <= p < look-closer must not be negative
+LOOK_CLOSER = (("agreement_alpha", "agreement_look_closer"), ("replay_alpha", "replay_look_closer"),
+               ("topk_drift_alpha", "topk_drift_look_closer"),
+               ("logprob_drift_alpha", "logprob_drift_look_closer"))
+
+
+#: the thresholds that turn measurements into pass/fail, one field per key (frozen); a key
+#: that may be off holds False or its number
 Policy = make_dataclass(
-    "Policy", [(k.name, type(k.default), field(default=k.default)) for k in KEYS.values()],
+    "Policy", [(k.name, object if k.optional else type(k.default), field(default=k.default))
+               for k in KEYS.values()],
     frozen=True, namespace={"with_overrides": _with_overrides, "to_dict": lambda self: asdict(self),
                             "__module__": __name__})
 
@@ -72,11 +89,19 @@ def _coerce(spec: PolicyKey, value: object, source: str) -> object:
     """``value`` as the type of the key's default, in its range: a NaN or a negative threshold
     would quietly turn a check off, an int is not a bool, 2.5 is not a count."""
     key, default = spec.name, spec.default
-    kind = type(default).__name__
+    kind = "number" if spec.optional else type(default).__name__
     lo, hi = spec.lo, spec.hi
     where = f"{source}: policy key {key!r}"
-    span = f"in [{lo:g}, {hi:g}]" if hi < math.inf else f">= {lo:g}"
-    if isinstance(default, bool):
+    opening = "(" if spec.above else "["
+    span = (f"in {opening}{lo:g}, {hi:g}]" if hi < math.inf else f"{'>' if spec.above else '>='} {lo:g}")
+    if spec.optional:
+        # off (report only) is said in words; a zero is a number, and no floor is 0
+        if value is False or (isinstance(value, str) and value.strip().lower() in ("false", "off", "no")):
+            return False
+        if value is True or (isinstance(value, str) and value.strip().lower() in ("true", "on", "yes")):
+            raise PolicyError(f"{where} is a threshold: give a number {span}, or false (off: report "
+                              f"only); got {value!r}.")
+    elif isinstance(default, bool):
         # a check is turned off by an explicit false/off, never by a 0 (a number is a threshold)
         if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "on", "off"):
             return value.strip().lower() in ("true", "yes", "on")
@@ -89,11 +114,19 @@ def _coerce(spec: PolicyKey, value: object, source: str) -> object:
     try:
         number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise PolicyError(f"{where} wants a {kind} {span}, got {value!r}.") from None
+        off = " or false (report only)" if spec.optional else ""
+        raise PolicyError(f"{where} wants a {kind} {span}{off}, got {value!r}.") from None
     if not math.isfinite(number):
         raise PolicyError(f"{where} wants a finite {kind} {span}, got {value!r}.")
-    if isinstance(default, int) and number != int(number):
+    whole = isinstance(default, int) and not isinstance(default, bool)
+    if whole and number != int(number):
         raise PolicyError(f"{where} wants a whole number >= {lo:g}, got {value!r}.")
+    if spec.above and number == lo:
+        vacuous = ("a floor of 0 is met by every config, so it would check nothing"
+                   if key.startswith("min_") else "a limit of 0 is exceeded by every config")
+        off = (f"; to report it without gating write {key} = false (on the command line "
+               f"--set {key}=off)" if spec.optional else "")
+        raise PolicyError(f"{where} must be {span}, got {value!r}: {vacuous}{off}.")
     if not lo <= number <= hi:
         scale = " (a fraction: 0.98, not 98)" if hi == 1.0 else ""
         raise PolicyError(f"{where} must be {span}{scale}, got {value!r}.")
@@ -102,13 +135,15 @@ def _coerce(spec: PolicyKey, value: object, source: str) -> object:
                           f"{value!r}; at 0 no p-value is ever below it, which would turn the test off "
                           "without saying so. Use a small alpha (e.g. 1e-6) for a stricter test, or "
                           "the check's own floor or require_* switch to change what fails.")
-    return int(number) if isinstance(default, int) else number
+    return int(number) if whole else number
 
 
 def _read_toml(path: Path) -> dict:
     try:
         if not path.is_file():
-            raise PolicyError(f"{path}: is not a regular file; pass a policy TOML file with --policy.")
+            what = ("a symlink to nothing readable (dangling or a loop)" if path.is_symlink()
+                    else "not a regular file")
+            raise PolicyError(f"{path}: is {what}; fix it, or pass a policy TOML file with --policy.")
         return tomllib.loads(path.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
         raise PolicyError(f"{path}: cannot read policy TOML ({e}); fix the file or pass another "
@@ -154,13 +189,16 @@ def load_policy(policy_file: str | None = None, overrides: dict[str, str] | None
                 cwd: Path | None = None) -> Policy:
     cwd = cwd or Path.cwd()
     policy = Policy()
+    if policy_file is not None and not str(policy_file).strip():
+        raise PolicyError("--policy '': give the path of a policy TOML file (or leave the option out).")
     pyproject = cwd / "pyproject.toml"
-    if pyproject.exists():
+    # lexists: a dangling or looping link where the policy belongs is said, not read as no policy
+    if os.path.lexists(pyproject):
         policy = policy.with_overrides(_section(_read_toml(pyproject), pyproject, True),
                                        f"{pyproject} [tool.speccheck]")
-    for path in ([cwd / "speccheck.toml"] if (cwd / "speccheck.toml").exists() else []) + \
+    for path in ([cwd / "speccheck.toml"] if os.path.lexists(cwd / "speccheck.toml") else []) + \
             ([Path(policy_file)] if policy_file else []):
-        if not path.exists():
+        if not os.path.lexists(path):
             raise PolicyError(f"--policy {path}: no such file.")
         policy = policy.with_overrides(_section(_read_toml(path), path, False), str(path))
     return policy.with_overrides(overrides or {}, "--set")

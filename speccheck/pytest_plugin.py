@@ -20,6 +20,30 @@ from speccheck.checks import registry
 
 
 
+def _count(lo: int, hi: int, off: bool = False):
+    """An option's value as a count in [lo, hi] (``off``: or the word off, read as 0; a 0 is
+    refused, never read as off): a bad value is pytest's usage error, before any run."""
+    import argparse
+
+    def convert(text: str) -> int:
+        word = str(text).strip().lower()
+        if off and word in ("off", "false", "no", "none"):
+            return 0
+        try:
+            n = int(word)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from {lo} to {hi}"
+                                             + (" (or off)" if off else "")) from None
+        if off and n == 0:
+            raise argparse.ArgumentTypeError("0: write off to leave this run out (its tests are then "
+                                             f"skipped), or a number from {lo} to {hi}")
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"{n} is not in the range {lo} to {hi}"
+                                             + (" (or off)" if off else ""))
+        return n
+    return convert
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("speccheck", "speculative-decoding gate (speccheck)")
     g.addoption("--spec-engine", default="reference", help="engine: reference | vllm | openai")
@@ -33,15 +57,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="corpus name or file (default: the ini value spec_corpus, else 'default')")
     g.addoption("--spec-store", default=".speccheck", help="store directory")
     g.addoption("--spec-golden", default="golden", help="golden directory")
-    g.addoption("--spec-repeats", default=2, type=int, help="repeats per config")
+    g.addoption("--spec-repeats", default=2, type=_count(1, 100), help="repeats per config (1-100)")
     from speccheck.plan import ENGINE_ARG_HELP
 
     g.addoption("--spec-engine-arg", action="append", default=[],
                 help=ENGINE_ARG_HELP.replace("Engine option", "engine option"))
     g.addoption("--spec-policy", default=None, help="policy TOML file")
-    g.addoption("--spec-concurrent", default=2, type=int,
+    g.addoption("--spec-concurrent", default=2, type=_count(1, 64, off=True),
                 help="also run the corpus all at once, each prompt N times (batch invariance, "
-                     "identical concurrent requests); 0: off")
+                     "identical concurrent requests), 1-64; off: not run")
     g.addoption("--spec-ignore-eos", action="store_true",
                 help="decode every prompt's full max_tokens past end-of-sequence")
     g.addoption("--spec-axes", default="default",
@@ -74,13 +98,46 @@ def _plan(config: pytest.Config):
                              executor=o("--spec-executor"), address=o("--spec-ray-address"))
 
 
+class _BadOptions(Exception):
+    """A --spec-* option (or the policy file) is bad input: said once as pytest's usage error
+    (pytest_collection_modifyitems), not as a collection traceback per generated test."""
+
+
+def _usage(config: pytest.Config, make):
+    from speccheck.config import MatrixError
+    from speccheck.corpus import CorpusError
+    from speccheck.engines import EngineUsageError
+    from speccheck.plan import PlanError
+    from speccheck.policy import PolicyError
+    from speccheck.store import StoreError
+
+    try:
+        return make()
+    except (CorpusError, MatrixError, PlanError, PolicyError, StoreError, EngineUsageError) as e:
+        raise _BadOptions(str(e)) from None
+
+
+_BAD = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """After -m has deselected what it does: a spec test left to run with bad options ends
+    the session with one paragraph (pytest's usage error, exit 4), before any engine starts."""
+    bad = config.stash.get(_BAD, None)
+    if bad and any(item.get_closest_marker("spec") for item in items):
+        raise pytest.UsageError(f"speccheck: {bad}")
+
+
 def _config_names(config: pytest.Config) -> list[str]:
     """The configs the options demand, and every config an earlier run planned in the same
     suite: a planned config the store misses fails its tests instead of going unseen."""
     from speccheck.plan import plan_suite_id
+    from speccheck.policy import load_policy
     from speccheck.store import Store, StoreError, config_sort_key
 
-    plan = _plan(config)
+    plan = _usage(config, lambda: _plan(config))
+    _usage(config, lambda: load_policy(config.getoption("--spec-policy")))  # read before the runs, not after
     names = {c.name for c in plan.configs}
     try:
         names |= set(Store(config.getoption("--spec-store")).suite(plan_suite_id(plan)).planned_configs())
@@ -92,7 +149,11 @@ def _config_names(config: pytest.Config) -> list[str]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "spec_config" not in metafunc.fixturenames:
         return
-    names = _config_names(metafunc.config)
+    try:
+        names = _config_names(metafunc.config)
+    except _BadOptions as e:
+        metafunc.config.stash[_BAD] = str(e)
+        names = []
     spec = getattr(metafunc.function, "check_spec", None)
     if spec is not None:  # a check's test for the configs it judges
         names = [n for n in names if spec.applies_to(n)]

@@ -148,7 +148,8 @@ def start_engine(plan: RunPlan, store: Store, corpus: Corpus) -> tuple[Engine, S
 
     def open_planned() -> Suite:
         suite = open_suite(plan, store, corpus)
-        store.set_latest(suite.id)
+        if plan.moves_latest:
+            store.set_latest(suite.id)
         suite.extend_plan(plan.planned(), plan.run_args())
         return suite
 

@@ -230,9 +230,8 @@ class ServeState:
     def _check_vocabulary(self, ids: list[int]) -> None:
         """Token ids the model has (where the engine knows its tokens): an id past the
         vocabulary is the client's mistake, a 400, not an engine failure."""
-        if self.engine.token_bytes(0) is None:
-            return
-        bad = next((t for t in ids if self.engine.token_bytes(t) is None), None)
+        known = self.engine.token_bytes(0) is not None
+        bad = next((t for t in ids if t >= 2 ** 31 or known and self.engine.token_bytes(t) is None), None)
         if bad is not None:
             raise RequestError(HTTPStatus.BAD_REQUEST, f"token id {bad} is not in the model's vocabulary",
                                "prompt")
@@ -373,6 +372,23 @@ def _parse_completion_request(body: dict) -> dict:
     for field, ok in (("echo", False), ("use_beam_search", False)):
         if body.get(field, ok) not in (ok, None):
             raise bad(f"`{field}` is not supported by speccheck serve", field)
+    # what would change a greedy output (or promise a stop) and this server does not do: refused,
+    # never ignored; the sampling fields greedy decoding ignores are checked for type only
+    for field, neutral in (("stop", ("", [])), ("stop_token_ids", ([],)), ("logit_bias", ({},)),
+                           ("presence_penalty", (0,)), ("frequency_penalty", (0,)),
+                           ("repetition_penalty", (1,)), ("min_tokens", (0,)), ("best_of", (1,)),
+                           ("suffix", ("",)), ("bad_words", ([],))):
+        v = body.get(field)
+        if v is not None and (isinstance(v, bool) or v not in neutral):
+            raise bad(f"`{field}` is not supported by speccheck serve (it decodes greedily with no "
+                      f"stops, penalties or biases); leave it out", field)
+    for field, ok in (("seed", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+                      ("top_p", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1),
+                      ("top_k", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= -1),
+                      ("min_p", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1)):
+        if body.get(field) is not None and not ok(body[field]):
+            raise bad(f"`{field}` is {body[field]!r:.40}: not a valid {field} (greedy decoding ignores "
+                      "it, but not its type)", field)
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise bad("`stream` must be true or false", "stream")
@@ -470,6 +486,10 @@ def build_app(state: ServeState):
         return JSONResponse(_error_body(status, message, param), status_code=int(status))
 
     async def read_json(request: Request) -> dict:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:  # said at once, not after 10 GB
+            raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                               f"request body over {MAX_BODY_BYTES >> 20} MiB (Content-Length {declared})")
         raw = bytearray()
         async for chunk in request.stream():
             raw += chunk

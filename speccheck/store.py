@@ -41,6 +41,7 @@ import shlex
 import shutil
 import stat
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -120,7 +121,10 @@ def _atomic_write_bytes(path: Path, write: Callable, mode: str = "wb", sidecar: 
     """Temp file, its sum in the sidecar, then rename: a crash leaves the old file or the new,
     and never a temp file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:  # named by the file meant, not the temporary one
+        raise OSError(e.errno, e.strerror, str(path)) from None
     tmp = Path(name)
     try:
         with os.fdopen(fd, mode) as f:
@@ -129,6 +133,11 @@ def _atomic_write_bytes(path: Path, write: Callable, mode: str = "wb", sidecar: 
         if sidecar:
             _write_sidecar(path, file_sum(tmp))
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None:  # a failed write names no file: name the one being written
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -193,7 +202,7 @@ def _load_npz(path: Path, redo: str = _REDO_DEFAULT, keys: tuple[str, ...] = (),
     """Stored arrays, their sidecar's sum checked first (``verified``: the caller checked the
     sum a manifest lists)."""
     if not verified:
-        verify_file(path, _sidecar_sum(path, redo), redo)
+        _settled(lambda: verify_file(path, _sidecar_sum(path, redo), redo))
     try:
         with np.load(path, allow_pickle=False) as z:
             out = {k: z[k] for k in z.files}
@@ -215,9 +224,28 @@ def _load_json(path: Path, redo: str = _REDO_DEFAULT):
                          "affected.") from None
 
 
+#: a reader that finds a file and its sum disagreeing looks again this many times, 50 ms apart:
+#: a writer in another process renames the sum in first, then the file (a run in progress)
+_SETTLE_TRIES = 6
+
+
+def _settled(read):
+    """``read()``, looked at again while a file and its checksum disagree for a moment (a
+    `speccheck run` writing the store while a `gate` reads it); damage stays damage."""
+    for attempt in range(_SETTLE_TRIES):
+        try:
+            return read()
+        except StoreError as e:
+            if "changed since it was written" not in str(e) or attempt == _SETTLE_TRIES - 1:
+                raise
+            time.sleep(0.05)
+
+
 def _load_checked_json(path: Path, redo: str = _REDO_DEFAULT):
-    verify_file(path, _sidecar_sum(path, redo), redo)
-    return _load_json(path, redo)
+    def read():
+        verify_file(path, _sidecar_sum(path, redo), redo)
+        return _load_json(path, redo)
+    return _settled(read)
 
 
 # the checked readers and writers, for other folders in the store's format (the golden)
@@ -580,6 +608,10 @@ class Suite:
             self._fill_run_dir(tmp, record)
             share_mode(tmp, directory=True)
             _replace_dir(tmp, final)
+        except OSError as e:
+            if e.filename is None:  # a failed write (a full disk, a size limit) names no file
+                raise OSError(e.errno, e.strerror, str(final)) from None
+            raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return final
@@ -629,9 +661,26 @@ class Suite:
         _write_sidecar(tmp / "manifest.json", file_sum(tmp / "manifest.json"))
 
     def load_run(self, config_name: str, repeat: int) -> RunRecord:
-        return self._read_once("run", self._run_files(config_name, repeat), lambda: read_run(
-            self.run_dir(config_name, repeat), self._redo_run(config_name, repeat),
-            self._manifest(config_name, repeat)))
+        return self._read_once("run", self._run_files(config_name, repeat), lambda: self._of_this_suite(
+            read_run(self.run_dir(config_name, repeat), self._redo_run(config_name, repeat),
+                     self._manifest(config_name, repeat)), config_name, repeat))
+
+    def _of_this_suite(self, rec: RunRecord, config_name: str, repeat: int) -> RunRecord:
+        """A run is of the suite that holds it: its config, corpus and engine are the suite's
+        (a suite.json or manifest rewritten with a matching checksum is caught here)."""
+        path = self.root / "suite.json"
+        raw = self._read_once("json", (path, _sidecar(path)), lambda: _load_checked_json(
+            path, "run `speccheck run` again into a fresh --store")) if path.exists() else {}
+        meta = raw if isinstance(raw, dict) else {}  # its shape is `meta`'s to judge
+        for what, have, want in (("config", rec.config.name, config_name),
+                                 ("corpus hash", rec.corpus_hash, meta.get("corpus_hash")),
+                                 ("engine", (rec.identity or {}).get("engine"), meta.get("engine"))):
+            if have is not None and want is not None and have != want:
+                raise StoreError(
+                    f"{self.run_dir(config_name, repeat) / 'manifest.json'}: its {what} is {have!r}, but the "
+                    f"suite's (suite.json, runs/{config_name}/) is {want!r}: a run of another suite, or a file "
+                    f"changed after it was written; the suite is damaged: {self._redo_run(config_name, repeat)}.")
+        return rec
 
     def load_together(self, config_name: str) -> RunRecord | None:
         """The config's run of the whole corpus at once, if one is stored."""
@@ -706,6 +755,35 @@ class Suite:
             raise StoreError(f"{self.root / 'plan.json'}: missing, though runs are stored, so what was asked "
                              "of this suite is lost; the suite is damaged: `speccheck run` again into it with "
                              "the options you want writes it anew (stored runs are kept and skipped).")
+        unplanned = self.unplanned()
+        if unplanned:
+            raise StoreError(
+                f"{self.root / 'plan.json'}: does not plan {unplanned}, which is stored. A plan only grows as "
+                "runs are added, so it was changed after the runs were made (a plan asking for less would "
+                "let the gate judge on less evidence); the suite is damaged: `speccheck run` again into it "
+                "with the options it was run with writes the plan anew (stored runs are kept and skipped).")
+
+    def unplanned(self) -> str | None:
+        """The first stored piece the plan does not ask for (a config, a repeat, the run all at
+        once, a workload axis, a rescoring or replay), or None."""
+        planned = (self.load_plan() or {}).get("configs", {})
+        for name in self.configs():
+            want = planned.get(name)
+            if want is None:
+                return f"config {name} (runs/{name}/)"
+            reps = self.repeats(name)
+            if reps and reps[-1] >= want["repeats"]:
+                return f"repeat r{reps[-1]} of {name} (it plans {want['repeats']})"
+            if not want.get("concurrent") and (self.run_dir(name, TOGETHER) / "manifest.json").exists():
+                return f"the run of {name} all at once (runs/{name}/together)"
+            extra = sorted(set(self.axis_slots(name)) - set(want.get("axes") or []))
+            if extra:
+                return f"the workload axis run {name}/{extra[0]}"
+            for key, path, what in (("rescore", self.rescore_path(name, 0), "rescoring"),
+                                    ("replay", self.replay_path(name, 0), "acceptance replay")):
+                if not want.get(key) and path.exists():
+                    return f"the {what} of {name} ({path.parent.name}/{path.name})"
+        return None
 
     def load_inputs(self) -> dict[str, np.ndarray] | None:
         path = self.root / "inputs.npz"
@@ -788,6 +866,12 @@ class Suite:
             if np.any(k < 1) or any(np.any((acc[off[i]:off[i + 1]] < -1) | (acc[off[i]:off[i + 1]] > k[i]))
                                     for i in range(n)):
                 raise ValueError("an accepted count outside -1..K")
+            drafted = np.asarray(acc) != -1  # a step without a draft (-1) has no margin: NaN there only
+            for name in ("margins", "min_margins"):  # top-1 minus top-2: >= 0, +inf with one candidate
+                m = np.asarray(a[name], dtype=np.float64)
+                if np.any(np.isnan(m[drafted])) or np.any(m[~np.isnan(m)] < 0):
+                    raise ValueError(f"a drafter {name.replace('_', ' ')[:-1]} that is NaN or negative "
+                                     "at a step that drafted")
             return {pid: Replay(int(k[i]), acc[off[i]:off[i + 1]], a["margins"][off[i]:off[i + 1]],
                                 a["min_margins"][off[i]:off[i + 1]])
                     for i, pid in enumerate(a["ids"].tolist())}
@@ -1076,6 +1160,10 @@ class Store:
     def suite(self, sid: str, meta: dict | None = None) -> Suite:
         """The suite with this id; ``meta`` creates it (or checks it is the same suite)."""
         s = Suite(self.root / "suites" / sid)
+        if s.root.is_symlink():  # another store's files read as this one's: never judged as ours
+            raise StoreError(f"{s.root}: a symlink speccheck did not write (suites/ holds only "
+                             "speccheck's own directories); to judge another store's suite, pass that "
+                             "store with --store (or copy it in with `speccheck merge`).")
         if meta is not None:
             if (s.root / "suite.json").exists():
                 if s.meta.get("corpus_hash") != meta.get("corpus_hash"):
@@ -1124,6 +1212,14 @@ class Store:
         from filelock import FileLock, Timeout
 
         path = self.root / "lock"
+        try:
+            st = os.lstat(path)
+        except OSError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):  # a FIFO would block, a directory refuse
+            raise StoreError(f"{path}: a {_kind(st.st_mode)} where speccheck keeps its lock file (a regular "
+                             "file holding the writer's pid); remove it, then run the command again "
+                             "(nothing else in the store is affected).")
         held = FileLock(path, poll_interval=0.2)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -1167,6 +1263,9 @@ class Store:
         first repeat it was made from. The plans are joined. One line per thing done."""
         if source.root.resolve() == self.root.resolve():
             raise StoreError(f"merge: {source.root} is the store itself (option --store)")
+        if not source.suite_ids():  # a mistyped path must not read as "already merged"
+            raise StoreError(f"merge: {source.root} holds no suites, so it is not a store `speccheck run` "
+                             "wrote (a store holds suites/<id>/suite.json); give the --store a run wrote to.")
         said: list[str] = []
         for sid in source.suite_ids():
             src = source.suite(sid)

@@ -6,6 +6,8 @@ beyond the free-form ``identity`` dict.
 """
 from __future__ import annotations
 
+import math
+
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -351,6 +353,50 @@ def sampling_of(engine_args: dict | None) -> dict | None:
     return {"temperature": t, "top_p": float(args.get("top_p") or 1.0),
             "top_k": int(args.get("sample_top_k") or 0), "seed": int(args.get("seed") or 0),
             "samples": max(1, int(args.get("samples") or 1))}
+
+
+#: the highest temperature a run may ask for (far past it every token is as likely as any)
+MAX_TEMPERATURE = 100.0
+#: seeds are what every engine takes without overflow (numpy's and vLLM's unsigned 32 bits)
+MAX_SEED = 2 ** 32 - 1
+MAX_SAMPLES = 64
+
+
+def sampling_problem(engine_args: dict | None) -> str | None:
+    """What is wrong with a run's sampling engine args (``temperature``, ``top_p``,
+    ``sample_top_k``, ``seed``, ``samples``), or None: each a finite number in its range, so
+    that a NaN (which compares false with every bound) never reaches an engine."""
+    args = engine_args or {}
+
+    def number(key: str, whole: bool) -> float | None:
+        if key not in args:
+            return None
+        try:
+            x = float(args[key]) if not whole else int(str(args[key]).strip())
+        except (TypeError, ValueError):
+            raise _Bad(key) from None
+        if not math.isfinite(x):
+            raise _Bad(key)
+        return x
+
+    try:
+        t, p = number("temperature", False), number("top_p", False)
+        k, seed, n = number("sample_top_k", True), number("seed", True), number("samples", True)
+        for key, x, ok in (("temperature", t, lambda v: 0 <= v <= MAX_TEMPERATURE),
+                           ("top_p", p, lambda v: 0 < v <= 1), ("sample_top_k", k, lambda v: 0 <= v < 2 ** 31),
+                           ("seed", seed, lambda v: 0 <= v <= MAX_SEED), ("samples", n, lambda v: 1 <= v <= MAX_SAMPLES)):
+            if x is not None and not ok(x):
+                raise _Bad(key)
+    except _Bad as e:
+        key = str(e)
+        return (f"{key}={args[key]!r}: sampling takes a temperature from 0 to {MAX_TEMPERATURE:g} (0: greedy), "
+                f"0 < top_p <= 1, a whole sample_top_k >= 0 (0: every token), a whole seed from 0 to "
+                f"{MAX_SEED} and samples from 1 to {MAX_SAMPLES}, each a finite number")
+    return None
+
+
+class _Bad(ValueError):
+    pass
 
 
 def sample_seed(seed: int, sample: int) -> int:

@@ -35,7 +35,7 @@ def test_attribute_with_second_servers_over_http(tmp_path, free_port, serve_proc
             with running_server(method, k, engine_args=knobs, port=port) as url:
                 before = {u: _served(u) for u in (bf16, fp32)}
                 args = ["run", "--engine", "openai", "--base-url", url, "--method", method,
-                        "--corpus", "smoke", "--store", store, "--concurrent", "0", "--axes", "none",
+                        "--corpus", "smoke", "--store", store, "--concurrent", "off", "--axes", "none",
                         "--repeats", "1", "--attribute-with", f"bf16={bf16}",
                         "--attribute-with", f"fp32={fp32}"]
                 res = cli.invoke(main, args + (["--k", str(k)] if k else []))

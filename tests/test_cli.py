@@ -71,7 +71,7 @@ def test_end_to_end_smoke_run_diff_gate_report(tmp_path):
     mtp = data["configs"][1]
     assert mtp["identical_runs"] is True and mtp["acceptance"]["drafts"] > 0
     g = runner.invoke(main, ["gate", "--store", st, "--junit", str(tmp_path / "j.xml"),
-                             "--set", "min_token_agreement=0"])
+                             "--set", "min_token_agreement=0.01"])
     assert g.exit_code in (0, 1) and "gate:" in g.output and (tmp_path / "j.xml").exists()
     rep = runner.invoke(main, ["report", "--store", st, "--out", str(tmp_path / "rep")])
     assert rep.exit_code == 0 and "| mtp-k2 | 2 |" in (tmp_path / "rep" / "report.md").read_text()
@@ -93,9 +93,13 @@ def test_end_to_end_smoke_run_diff_gate_report(tmp_path):
     gjson.with_name("golden.json.sha256").write_text(json.dumps(file_sum(gjson)))
     bad = runner.invoke(main, ["golden", "check", "--store", st, "--golden", gold])
     assert bad.exit_code == 2 and "another model" in bad.output
-    # the same suite compared with itself across stores agrees exactly
-    same = runner.invoke(main, ["compare", "--store", st, "--with-store", st])
+    # the same suite, copied to another store, agrees exactly (the store against itself is refused)
+    import shutil
+
+    shutil.copytree(st, tmp_path / "copy")
+    same = runner.invoke(main, ["compare", "--store", st, "--with-store", str(tmp_path / "copy")])
     assert same.exit_code == 0 and "4/4 prompts exact" in same.output
+    assert runner.invoke(main, ["compare", "--store", st, "--with-store", st]).exit_code == 2
 
 
 def test_sweep_prints_the_k_table_the_speedup_model_and_a_recommendation(tmp_path):

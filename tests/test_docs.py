@@ -55,3 +55,16 @@ def test_the_add_a_check_example_is_one_file_every_listing_shows(tmp_path):
         main(["checks"])""")], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "few_low_confidence" in r.stdout and "max_low_confidence = 10" in r.stdout, r.stdout[-2000:]
+
+
+def test_every_check_is_in_the_triage_tables():
+    """What to do when a check fails is in the README's table and the triage page for every
+    registered check (a new check without a row fails here)."""
+    from speccheck.checks import registry
+
+    readme = (ROOT / "README.md").read_text().split("## What to do on FAIL")[1].split("\n## ")[0]
+    page = (ROOT / "docs" / "triage.md").read_text()
+    for spec in registry():
+        for name, text in (("README.md", readme), ("docs/triage.md", page)):
+            rows = [ln for ln in text.splitlines() if ln.startswith("|") and f"`{spec.name}`" in ln.split("|")[1]]
+            assert rows, f"{name}: no triage row names `{spec.name}`"

@@ -25,7 +25,8 @@ def dist(tokens, margin=3.0, near=None):
     for i, t in enumerate(tokens):
         ids[i] = [t, (t + 1) % V, (t + 2) % V, (t + 3) % V, (t + 4) % V]
         m = 0.01 if near and i in near else margin
-        lp[i] = [-0.5, -0.5 - m, -6, -7, -8]
+        top = -0.7 if m < 0.5 else -0.5  # one distribution's: a near-tie's two halves add up to < 1
+        lp[i] = [top, top - m, -6, -7, -8]
     return ids, lp
 
 
@@ -442,6 +443,11 @@ def complete_as_run_would(suite) -> None:
     runs = {name: [suite.load_run(name, r) for r in suite.repeats(name)] for name in suite.configs()}
     first = next(iter(runs.values()))[0]
     suite.write_inputs({c.prompt_id: [int(x) for x in c.prompt_ids] for c in first.completions})
-    suite.extend_plan({name: {"repeats": len(rs), "fresh_process_repeat": any(r.fresh_process for r in rs),
-                              "concurrent": 0, "rescore": False, "attribute": False}
-                       for name, rs in runs.items()}, [])
+    def want(name, rs):
+        together = suite.load_together(name)
+        return {"repeats": max(suite.repeats(name)) + 1, "fresh_process_repeat": any(r.fresh_process for r in rs),
+                "concurrent": together.copies if together is not None else 0,
+                "rescore": suite.rescore_path(name, 0).exists(), "attribute": False,
+                **({"replay": True} if suite.replay_path(name, 0).exists() else {}),
+                **({"axes": suite.axis_slots(name)} if suite.axis_slots(name) else {})}
+    suite.extend_plan({name: want(name, rs) for name, rs in runs.items()}, [])

@@ -34,7 +34,7 @@ def test_gate_catches_planted_fault(tmp_path, fault):
     runner = CliRunner()
     r = runner.invoke(main, ["run", "--store", st_dir, "--corpus", "smoke",
                              "--config", "mtp-k3",
-                             "--no-attribution", "--repeats", repeats, "--concurrent", "0", *args])
+                             "--no-attribution", "--repeats", repeats, "--concurrent", "off", *args])
     assert r.exit_code == 0, r.output
     g = runner.invoke(main, ["gate", "--store", st_dir, *policy])
     if fault is None:
@@ -93,7 +93,7 @@ def test_gate_catches_a_sampler_fault_with_the_distribution_check(tmp_path):
     runner = CliRunner()
     r = runner.invoke(main, ["run", "--store", st_dir, "--corpus", "ci", "--config", "mtp-k3",
                              "--temperature", "0.8", "--top-p", "0.9", "--axes", "none",
-                             "--no-attribution", "--repeats", "1", "--concurrent", "0",
+                             "--no-attribution", "--repeats", "1", "--concurrent", "off",
                              "--engine-arg", "fault=residual-unnormalised"])
     assert r.exit_code == 0, r.output
     g = runner.invoke(main, ["gate", "--store", st_dir, "--set", "require_deterministic=false"])

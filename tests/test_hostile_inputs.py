@@ -241,13 +241,60 @@ class HostileServer:
             while not self._stop.wait(0.2):
                 conn.sendall(b"1\r\na\r\n")
             return False
+        elif how == "huge":  # promises 4 GiB and sends it as fast as it can
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 4294967296\r\n\r\n")
+            block = b" " * (1 << 20)
+            for _ in range(4096):
+                if self._stop.is_set():
+                    break
+                conn.sendall(block)
+            return False
+        elif how == "flood":  # a stream of tokens that never ends, and never says [DONE]
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            event = b"data: " + json.dumps(_canned_stream(1)[0]).encode() + b"\n\n"
+            chunk = f"{len(event):x}\r\n".encode() + event + b"\r\n"
+            while not self._stop.is_set():
+                conn.sendall(chunk * 64)
+            return False
+        elif how == "long":  # 40 tokens, whatever max_tokens asked for
+            events = _canned_stream(40)
+            self._answer(conn, 200, b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+                         + b"data: [DONE]\n\n", "text/event-stream")
+        elif how == "dupids":  # one id listed twice in a top-k, spelled two ways
+            events = _canned_stream()
+            for e in events:
+                top = e["choices"][0]["logprobs"]["top_logprobs"][0]
+                first = next(iter(top))
+                top["token_id:0" + first.split(":")[1]] = top[first]
+            self._answer(conn, 200, b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+                         + b"data: [DONE]\n\n", "text/event-stream")
+        elif how == "mass":  # a top-5 whose probabilities add up to 4.5
+            events = _canned_stream(lp=-0.1)
+            for e in events:
+                lp = e["choices"][0]["logprobs"]
+                lp["top_logprobs"] = [{k: -0.1 - 0.001 * j for j, k in enumerate(t)} for t in lp["top_logprobs"]]
+            self._answer(conn, 200, b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+                         + b"data: [DONE]\n\n", "text/event-stream")
+        elif how == "empty":
+            self._answer(conn, 200, b"")
+        elif how == "truncated":
+            self._answer(conn, 200, json.dumps({"choices": [{"index": 0, "text": "x"}]}).encode()[:25])
+        elif how == "redirect":
+            conn.sendall(b"HTTP/1.1 302 Found\r\nLocation: /v1/models\r\nContent-Length: 0\r\n\r\n")
+        elif how == "maxlen":  # a model whose context length is not a number
+            self._answer(conn, 200, json.dumps({"data": [{"id": "m", "max_model_len": "lots"}]}).encode())
+        elif how == "negative":  # token ids that cannot be
+            self._answer(conn, 200, json.dumps({"tokens": [-1, 2, 3]}).encode())
+        elif how == "nanmetric":
+            self._answer(conn, 200, b"vllm:spec_decode_num_drafts_total NaN\nvllm:request_success_total 0\n",
+                         "text/plain")
         return True
 
 
 # --- the catalogue ----------------------------------------------------------------------------
 
 OPENAI = ["run", "--engine", "openai", "--method", "baseline", "--corpus", "smoke", "--repeats", "1",
-          "--concurrent", "0", "--no-attribution", "--axes", "none", "--served-model", "m",
+          "--concurrent", "off", "--no-attribution", "--axes", "none", "--served-model", "m",
           "--engine-arg", "retries=1", "--engine-arg", "backoff=0"]
 
 
@@ -259,7 +306,8 @@ def _store_row(change: Callable[[Ctx], None], *extra: str, command: str = "gate"
     """Damage the row's store with ``change``, then run ``command`` on it."""
     def make(c: Ctx) -> list[str]:
         change(c)
-        return [*command.split(), "--store", str(c.store), *(a.replace("{store}", str(c.store)) for a in extra)]
+        return [*command.split(), "--store", str(c.store),
+                *(a.replace("{store}", str(c.store)).replace("{tmp}", str(c.tmp)) for a in extra)]
     return make
 
 
@@ -287,7 +335,7 @@ def _corpus(content: str | bytes) -> Callable[[Ctx], list[str]]:
         f = c.tmp / "mine.jsonl"
         f.write_bytes(content if isinstance(content, bytes) else content.encode())
         return ["run", "--store", str(c.store), "--corpus", str(f), "--config", "baseline", "--repeats", "1",
-                "--concurrent", "0", "--no-attribution", "--axes", "none"]
+                "--concurrent", "off", "--no-attribution", "--axes", "none"]
     return make
 
 
@@ -338,6 +386,46 @@ def _export_over(c: Ctx) -> list[str]:
     return ["export-reference", str(out)]
 
 
+def _npz(path: Path, change: Callable[[dict], None]) -> None:
+    """Rewrite a stored .npz with ``change`` applied to its arrays, and re-sum it."""
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    change(arrays)
+    np.savez(path, **arrays)
+    resum(path)
+
+
+def _plan_all(c: Ctx, **demand) -> None:
+    """Every config of the plan asking for less (``demand``), its sum rewritten to match."""
+    edit_json(c.file("plan.json"), lambda p: [cfg.update(demand) for cfg in p["configs"].values()], keep_sum=True)
+
+
+def _escalated_to_itself(c: Ctx) -> list[str]:
+    """A policy that makes the clean top-k test inconclusive, so `run` escalates; then the
+    link is pointed at the suite itself, its sum rewritten: still inconclusive, a failure."""
+    (c.tmp / "speccheck.toml").write_text("topk_drift_max_ratio = 1.0\ntopk_drift_alpha = 1e-12\n"
+                                          "topk_drift_look_closer = 1\nescalation_budget = 1\n")
+    r = CliRunner().invoke(main, ["run", "--store", str(c.store), *RUN])
+    assert r.exit_code == 0 and "escalating" in r.output, r.output
+    edit_json(c.file("escalation.json"), lambda link: link.update(suite=c.suite.name), keep_sum=True)
+    return ["gate", "--store", str(c.store)]
+
+
+def _model(change: Callable[[Path], None], *command: str) -> Callable[[Ctx], list[str]]:
+    """A copy of the shipped reference weights, damaged by ``change``, given with --model."""
+    def make(c: Ctx) -> list[str]:
+        from speccheck.reference.export import default_weights_dir
+
+        shutil.copytree(default_weights_dir(), c.tmp / "model")
+        change(c.tmp / "model")
+        return [*(command or ("run", "--store", str(c.store), *RUN)), "--model", str(c.tmp / "model")]
+    return make
+
+
+def _doctor(c: Ctx) -> list[str]:
+    return ["doctor", "--engine", "openai", "--base-url", c.url]
+
+
 @dataclass(frozen=True)
 class Row:
     name: str
@@ -362,7 +450,7 @@ ROWS = [
         "mtp-k2/r7: a file"),
     Row("edited manifest", _store_row(lambda c: edit_json(c.file("runs/mtp-k2/r0/manifest.json"),
                                                           lambda m: m["completions"][0].update(text="EDITED")),
-                                      "--set", "min_text_similarity=0"), 2, "manifest.json: changed since it was written"),
+                                      "--set", "min_text_similarity=off"), 2, "manifest.json: changed since it was written"),
     Row("manifest checksum deleted", _store_row(lambda c: c.file("runs/mtp-k2/r0/manifest.json.sha256").unlink()),
         2, "manifest.json.sha256: missing"),
     Row("manifest is a FIFO", _store_row(lambda c: fifo(c.file("runs/mtp-k2/r0/manifest.json"))), 2,
@@ -438,8 +526,9 @@ ROWS = [
         "LATEST.sha256: missing"),
     Row("LATEST is a FIFO", _store_row(lambda c: fifo(c.store / "LATEST")), 2, "LATEST: is a FIFO"),
     Row("store is a file", _args("gate", "--store", "{tmp}/afile"), 2, "afile' is a file"),
-    Row("compare a damaged config", _store_row(lambda c: truncate(c.file("runs/mtp-k2/r0/arrays.npz")),
-                                               "--with-store", "{store}", command="compare"), 2, "arrays.npz: changed"),
+    Row("compare a damaged config", _store_row(lambda c: (shutil.copytree(c.store, c.tmp / "copy"),
+                                                          truncate(c.file("runs/mtp-k2/r0/arrays.npz"))),
+                                               "--with-store", "{tmp}/copy", command="compare"), 2, "arrays.npz: changed"),
     Row("merge a damaged store", lambda c: (truncate(c.file("runs/mtp-k2/r1/arrays.npz")),
                                             ["merge", str(c.store), "--store", str(c.tmp / "dst")])[1], 2,
         "arrays.npz: changed"),
@@ -580,6 +669,155 @@ ROWS = [
         3, "the stream was still arriving", server="completion_drip_stream"),
     Row("server sends SSE as text/plain", _served("completion_ctype"), 3, "non-JSON text", server="completion_ctype"),
     Row("server answers completions with 500", _served("completion_500"), 3, "HTTP 500", server="completion_500"),
+    # --- the second catalogue -------------------------------------------------------------------
+    # the store: files rewritten with their sums made to match, so what reads them checks what they hold
+    Row("plan drops the all-at-once runs, its sum matching", _store_row(lambda c: _plan_all(c, concurrent=0)), 2,
+        "all at once (runs/baseline/together), which is stored"),
+    Row("plan drops the fresh-process repeat, its sum matching", _store_row(lambda c: _plan_all(
+        c, repeats=1, fresh_process_repeat=False)), 2, "does not plan repeat r1 of baseline"),
+    Row("plan drops the rescoring, its sum matching", _store_row(lambda c: _plan_all(c, rescore=False)), 2,
+        "the rescoring of baseline"),
+    Row("plan drops a config, its sum matching", _store_row(lambda c: edit_json(
+        c.file("plan.json"), lambda p: p["configs"].pop("mtp-k2"), keep_sum=True)), 2, "does not plan config mtp-k2"),
+    Row("suite.json names another engine, its sum matching", _store_row(lambda c: edit_json(
+        c.file("suite.json"), lambda m: m.update(engine="vllm"), keep_sum=True)), 2,
+        "its engine is 'reference', but the suite's"),
+    Row("suite.json names another corpus, its sum matching", _store_row(lambda c: edit_json(
+        c.file("suite.json"), lambda m: m.update(corpus_hash="0" * 16), keep_sum=True)), 2, "its corpus hash is"),
+    Row("replay margins NaN, the sum matching", _store_row(lambda c: _npz(
+        c.file("replay/mtp-k2-r0.npz"), lambda a: a.update(margins=a["margins"] * np.nan))), 2, "NaN or negative"),
+    Row("suite directory a symlink to a copy", _store_row(lambda c: (
+        shutil.copytree(c.suite, c.tmp / "elsewhere"), shutil.rmtree(c.suite), c.suite.symlink_to(c.tmp / "elsewhere"))),
+        2, "a symlink speccheck did not write"),
+    Row("lock file is a FIFO", _store_row(lambda c: fifo(c.store / "lock"), *RUN, command="run"), 2,
+        "where speccheck keeps its lock file"),
+    Row("escalation linked to the suite itself, its sum matching", _escalated_to_itself, 1,
+        "still inconclusive after the escalation budget", slow=True),
+    # goldens rewritten with their sums matching
+    Row("golden noise NaN, its sum matching (gate)", _golden(lambda g: _npz(
+        g / "noise.npz", lambda a: a.update({k: v * np.nan for k, v in a.items()})), "gate"), 2,
+        "not finite |Δ logprob| >= 0"),
+    Row("golden noise without the kernel-path sample, its sum matching", _golden(lambda g: _npz(
+        g / "noise.npz", lambda a: a.pop("kernel_path")), "gate"), 2, "lacks the kernel-path noise sample"),
+    Row("golden acceptance NaN, its sum matching (gate)", _golden(lambda g: edit_json(
+        g / "golden.json", lambda m: m["acceptance"]["mtp-k2"].update(tokens_per_iter=float("nan")), keep_sum=True),
+        "gate"), 2, "has no finite tokens_per_iter"),
+    Row("golden acceptance a string, its sum matching", _golden(lambda g: edit_json(
+        g / "golden.json", lambda m: m.update(acceptance={"mtp-k2": "fast"}), keep_sum=True), "gate"), 2,
+        "has no finite tokens_per_iter"),
+    Row("golden per-prompt acceptance of another shape, its sum matching", _golden(lambda g: edit_json(
+        g / "golden.json", lambda m: m["acceptance"]["mtp-k2"].update(per_prompt={"x": "y"}), keep_sum=True),
+        "gate"), 2, "per_prompt entries that are not"),
+    Row("golden checks a list, its sum matching", _golden(lambda g: edit_json(
+        g / "golden.json", lambda m: m.update(checks=[1]), keep_sum=True)), 2, "its checks are not"),
+    Row("golden noise level negative, its sum matching", _golden(lambda g: edit_json(
+        g / "golden.json", lambda m: m.update(noise=-5.0), keep_sum=True)), 2, "not a finite number >= 0"),
+    Row("golden directory a symlink", _golden(lambda g: (shutil.copytree(g, g.parent / "elsewhere"), shutil.rmtree(g),
+                                                         g.symlink_to(g.parent / "elsewhere"))), 2,
+        "a symlink, not a golden"),
+    # policy: a zero is a threshold or refused, off is a word
+    Row("min_speedup = 0 in pyproject", _pyproject("[tool.speccheck]\nmin_speedup = 0\n"), 2,
+        "write min_speedup = false"),
+    Row("--set min_prefix_agreement=0", _args("gate", "--store", "{store}", "--set", "min_prefix_agreement=0"), 2,
+        "a floor of 0 is met by every config"),
+    Row("--set min_token_agreement=0", _args("gate", "--store", "{store}", "--set", "min_token_agreement=0"), 2,
+        "a floor of 0 is met by every config"),
+    Row("--set min_speedup=true", _args("gate", "--store", "{store}", "--set", "min_speedup=true"), 2,
+        "is a threshold"),
+    Row("--set topk_drift_max_ratio=0", _args("gate", "--store", "{store}", "--set", "topk_drift_max_ratio=0"), 2,
+        "a limit of 0 is exceeded by every config"),
+    Row("--set max_logprob_drift=0", _args("gate", "--store", "{store}", "--set", "max_logprob_drift=0"), 2,
+        "a limit of 0 is exceeded by every config"),
+    Row("--set topk_tail_max_odds=0", _args("gate", "--store", "{store}", "--set", "topk_tail_max_odds=0"), 2,
+        "'topk_tail_max_odds' must be > 0"),
+    Row("--set agreement_look_closer=0", _args("gate", "--store", "{store}", "--set", "agreement_look_closer=0"), 2,
+        "is below agreement_alpha"),
+    Row("--set escalation_budget=1e9", _args("gate", "--store", "{store}", "--set", "escalation_budget=1000000000"),
+        2, "must be in [0, 64]"),
+    Row("pyproject.toml a link to itself", lambda c: ((c.tmp / "pyproject.toml").symlink_to(c.tmp / "pyproject.toml"),
+                                                      ["gate", "--store", str(c.store)])[1], 2, "dangling or a loop"),
+    Row("speccheck.toml a dangling link", lambda c: ((c.tmp / "speccheck.toml").symlink_to(c.tmp / "gone.toml"),
+                                                     ["gate", "--store", str(c.store)])[1], 2, "dangling or a loop"),
+    Row("--policy ''", _args("gate", "--store", "{store}", "--policy", ""), 2, "--policy ''"),
+    # options
+    Row("--concurrent 0", _args("run", "--store", "{store}", "--concurrent", "0"), 2, "write off"),
+    Row("--temperature nan", _args("run", "--store", "{store}", *RUN, "--temperature", "nan"), 2,
+        "is not a finite number"),
+    Row("--temperature inf", _args("run", "--store", "{store}", *RUN, "--temperature", "inf"), 2, "--temperature"),
+    Row("--engine-arg temperature=nan", _args("run", "--store", "{store}", *RUN, "--engine-arg", "temperature=nan"),
+        2, "temperature='nan'"),
+    Row("--engine-arg samples=0", _args("run", "--store", "{store}", *RUN, "--engine-arg", "temperature=0.5",
+                                        "--engine-arg", "samples=0"), 2, "samples='0'"),
+    Row("--seed past 32 bits", _args("run", "--store", "{store}", *RUN, "--temperature", "0.5", "--seed",
+                                     "99999999999999999999999"), 2, "--seed"),
+    Row("--engine-arg threads=100000", _args("run", "--store", "{store}", *RUN, "--engine-arg", "threads=100000"), 2,
+        "give at most 1024"),
+    Row("--axes ''", _args("run", "--store", "{store}", "--corpus", "smoke", "--axes", ""), 2, "--axes ''"),
+    Row("--axes with an empty level", _args("run", "--store", "{store}", "--corpus", "smoke", "--axes",
+                                            "concurrency="), 2, "no level after '='"),
+    Row("--axes level misspelt", _args("run", "--store", "{store}", "--corpus", "smoke", "--axes",
+                                       "kv_pressure=presure"), 2, "is not one of them"),
+    Row("--k with a range of 1e11", _args("run", "--store", "{store}", "--method", "mtp", "--k", "1-99999999999"), 2,
+        "got 99999999999"),
+    Row("upgrade --alpha nan", _args("upgrade", "{store}", "{store}", "--alpha", "nan"), 2, "--alpha"),
+    Row("upgrade --alpha 0", _args("upgrade", "{store}", "{store}", "--alpha", "0"), 2, "--alpha"),
+    Row("upgrade --max-slowdown nan", _args("upgrade", "{store}", "{store}", "--max-slowdown", "nan"), 2,
+        "--max-slowdown"),
+    Row("upgrade a store against itself", _args("upgrade", "{store}", "{store}"), 2, "compared with itself"),
+    Row("compare a store with itself", _args("compare", "--store", "{store}", "--with-store", "{store}"), 2,
+        "compared with itself"),
+    Row("merge from a folder that is no store", _args("merge", "{tmp}", "--store", "{tmp}/dst"), 2,
+        "holds no suites"),
+    Row("sweep --method baseline", _args("sweep", "--store", "{store}", "--method", "baseline"), 2,
+        "a sweep runs a speculative method"),
+    Row("kernels gdn --positions 1048576", _args("kernels", "gdn", "--device", "cpu", "--positions", "1048576"), 2,
+        "would take about"),
+    # corpora
+    Row("corpus text with a lone surrogate", _corpus('{"id": "p", "category": "c", "max_tokens": 4, '
+                                                      '"text": "\\ud800"}\n'), 2, "lone UTF-16 surrogate"),
+    Row("corpus line nested past the parser", _corpus("[" * 100_000 + "\n"), 2, "nested too deeply"),
+    Row("prompt id with a newline", _corpus(_prompt(id="a\nb")), 2, "must be printable text on one line"),
+    Row("prompt id of 300 characters", _corpus(_prompt(id="p" * 300)), 2, "at most 200 characters"),
+    # a reference model directory that is not one
+    Row("--model config.json not JSON", _model(lambda m: (m / "config.json").write_text("{")), 2,
+        "config.json: cannot be loaded as the reference model's config"),
+    Row("--model config.json a field of the wrong type", _model(lambda m: (m / "config.json").write_text(json.dumps(
+        {**json.loads((m / "config.json").read_text()), "hidden_size": "big"}))), 2, "cannot be loaded"),
+    Row("--model weights truncated", _model(lambda m: truncate(m / "model.safetensors")), 2,
+        "model.safetensors: cannot be loaded as the reference model's weights"),
+    Row("--model tokenizer not JSON", _model(lambda m: (m / "tokenizer.json").write_text("{")), 2,
+        "tokenizer.json: cannot be loaded"),
+    Row("export-reference from weights truncated", _model(lambda m: truncate(m / "model.safetensors"),
+                                                          "export-reference", "out"), 2, "cannot be loaded"),
+    Row("serve from weights truncated", _model(lambda m: truncate(m / "model.safetensors"), "serve", "--port", "0"),
+        2, "cannot be loaded"),
+    # files written where a FIFO sits
+    Row("--junit onto a FIFO", lambda c: (os.mkfifo(c.tmp / "j.xml"),
+                                          ["gate", "--store", str(c.store), "--junit", str(c.tmp / "j.xml")])[1], 2,
+        "a FIFO (named pipe) is there"),
+    Row("report --html onto a FIFO", lambda c: (os.mkfifo(c.tmp / "r.html"),
+                                                ["report", "--store", str(c.store), "--html", str(c.tmp / "r.html")])[1],
+        2, "a FIFO (named pipe) is there"),
+    # servers that misbehave in other ways (test doubles)
+    Row("server sends a 4 GiB body", _served("models_huge"), 3, "sent more than 128 MiB", server="models_huge"),
+    Row("server streams tokens forever", _served("completion_flood"), 3, "does not honour max_tokens",
+        server="completion_flood"),
+    Row("server returns more tokens than max_tokens", _served("completion_long"), 3, "does not honour max_tokens",
+        server="completion_long"),
+    Row("server lists one id twice in a top-k", _served("completion_dupids"), 3, "twice in one top_logprobs entry",
+        server="completion_dupids"),
+    Row("server's top-k adds up past probability 1", _served("completion_mass"), 3, "more than 1",
+        server="completion_mass"),
+    Row("server redirects", _served("models_redirect"), 2, "does not follow redirects", server="models_redirect"),
+    Row("server answers an empty body", _served("models_empty"), 3, "non-JSON text", server="models_empty"),
+    Row("server answers truncated JSON", _served("completion_truncated"), 3, "non-JSON text",
+        server="completion_truncated"),
+    Row("server's /tokenize gives negative ids", _served("tokenize_negative"), 3, "not a list of token ids",
+        server="tokenize_negative"),
+    Row("server's /metrics holds NaN counts", _served("metrics_nanmetric"), 3, "counts that are not numbers",
+        server="metrics_nanmetric"),
+    Row("doctor: server accepts, never answers", _doctor, 1, "did not answer in time", server="models_hang"),
+    Row("doctor: server drips its answer", _doctor, 1, "still arriving", server="models_drip"),
 ]
 
 
@@ -603,6 +841,7 @@ def alarm(seconds: int):
                                  for r in ROWS])
 def test_hostile_input_is_answered(row: Row, made_store, tmp_path, monkeypatch):
     monkeypatch.setattr("speccheck.engines.openai.HEARTBEAT_S", 0.5)  # the waits say so sooner here
+    monkeypatch.setattr("speccheck.doctor.SERVER_DEADLINE_S", 6.0)  # doctor's deadline, shortened
     store = tmp_path / "st"
     shutil.copytree(made_store, store)
     (tmp_path / "afile").write_text("x")
@@ -688,6 +927,52 @@ def test_executor_ray_without_ray_says_how_to_install_it():
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("option,phrase", [
+    (["--spec-corpus", "nope"], "unknown corpus 'nope'"),
+    (["--spec-policy", "/nonexistent/policy.toml"], "no such file"),
+    (["--spec-engine-arg", "dtype=fp8"], "--engine-arg dtype='fp8'"),
+    (["--spec-concurrent", "0"], "write off"),
+])
+def test_pytest_plugin_says_a_bad_option_once_before_any_run(tmp_path, option, phrase):
+    """`pytest -m spec` with a bad --spec-* option: pytest's usage error (exit 4), one
+    paragraph, no traceback and no run (a bad engine arg gave one traceback per generated test,
+    a missing policy file was read only after every config had run)."""
+    (tmp_path / "test_spec.py").write_text("from speccheck.pytest_plugin import *  # noqa\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-n", "0",
+                        "-m", "spec", "test_spec.py", "--spec-store", str(tmp_path / "st"), *option],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 4, out
+    assert phrase in out and "Traceback" not in out and not (tmp_path / "st" / "suites").exists(), out
+
+
+def test_a_file_size_limit_is_said_and_nothing_stored_is_lost(made_store, tmp_path):
+    """A disk-full-like failure (here a file-size limit, ulimit -f) while writing a report: exit
+    2 naming the file, no traceback, the old report kept whole (written beside, then renamed)."""
+    import resource
+
+    store = tmp_path / "st"
+    shutil.copytree(made_store, store)
+    assert CliRunner().invoke(main, ["report", "--store", str(store)]).exit_code == 0
+    before = snapshot(store)
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+    r = subprocess.run([sys.executable, "-m", "speccheck.cli", "report", "--store", str(store)],
+                       capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    assert r.returncode == 2, r.stderr
+    assert "File too large" in r.stderr and "report" in r.stderr and "Traceback" not in r.stderr
+    assert snapshot(store) == before
+
+
+def test_prompt_ids_may_hold_a_colon():
+    """Axis requests are `<request>:<prompt id>`: a prompt id with a colon (mt-bench:81) is
+    paired with its own prompt, not with the part after its last colon."""
+    from speccheck.checks._axes import prompt_of
+
+    assert prompt_of("c8/003:mt-bench:81") == "mt-bench:81" and prompt_of("kv:code-2") == "code-2"
+
+
 def test_serve_without_its_extra_says_how_to_install_it():
     """The serve stack missing (starlette made unimportable in a process of its own)."""
     code = ("import sys; sys.modules['starlette'] = None; sys.argv = ['speccheck', 'serve', '--port', '0']\n"
@@ -743,6 +1028,17 @@ SERVE_ROWS = [
     ("unknown model", _http(_completion(model="other")), 404, "does not exist"),
     ("unknown path", _http(path="/v2/nothing"), 404, "Not Found"),
     ("wrong method", _http(method="PUT"), 405, "Method Not Allowed"),
+    ("detokenize an id past 2^63", _http(b'{"tokens": [100000000000000000000]}', path="/detokenize"), 400,
+     "not in the model's vocabulary"),
+    ("stop strings it would not honour", _http(_completion(stop=["\n"])), 400, "`stop` is not supported"),
+    ("a penalty it would not apply", _http(_completion(presence_penalty=1.5)), 400,
+     "`presence_penalty` is not supported"),
+    ("a logit bias it would not apply", _http(_completion(logit_bias={"5": 100})), 400,
+     "`logit_bias` is not supported"),
+    ("best_of 3", _http(_completion(best_of=3)), 400, "`best_of` is not supported"),
+    ("seed a string", _http(_completion(seed="x")), 400, "`seed` is 'x'"),
+    ("top_p 0", _http(_completion(top_p=0)), 400, "`top_p` is 0"),
+    ("a body declared past the limit", _http(length="10000000000"), 413, "request body over 32 MiB"),
 ]
 
 

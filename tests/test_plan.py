@@ -198,7 +198,7 @@ def test_a_second_run_extends_the_plan(tmp_path, monkeypatch):
     first = cli("run", "--store", store, "--corpus", "smoke", "--config", "mtp-k3", "--repeats", "3")
     assert first.exit_code == 3 and "no device" in first.output
     second = cli("run", "--store", store, "--corpus", "smoke", "--config", "dflash-k7",
-                 "--repeats", "1", "--concurrent", "0", "--no-attribution")
+                 "--repeats", "1", "--concurrent", "off", "--no-attribution")
     assert second.exit_code == 3
     plan = json.loads((suite_dir(store) / "plan.json").read_text())["configs"]
     assert list(plan) == ["baseline", "dflash-k7", "mtp-k3"]
@@ -241,7 +241,7 @@ def test_run_ignore_eos_decodes_every_budget_in_a_suite_of_its_own(tmp_path):
     at once): every prompt decodes its full max_tokens, in a suite apart from the plain one."""
     store = tmp_path / "S"
     r = cli("run", "--store", store, "--corpus", "smoke", "--method", "baseline", "--repeats", "1",
-            "--concurrent", "0", "--ignore-eos")
+            "--concurrent", "off", "--ignore-eos")
     assert r.exit_code == 0, r.output
     plan = RunPlan(corpus="smoke", configs=[SpecConfig()], ignore_eos=True)
     suite = Store(store).suite(plan_suite_id(plan))
@@ -304,7 +304,7 @@ def test_attribution_paths_reach_the_attribution_step(tmp_path):
 
     store = tmp_path / "s"
     r = CliRunner().invoke(main, ["run", "--corpus", "smoke", "--config", "mtp-k3", "--repeats", "1",
-                                  "--concurrent", "0", "--attribution-paths", "gdn=*",
+                                  "--concurrent", "off", "--attribution-paths", "gdn=*",
                                   "--store", str(store)])
     assert r.exit_code == 0, r.output
     assert "kernel paths chosen by --attribution-paths" in r.output

@@ -18,9 +18,9 @@ from click.testing import CliRunner
 from speccheck import cli
 from speccheck.cli import main
 
-RUN = ["--corpus", "smoke", "--config", "mtp-k2", "--repeats", "1", "--concurrent", "0", "--no-attribution",
+RUN = ["--corpus", "smoke", "--config", "mtp-k2", "--repeats", "1", "--concurrent", "off", "--no-attribution",
        "--axes", "none"]
-LOOSE = ["--set", "min_token_agreement=0"]
+LOOSE = ["--set", "min_token_agreement=0.01"]
 
 
 def invoke(*args):
@@ -356,8 +356,8 @@ def test_fresh_process_worker_stops_when_its_parent_dies(tmp_path):
 # --- 3. validated inputs, early ----------------------------------------------------------------
 
 @pytest.mark.parametrize("setting,needle", [
-    ("min_token_agreement=5.0", "[0, 1]"),
-    ("min_token_agreement=-0.1", "[0, 1]"),
+    ("min_token_agreement=5.0", "(0, 1]"),
+    ("min_token_agreement=-0.1", "(0, 1]"),
     ("min_text_similarity=nan", "finite"),
     ("max_high_confidence=-1", ">= 0"),
     ("max_high_confidence=2.5", "whole number"),
@@ -366,7 +366,7 @@ def test_fresh_process_worker_stops_when_its_parent_dies(tmp_path):
     ("tie_noise_multiple=-4", ">= 0"),
     ("low_noise_multiple=inf", "finite"),
     ("tie_floor=0.5", "must not exceed low_floor"),
-    ("min_speedup=fast", ">= 0"),
+    ("min_speedup=fast", "> 0 or false"),
     ("require_deterministic=maybe", "true or false"),
     ("max_acceptance_drop=5", "[0, 1]"),
 ])
@@ -526,11 +526,18 @@ def test_golden_key_includes_engine_args_and_numerics_are_checked(store, tmp_pat
     ident = {"engine": "vllm", "model_id": "m"}
     assert golden_dir(tmp_path, ident, roomy) == golden_dir(tmp_path, ident, vllm)
     assert "TRITON_ATTN" in golden_dir(tmp_path, ident, vllm).name
+    # many settings: a short stable label (their hash), whatever order they were given in
+    many = {"engine": "vllm", "corpus": "smoke", "engine_args": {f"env.VLLM_SETTING_{i}": "1" for i in range(6)}}
+    shuffled = {**many, "engine_args": dict(reversed(list(many["engine_args"].items())))}
+    label = golden_dir(tmp_path, ident, many).name
+    assert label.startswith("smoke_settings-") and len(label) < 40
+    assert golden_dir(tmp_path, ident, shuffled).name == label
+    assert label != golden_dir(tmp_path, ident, {**many, "engine_args": {"env.VLLM_SETTING_0": "2"}}).name
     gold = tmp_path / "golden"
     assert invoke("golden", "record", "--store", str(store), "--golden", str(gold), *PASSING).exit_code == 0
     gjson = next(gold.rglob("golden.json"))
     g = json.loads(gjson.read_text())
-    assert g["numerics"]["dtype"] == "bf16"
+    assert g["numerics"]["dtype"] == "bf16" and g["engine_settings"] == {}  # the settings it was recorded under
     g["numerics"]["dtype"] = "fp32"
     gjson.write_text(json.dumps(g))
     reseal(gjson)
@@ -727,7 +734,7 @@ def test_doctor_and_run_against_speccheck_serve_with_v1_url(tmp_path):
         assert "serves ref" in r.output and "server version" in r.output, r.output
         st = tmp_path / "st"
         r = invoke("run", "--engine", "openai", "--base-url", url + "/v1", "--method", "baseline",
-                   "--store", str(st), "--corpus", "smoke", "--repeats", "1", "--concurrent", "0",
+                   "--store", str(st), "--corpus", "smoke", "--repeats", "1", "--concurrent", "off",
                    "--no-attribution", "--axes", "none")
         assert r.exit_code == 0, r.output
         assert "4 prompts" in r.output
@@ -845,7 +852,7 @@ def test_pytest_plugin_progress_is_visible_without_s(tmp_path):
     (tmp_path / "test_one.py").write_text("def test_it(spec_result):\n    assert spec_result\n")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
                         "-n", "0", "test_one.py", "--spec-corpus", "smoke", "--spec-method", "mtp", "--spec-k", "2",
-                        "--spec-repeats", "1", "--spec-concurrent", "0", "--spec-store", str(tmp_path / "st")],
+                        "--spec-repeats", "1", "--spec-concurrent", "off", "--spec-store", str(tmp_path / "st")],
                        cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "speccheck: [0/2] baseline r0" in r.stdout and "speccheck: [2/2] rescoring" in r.stdout, r.stdout
@@ -857,7 +864,7 @@ def test_rescoring_says_what_it_will_score_and_how_long_is_left(tmp_path):
     the rescoring (outputs, configs, tokens) before it starts, and each later config's share
     with the time left at the pace so far."""
     r = invoke("run", "--store", str(tmp_path / "st"), "--corpus", "smoke", "--config", "mtp-k2",
-               "--config", "dflash-k3", "--repeats", "1", "--concurrent", "0", "--no-attribution",
+               "--config", "dflash-k3", "--repeats", "1", "--concurrent", "off", "--no-attribution",
                "--engine-arg", "fault=conv-not-rolled-back")
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
@@ -869,17 +876,22 @@ def test_rescoring_says_what_it_will_score_and_how_long_is_left(tmp_path):
     assert any(re.match(r"rescoring \S+ \(\d+ output\(s\); about \d+ s left\)", ln) for ln in lines), r.output
 
 
-def test_compare_a_config_never_run_says_so(store):
-    r = invoke("compare", "--store", str(store), "--with-store", str(store), "--config", "dflash-k7")
+def test_compare_a_config_never_run_says_so(store, tmp_path):
+    shutil.copytree(store, tmp_path / "other")
+    r = invoke("compare", "--store", str(store), "--with-store", str(tmp_path / "other"), "--config", "dflash-k7")
     assert_clean(r, 2)
     assert "holds no complete run" in r.output and "delete" not in r.output
+    # a suite compared with itself agrees by construction: refused, not passed
+    r = invoke("compare", "--store", str(store), "--with-store", str(store))
+    assert_clean(r, 2)
+    assert "compared with itself" in r.output
 
 
 # --- 9. streamed requests that go wrong, and an engine that is not installed ----------------------
 
 STREAM_KEY_ENV = "SPECCHECK_TEST_STREAM_KEY"
 OPENAI_RUN = ["--engine", "openai", "--axes", "none", "--method", "baseline", "--corpus", "smoke", "--repeats", "1",
-              "--concurrent", "0", "--no-attribution", "--engine-arg", "retries=1",
+              "--concurrent", "off", "--no-attribution", "--engine-arg", "retries=1",
               "--engine-arg", "backoff=0", "--api-key-env", STREAM_KEY_ENV]
 #: (misbehaviour of the stream, exit code by the contract, what the paragraph must say)
 STREAM_FAULTS = [
@@ -1017,7 +1029,7 @@ def test_vllm_check_is_made_against_the_named_interpreter(tmp_path):
     ckpt = Path(__file__).parents[1] / "speccheck" / "reference" / "weights"  # config + tokenizer
     r = invoke("run", "--engine", "vllm", "--model", str(ckpt), "--store", str(tmp_path / "st"),
                "--corpus", "smoke", "--method", "mtp", "--k", "3", "--repeats", "1",
-               "--concurrent", "0", "--no-attribution", "--axes", "none", "--engine-arg", f"python={other}")
+               "--concurrent", "off", "--no-attribution", "--axes", "none", "--engine-arg", f"python={other}")
     assert r.exit_code == 3 and "cannot import vLLM" not in r.output, r.output
     assert "FAILED runs: baseline r0, mtp-k3 r0" in r.output and "Traceback" not in r.output
     assert "other-site/vllm" in r.output  # the workers ran there, and found the fake's vllm

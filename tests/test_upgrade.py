@@ -195,6 +195,38 @@ def test_committed_vllm_goldens_are_named_by_their_release():
         assert g.parents[2].name == ident["vllm_version"], g
 
 
+def test_committed_goldens_are_found_where_a_run_looks_and_pass_golden_check(tmp_path):
+    """Every committed golden sits where `golden check` looks for a run of its engine, model
+    (the name its checkpoint declares), corpus and engine settings (recorded in golden.json),
+    and today's baseline equal to it passes the check."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from speccheck.engines.vllm_versions import golden_series
+    from speccheck.golden import check, golden_dir
+    from speccheck.store import read_run
+
+    root = Path(__file__).parents[1] / "golden"
+    found = sorted(root.rglob("golden.json"))
+    assert any("vllm" in g.parts for g in found)
+    for i, g in enumerate(found):
+        meta = json.loads(g.read_text())
+        run = read_run(g.parent / "baseline")
+        ident = dict(run.identity)
+        if ident.get("vllm_version"):  # what the vLLM engine adds to its identity today
+            ident["golden_series"] = golden_series(ident["vllm_version"])
+        suite_meta = {"engine": meta["engine"], "corpus": meta["corpus"], "corpus_hash": run.corpus_hash,
+                      "engine_args": {**meta.get("engine_settings", {}),
+                                      **({"gpu_memory_utilization": "0.9"} if meta["engine"] == "vllm" else {})}}
+        assert golden_dir(root, ident, suite_meta) == g.parent, g
+        s = Store(tmp_path / f"st{i}").suite("s", suite_meta)
+        s.write_run(dataclasses.replace(run, identity=ident))
+        complete_as_run_would(s)
+        chk = check(s, root, 0.0, Policy())
+        assert chk.path == g.parent and chk.passed and not chk.comparison.divergences, g
+
+
 def test_few_prompts_pass_only_with_identical_counters(tmp_path):
     """Below acceptance_stats' minimum of prompts the test is inconclusive, which fails; but
     counters identical prompt by prompt are unchanged without a test."""

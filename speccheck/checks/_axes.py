@@ -43,8 +43,9 @@ class AxisLevel:
 
 
 def prompt_of(request_id: str) -> str:
-    """The corpus prompt a request asks: request ids end with ``:<prompt id>``."""
-    return request_id.rsplit(":", 1)[-1]
+    """The corpus prompt a request asks: request ids are ``<axis request>:<prompt id>``, the
+    request part never holding a colon (a prompt id may: ``mt-bench:81``)."""
+    return request_id.split(":", 1)[-1]
 
 
 def measure_axis(ctx: Context, axis: str, reference: Reference) -> list[AxisLevel]:

@@ -25,13 +25,21 @@ from speccheck.types import RunRecord
 @dataclass(frozen=True)
 class PolicyKey:
     """One threshold of the policy: its default, what it means, and the range it accepts
-    (inclusive; shares are fractions, not percent)."""
+    (inclusive; shares are fractions, not percent). ``above``: the lower end is excluded (a
+    floor of 0 would be met by every config, a ratio of 0 by none). ``optional``: the key may
+    be turned off (report only) by an explicit ``false``/``"off"``, its default being off or a
+    number; a zero is never read as off."""
 
     name: str
     default: bool | int | float
     doc: str
     lo: float = 0.0
     hi: float = math.inf
+    above: bool = False
+    optional: bool = False
+
+    def is_off(self, value: object) -> bool:
+        return self.optional and value is False
 
 
 @dataclass(frozen=True)

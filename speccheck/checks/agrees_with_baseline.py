@@ -10,7 +10,7 @@ from speccheck.verify import below_floor_p, detectable_agreement
 POLICY = (
     PolicyKey("min_token_agreement", 0.98,
               "share of spec tokens equal to the baseline's teacher-forced argmax (the '99.6 %' "
-              "figure)", hi=1.0),
+              "figure)", hi=1.0, above=True),
     PolicyKey("agreement_alpha", 0.05,
               "... judged as a sample: a share below the floor fails when a rate at the floor would "
               "give so few agreements with one-sided binomial p < this (1 = a plain floor). Two "
@@ -19,11 +19,12 @@ POLICY = (
     PolicyKey("agreement_look_closer", 0.25,
               "a share below min_token_agreement at agreement_alpha <= p < this is inconclusive: "
               "`speccheck run` escalates it to more prompts, and it fails if it stays so", hi=1.0),
-    PolicyKey("min_prefix_agreement", 0.0,
+    PolicyKey("min_prefix_agreement", False,
               "share of tokens matched before the first divergence, summed over prompts "
-              "(0 = report only)", hi=1.0),
-    PolicyKey("min_text_similarity", 0.0,
-              "mean text similarity of spec vs baseline outputs (0 = report only)", hi=1.0),
+              "(false = report only)", hi=1.0, above=True, optional=True),
+    PolicyKey("min_text_similarity", False,
+              "mean text similarity of spec vs baseline outputs (false = report only)", hi=1.0,
+              above=True, optional=True),
 )
 
 
@@ -40,10 +41,16 @@ def judge(r: ConfigResult, p) -> Check:
             within_chance = (f"; {r.token_agreement:.2%} is below {p.min_token_agreement:.2%} but "
                              f"within chance of it over {n} tokens (binomial p {pval:.2g} >= "
                              f"{p.agreement_alpha:g})")
-    if r.prefix_agreement is not None and r.prefix_agreement < p.min_prefix_agreement:
-        fail.append(f"prefix agreement {r.prefix_agreement:.2%} < {p.min_prefix_agreement:.2%}")
-    if r.text_similarity is not None and r.text_similarity < p.min_text_similarity:
-        fail.append(f"text similarity {r.text_similarity:.2%} < {p.min_text_similarity:.2%}")
+    # a floor the policy sets is judged on a figure that exists: one that cannot be measured
+    # (no text to compare) fails rather than passing unjudged
+    for what, have, floor in (("prefix agreement", r.prefix_agreement, p.min_prefix_agreement),
+                              ("text similarity", r.text_similarity, p.min_text_similarity)):
+        if floor is False:
+            continue
+        if have is None:
+            fail.append(f"{what} not measured, though the policy sets a floor of {floor:.2%}")
+        elif have < floor:
+            fail.append(f"{what} {have:.2%} < {floor:.2%}")
     figures = (f"{r.prompts_exact}/{r.prompts} prompts exact, prefix "
                f"{pct(r.prefix_agreement)}, teacher-forced {pct(r.token_agreement)}, "
                f"text {pct(r.text_similarity)}")

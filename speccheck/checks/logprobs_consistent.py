@@ -23,7 +23,7 @@ POLICY = (
               "spec path's |Δ| against the baseline decode path's (effect = exp of the Hodges-Lehmann "
               "log ratio, p = one-sided Wilcoxon signed-rank). Clean MTP K=1/3/7, DFlash K=7 and "
               "DFlash2 K=7 gave 0.91-1.08 with p >= 0.34 on the reference engine; a state carried "
-              "between verify steps with 4 mantissa bits gave 1.27-1.47 at p <= 5e-7."),
+              "between verify steps with 4 mantissa bits gave 1.27-1.47 at p <= 5e-7.", above=True),
     PolicyKey("logprob_drift_alpha", 1e-3, "see max_logprob_drift", hi=1.0),
     PolicyKey("flip_noise_multiple", 2.0,
               "the teacher-forced flips may not exceed flip_noise_multiple x the number the noise "

@@ -21,13 +21,13 @@ POLICY = (
               "signed-rank p >= topk_drift_alpha), at the positions where both saw the same "
               "context. Clean MTP K=3, DFlash K=7 and DFlash2 K=7 gave 1.03-1.04 on the default "
               "corpus; a GDN rollback skipped on the rare steps that accept K-1 drafts gave 1.12-1.14 "
-              "(p <= 1e-13), a verify-path GDN output off by 2^-7 gave 2.4"),
+              "(p <= 1e-13), a verify-path GDN output off by 2^-7 gave 2.4", above=True),
     PolicyKey("topk_tail_max_odds", 2.0,
               "the tail test: of the positions where exactly one side's |Δ| is above the pooled "
               "topk_tail_quantile, the spec side's to the baseline decode side's (odds, +0.5 each) "
               "may exceed this only within chance (one-sided exact sign test p >= "
               "topk_drift_alpha). Clean configs gave 1.00-1.26 (p >= 0.13) on the default corpus; "
-              "the rare skipped rollback 3.8-10.8 (p <= 4e-11), 11.4 on ci (p 4e-7)"),
+              "the rare skipped rollback 3.8-10.8 (p <= 4e-11), 11.4 on ci (p 4e-7)", above=True),
     PolicyKey("topk_tail_quantile", 0.95, "see topk_tail_max_odds", lo=0.5, hi=0.999),
     PolicyKey("topk_drift_alpha", 1e-3, "see topk_drift_max_ratio", hi=1.0),
     PolicyKey("topk_drift_look_closer", 0.05,

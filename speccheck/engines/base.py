@@ -159,7 +159,7 @@ class Engine(ABC):
         checks batch-composition invariance; duplicate prompts check that identical
         concurrent requests get one answer. Spec counters may be absent (None) here."""
         raise EngineUsageError(f"the {self.name} engine cannot submit requests together; "
-                               "run with --concurrent 0")
+                               "run with --concurrent off")
 
     #: the workload axes this engine can run (see run_workload); the plan asks only for these
     axes: ClassVar[frozenset[str]] = frozenset()

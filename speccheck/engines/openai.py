@@ -50,6 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from speccheck.engines.base import Engine, EngineError, EngineUsageError, ScoringUnavailable
 from speccheck.types import Completion, Prompt, Scored, SpecConfig, SpecCounters
+from speccheck.verify.finite import MASS_TOL
 from speccheck.verify.ties import canonical_topk
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -155,7 +156,17 @@ def topk_from_dict(entries: dict, k: int, where: str) -> tuple[list[int], list[f
     if not isinstance(entries, dict):
         raise EngineError(f"{where}: the server returned top_logprobs entry {entries!r:.60}, not an "
                           "object of token -> logprob")
-    items = canonical_topk((token_id(t), _lp(v, where)) for t, v in entries.items())
+    pairs = [(token_id(t), _lp(v, where)) for t, v in entries.items()]
+    ids = [t for t, _ in pairs]
+    if len(set(ids)) != len(ids):
+        twice = sorted({t for t in ids if ids.count(t) > 1})
+        raise EngineError(f"{where}: the server listed token {twice[0]} twice in one top_logprobs entry "
+                          f"(keys {[k for k in entries if token_id(k) == twice[0]]}): not a top-k")
+    items = canonical_topk(pairs)
+    mass = float(np.logaddexp.reduce([lp for _, lp in items])) if items else -math.inf
+    if mass > MASS_TOL:  # beyond rounding: the entries are not one distribution's
+        raise EngineError(f"{where}: the server's top_logprobs add up to a probability of {math.exp(mass):.3g}, "
+                          "more than 1: not logprobs of one distribution (an engine fault)")
     if len(items) < k:
         raise EngineError(f"{where}: the server returned {len(items)} logprobs where {k} were "
                           "asked (vLLM caps them at --max-logprobs)")
@@ -369,6 +380,9 @@ HEARTBEAT_S = 8.0
 #: that accepts connections but never answers is found in well under a minute
 QUICK_PATHS = ("/v1/models", "/version", "/metrics", "/tokenize", "/detokenize", "/server_info", "/health")
 QUICK_TIMEOUT_S, QUICK_DEADLINE_S = 15.0, 45.0
+#: the most one answer may hold: a server that sends more (a 4 GiB body, a stream that never
+#: ends) is at fault, said so, instead of filling this machine's memory until the deadline
+MAX_ANSWER_BYTES = 128 * 2 ** 20
 
 
 class _Deadline(Exception):
@@ -379,8 +393,9 @@ class _Waiting:
     """One request in flight, its retries included: a line on stderr every HEARTBEAT_S while
     nothing arrives from the server, and the time left before its total deadline."""
 
-    def __init__(self, what: str, timeout: float, deadline: float) -> None:
-        self.what, self.timeout, self.deadline = what, timeout, deadline
+    def __init__(self, what: str, timeout: float, deadline: float,
+                 hint: str = "--engine-arg timeout=S / deadline=S") -> None:
+        self.what, self.timeout, self.deadline, self.hint = what, timeout, deadline, hint
         self.t0 = self.last = time.monotonic()
         self._said = self.t0
         self._stop = threading.Event()
@@ -415,7 +430,7 @@ class _Waiting:
                 self._said = now
                 print(f"speccheck: still waiting for {self.what}: nothing from the server for "
                       f"{now - self.last:.0f} s ({now - self.t0:.0f} s since the first attempt; it gives "
-                      f"up after {self.deadline:.0f} s in all: --engine-arg timeout=S / deadline=S)",
+                      f"up after {self.deadline:.0f} s in all{': ' + self.hint if self.hint else ''})",
                       file=sys.stderr, flush=True)
 
 
@@ -554,10 +569,15 @@ class OpenAIEngine(Engine):
         """The whole answer, read as it arrives (a server that drips it slower than the total
         deadline allows is given up on), as a response of its own. Until it is whole it is still
         awaited: the wait is said as for a server that sends nothing."""
-        raw = []
+        raw, size = [], 0
         for chunk in r.iter_raw():
             wait.check()
             raw.append(chunk)
+            size += len(chunk)
+            if size > MAX_ANSWER_BYTES:
+                raise EngineError(f"the server at {self._shown} sent more than {MAX_ANSWER_BYTES >> 20} MiB "
+                                  f"in answer to {r.request.method} {r.request.url.path}: no answer of an "
+                                  "OpenAI-compatible server is that large (is --base-url such a server?)")
         whole = httpx.Response(r.status_code, headers=r.headers, content=b"".join(raw), request=r.request)
         whole.read()
         return whole
@@ -584,6 +604,11 @@ class OpenAIEngine(Engine):
                 except _Deadline:
                     last = f"the answer was still arriving after {wait.deadline:.0f} s"
                     break
+                if 300 <= r.status_code < 400:
+                    raise EngineUsageError(
+                        f"the server at {shown} answered {method} {path} with a redirect (HTTP {r.status_code} "
+                        f"to {r.headers.get('location', '?')!r}); speccheck does not follow redirects: give "
+                        "--base-url the address the server answers on itself (http vs https, the port).")
                 if r.status_code < 400:
                     return r
                 last = self._refusal(r, path, shown)
@@ -644,10 +669,15 @@ class OpenAIEngine(Engine):
     def _lines(self, r: httpx.Response, wait: _Waiting) -> Iterator[str]:
         """The answer's lines as they arrive, the deadline checked at every read (a server
         that drips bytes without ever ending a line is given up on too)."""
-        buf = b""
+        buf, size = b"", 0
         for chunk in r.iter_bytes():
             wait.check()
             buf += chunk
+            size += len(chunk)
+            if size > MAX_ANSWER_BYTES:
+                raise EngineError(f"the server at {self._shown} streamed more than {MAX_ANSWER_BYTES >> 20} MiB "
+                                  f"in answer to one request to {r.request.url.path}: not a completions stream "
+                                  "of the tokens asked for")
             *lines, buf = buf.split(b"\n")
             for line in lines:
                 wait.touch()  # a whole line: the stream moves (bytes that never end one do not)
@@ -664,10 +694,16 @@ class OpenAIEngine(Engine):
             events: list = []
             first: float | None = None
             done = False
+            seen, limit = 0, body.get("max_tokens") or math.inf
             t0 = time.perf_counter()
             try:
                 with self._client.stream("POST", self.base_url + path, json={**body, "stream": True},
                                          timeout=wait.attempt_timeout()) as r:
+                    if 300 <= r.status_code < 400:
+                        raise EngineUsageError(
+                            f"the server at {self._shown} answered POST {path_shown} with a redirect (HTTP "
+                            f"{r.status_code} to {r.headers.get('location', '?')!r}); speccheck does not follow "
+                            "redirects: give --base-url the address the server answers on itself.")
                     if r.status_code >= 400:
                         r = self._read_body(r, wait)
                         last = self._refusal(r, path_shown, self._shown)
@@ -689,6 +725,12 @@ class OpenAIEngine(Engine):
                         if first is None and event_tokens(ev):
                             first = time.perf_counter() - t0
                         events.append(ev)
+                        seen += event_tokens(ev)
+                        if seen > limit:
+                            raise EngineError(
+                                f"{where}: the server at {self._shown} streamed {seen} tokens where "
+                                f"max_tokens was {limit} on {path_shown}: it does not honour max_tokens "
+                                "(an engine fault; the output would be judged past its end)")
                 wall = time.perf_counter() - t0
             except httpx.TransportError as e:
                 last = f"the stream broke off after {_events(len(events))} ({_transport_error(e)})"
@@ -765,10 +807,13 @@ class OpenAIEngine(Engine):
         when started with ``VLLM_SERVER_DEV_MODE=1``; None otherwise). These are the API
         server's copy of the config: requested backends ("auto" unresolved) and the CUDA
         graph mode after enforce_eager, not what the engine core resolved later."""
+        wait = self._waiting("GET", "/server_info", self._shown)
         try:
-            r = self._client.get(self.base_url + "/server_info", params={"config_format": "json"},
-                                 timeout=httpx.Timeout(QUICK_TIMEOUT_S, connect=10.0))
-        except httpx.TransportError:
+            with wait, self._client.stream("GET", self.base_url + "/server_info",
+                                           params={"config_format": "json"},
+                                           timeout=wait.attempt_timeout()) as r:
+                r = self._read_body(r, wait)
+        except (httpx.TransportError, _Deadline, EngineError):  # optional: absent is fine
             return None
         if r.status_code != 200:
             return None
@@ -970,6 +1015,10 @@ class OpenAIEngine(Engine):
         if prompt.ignore_eos:  # vLLM's extra parameter; sent only when asked for
             body["ignore_eos"] = True
         choice, wall, ttft = self._stream("/v1/completions", body, f"prompt {prompt.id}")
+        if _choice_tokens(choice) > prompt.max_tokens:  # a plain-JSON answer is counted here
+            raise EngineError(f"prompt {prompt.id}: the server at {self._shown} returned "
+                              f"{_choice_tokens(choice)} tokens where max_tokens was {prompt.max_tokens}: "
+                              "it does not honour max_tokens (an engine fault)")
         if _choice_tokens(choice) > 1:  # one token: streamed or not, its time is the TTFT
             self._ttft_seen.add(ttft is not None)
         return choice, wall, ttft

@@ -866,6 +866,23 @@ def weights_sha256(model_dir: str) -> str | None:
     return h.hexdigest()
 
 
+def model_name(model_dir: str, config: dict, llm_kwargs: dict) -> str:
+    """What the model is called: ``served_model_name`` where given (as vLLM's server names it),
+    else the name its checkpoint declares (``speccheck.model_name`` of config.json, written by
+    ``speccheck export-reference``; a plain relative ``_name_or_path`` such as a hub id), else
+    its directory's name. A golden's folder carries it, so a checkpoint exported to a
+    temporary directory still finds its golden."""
+    served = llm_kwargs.get("served_model_name")
+    if isinstance(served, (list, tuple)) and served:
+        served = served[0]
+    declared = (config.get("speccheck") or {}).get("model_name") if isinstance(config.get("speccheck"), dict) else None
+    hub = config.get("_name_or_path")
+    for name in (served, declared, hub if isinstance(hub, str) and not hub.startswith(("/", ".", "~")) else None):
+        if isinstance(name, str) and name.strip():
+            return name.strip()
+    return Path(model_dir).name
+
+
 def eos_token_ids(model_dir: str) -> list[int]:
     """EOS ids from generation_config.json, else config.json (or its text_config)."""
     ids: list[int] = []
@@ -1144,7 +1161,7 @@ class VllmEngine(Engine):
             "vllm_version": version("vllm"),
             "torch": version("torch"),
             "model": self.model,
-            "model_id": Path(self.model).name,
+            "model_id": model_name(self.model, cfg, self.llm_kwargs),
             "model_hash": weights_sha256(self.model),
             "architectures": cfg.get("architectures"),
             "tokenizer_hash": file_sha256(tok_path) if tok_path.is_file() else None,

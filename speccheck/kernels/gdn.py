@@ -85,6 +85,45 @@ def make_inputs(positions: int, heads: int = 4, dk: int = 64, dv: int = 64, seed
     return {name: t.to(device) for name, t in out.items()}
 
 
+#: bytes the harness holds per position x head beyond the state-sized tensors (measured on the
+#: CPU: 8192 x 4 heads at head dim 64 peaked at 1.3 GB, 4096 x 4 at head dim 256 at 4.1 GB)
+PER_POSITION_HEAD_BYTES = 16 * 1024
+#: the interpreter, torch and the readout
+BASE_BYTES = 512 * 2 ** 20
+#: the most memory a run may plan for, whatever the machine has (a harness, not a soak test)
+MAX_BYTES = 8 * 2 ** 30
+
+
+def memory_needed(positions: int, heads: int, dk: int, dv: int) -> int:
+    """Peak bytes of a run, over-estimated: the kernels keep a state-sized fp32 tensor per
+    position and head (the chunked form's per-position states, fp64 outputs and readout)."""
+    return BASE_BYTES + positions * heads * (dk * dv * 4 + PER_POSITION_HEAD_BYTES)
+
+
+def memory_budget(device: str) -> int:
+    """What a run may take here: half of what the device has free, at most MAX_BYTES (a run
+    that would swap or be OOM-killed is refused up front instead)."""
+    free = None
+    if device.startswith("cuda"):
+        try:
+            free = torch.cuda.mem_get_info(torch.device(device))[0]
+        except (RuntimeError, AssertionError):
+            free = None
+    else:
+        try:
+            with open("/proc/meminfo") as f:
+                info = dict(line.split(":", 1) for line in f if ":" in line)
+            free = int(info["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            free = None
+    return MAX_BYTES if free is None else max(min(MAX_BYTES, free // 2), BASE_BYTES)
+
+
+def max_positions(heads: int, dk: int, dv: int, budget: int) -> int:
+    """The most positions that fit ``budget`` at these heads and head dims (0: none)."""
+    return max((budget - BASE_BYTES) // (heads * (dk * dv * 4 + PER_POSITION_HEAD_BYTES)), 0)
+
+
 def fp64_recurrence(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule, one position at a time, in fp64: the ground truth."""
     q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))

@@ -33,7 +33,7 @@ from speccheck.types import (Completion, Prompt, Replay, Request, Scored, SpecCo
 
 from .chat import identity as chat_identity
 from .decode import FAULTS, Decoder, Knobs
-from speccheck.types import sample_seed
+from speccheck.types import sample_seed, sampling_problem
 
 from .sampling import SamplingParams
 from .sampling import score as _score_sampled
@@ -120,6 +120,11 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
+#: the most threads the engine starts (libgomp segfaults when asked for 100,000)
+MAX_THREADS = 1024
+SAMPLING_KEYS = ("temperature", "top_p", "sample_top_k", "seed", "samples")
+
+
 def parse_engine_args(args: dict[str, str]) -> dict[str, str]:
     """Validated engine args with defaults filled in; EngineUsageError names the bad one."""
     unknown = sorted(set(args) - set(ENGINE_ARGS))
@@ -136,44 +141,44 @@ def parse_engine_args(args: dict[str, str]) -> dict[str, str]:
     for key in ("threads", "batch", "dflash2_top_k"):
         if out[key] and not (out[key].isdigit() and int(out[key]) > 0):
             raise EngineUsageError(f"--engine-arg {key}={out[key]!r}: give a positive integer")
-    try:
-        bad = "temperature"
-        if float(out["temperature"]) < 0:
-            raise ValueError
-        bad = "top_p"
-        if not 0 < float(out["top_p"]) <= 1:
-            raise ValueError
-        bad = "sample_top_k"
-        if int(out["sample_top_k"]) < 0:
-            raise ValueError
-        bad = "seed"
-        int(out["seed"])
-    except ValueError:
-        raise EngineUsageError(f"--engine-arg {bad}={out[bad]!r}: temperature >= 0, 0 < top_p <= 1, "
-                               f"sample_top_k >= 0 (0 = off), seed an integer") from None
+    if out["threads"] and int(out["threads"]) > MAX_THREADS:  # OpenMP crashes far past it
+        raise EngineUsageError(f"--engine-arg threads={out['threads']}: give at most {MAX_THREADS} "
+                               f"(this machine has {os.cpu_count() or 1} CPU cores)")
+    bad = sampling_problem({k: out[k] for k in SAMPLING_KEYS if out.get(k) not in (None, "")})
+    if bad:
+        raise EngineUsageError(f"--engine-arg {bad}")
     if not out["no_draft_every"].isdigit():
         raise EngineUsageError(f"--engine-arg no_draft_every={out['no_draft_every']!r}: give 0 "
                                f"(every step drafts) or N >= 1 (every N-th verify step has no draft)")
     return out
 
 
+#: the name the reference network goes by, here and in every checkpoint exported from it
+REFERENCE_MODEL_NAME = "speccheck-reference-qwen3_5-tiny"
+
+
+def reference_model_name(trained: bool = True, linear_head_dim: int | None = None) -> str:
+    """The reference network's name: ``-untrained`` for the fixed-seed init, ``-gdn<D>`` for an
+    export whose GDN heads were padded to D (another checkpoint, another hash)."""
+    return (REFERENCE_MODEL_NAME + ("" if trained else "-untrained")
+            + (f"-gdn{linear_head_dim}" if linear_head_dim else ""))
+
+
 def load_networks(model_dir: Path, cfg: ReferenceConfig | None = None, draft: Path | None = None):
     """(config, target, mtp, drafter, trained) from a weights directory, fp32 on CPU.
     Missing files mean a fixed-seed random init of that part."""
-    from safetensors.torch import load_file
-
     cfg_path = model_dir / "config.json"
     if cfg is None:
-        cfg = (ReferenceConfig.from_dict(json.loads(cfg_path.read_text()))
-               if cfg_path.is_file() else ReferenceConfig())
-    target, mtp, drafter = Qwen3_5TextModel(cfg), MTPModule(cfg), DFlashDrafter(cfg)
+        cfg = _unbroken(cfg_path, lambda: ReferenceConfig.from_dict(json.loads(cfg_path.read_text()))
+                        if cfg_path.is_file() else ReferenceConfig())
+    target, mtp, drafter = _unbroken(cfg_path, lambda: (Qwen3_5TextModel(cfg), MTPModule(cfg), DFlashDrafter(cfg)))
     init_weights(target, 0)
     init_weights(mtp, 1)
     init_weights(drafter, 2)
     trained = False
     mfile = model_dir / "model.safetensors"
     if mfile.is_file():
-        sd = load_file(str(mfile))
+        sd = _unbroken(mfile, lambda: load_file(str(mfile)))
         _load(target, {k: v for k, v in sd.items() if not k.startswith("mtp.")}, mfile)
         msd = {k[4:]: v for k, v in sd.items() if k.startswith("mtp.")}
         if msd:
@@ -187,10 +192,32 @@ def load_networks(model_dir: Path, cfg: ReferenceConfig | None = None, draft: Pa
         if not dfile.is_file():
             raise EngineUsageError(f"--draft {draft}: no drafter.safetensors there")
     if dfile.is_file():
-        _load(drafter, load_file(str(dfile)), dfile)
+        _load(drafter, _unbroken(dfile, lambda: load_file(str(dfile))), dfile)
     elif trained:
         drafter = None
     return cfg, target, mtp, drafter, trained
+
+
+def load_file(path: str) -> dict:
+    from safetensors.torch import load_file as load
+
+    return load(path)
+
+
+def _unbroken(path: Path, read):
+    """``read()`` of a weights directory's file; a file that cannot be read as what it should
+    be (truncated, not JSON, a field of the wrong type) is the user's input, said with its
+    name -- not a crash."""
+    try:
+        return read()
+    except EngineUsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors, json, torch and the config raise their own kinds
+        raise EngineUsageError(f"{path}: cannot be loaded as the reference model's "
+                               f"{ {'config.json': 'config', 'tokenizer.json': 'tokenizer'}.get(path.name, 'weights')} "
+                               f"({type(e).__name__}: "
+                               f"{str(e)[:200]}); give --model a directory `speccheck export-reference` or the "
+                               "reference training wrote, or leave --model out for the shipped weights.") from None
 
 
 def _load(module: torch.nn.Module, sd: dict, path: Path) -> None:
@@ -222,6 +249,15 @@ class ReferenceEngine(Engine):
     axes = frozenset({"concurrency", "prefix_cache", "kv_pressure", "long_lived", "async_scheduling",
                       "chat_thinking", "shapes"})
 
+    @classmethod
+    def preflight(cls, model: str | None, engine_args: dict[str, str], draft: str | None) -> None:
+        """Its arguments and model directory, before anything is written: a bad one is one
+        message, not one failed run (or test) per config."""
+        parse_engine_args(engine_args)
+        if model and not Path(model).is_dir():
+            raise EngineUsageError(f"--model {model}: not a directory; give a directory with config.json, "
+                                   "model.safetensors, tokenizer.json")
+
     def __init__(self, model: str | None = None, engine_args: dict[str, str] | None = None,
                  draft: str | None = None) -> None:
         super().__init__(model, engine_args, draft)
@@ -237,7 +273,7 @@ class ReferenceEngine(Engine):
             raise EngineUsageError(f"no tokenizer.json in {self.model_dir} or {WEIGHTS_DIR}")
         from tokenizers import Tokenizer
 
-        self.tokenizer = Tokenizer.from_file(str(tok_path))
+        self.tokenizer = _unbroken(tok_path, lambda: Tokenizer.from_file(str(tok_path)))
         self.tok_path = tok_path
         if self.args["threads"]:
             torch.set_num_threads(int(self.args["threads"]))
@@ -267,10 +303,7 @@ class ReferenceEngine(Engine):
         d2_file = self.model_dir / DFLASH2_FILE
         self.dflash2 = None
         if d2_file.is_file():
-            try:
-                self.dflash2 = load_dflash2(d2_file, self.cfg).to(self.device, dtype).eval()
-            except ValueError as e:
-                raise EngineUsageError(str(e)) from e
+            self.dflash2 = _unbroken(d2_file, lambda: load_dflash2(d2_file, self.cfg).to(self.device, dtype).eval())
         self._set_knobs()
         #: requests this engine has served since it started (generate() and workloads alike)
         self.requests_served = 0
@@ -332,7 +365,7 @@ class ReferenceEngine(Engine):
                  for n in ("config.json", "model.safetensors", "drafter.safetensors",
                            DFLASH2_FILE)}
         target = {n: files[n] for n in ("config.json", "model.safetensors")}
-        model_id = "speccheck-reference-qwen3_5-tiny" + ("" if self.trained else "-untrained")
+        model_id = reference_model_name(self.trained)
         # the identity keys every engine shares: model_id, model_hash (the target, MTP included),
         # draft_hash (the external drafter), tokenizer_hash; golden check compares these
         return {

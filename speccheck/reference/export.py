@@ -5,8 +5,9 @@ the reference engine, transformers' ``Qwen3_5ForCausalLM`` (the cross-check in
 ``tests/reference/test_export.py``) and vLLM (the vLLM engine). Layout of ``export_reference(DIR)``::
 
     DIR/config.json             Qwen3_5ForConditionalGeneration, model_type qwen3_5, text_config
-                                (+ a ``speccheck`` key when the GDN heads are padded, see
-                                ``pad_gdn_head_dims``)
+                                + a ``speccheck`` key: ``model_name`` (the name engines give
+                                the model, e.g. a golden's folder) and, when the GDN heads are
+                                padded, what was padded (``pad_gdn_head_dims``)
     DIR/model.safetensors       model.language_model.* + mtp.* (no lm_head: tied embeddings)
     DIR/tokenizer.json          the reference tokenizer (``tokenizers`` library)
     DIR/tokenizer_config.json   PreTrainedTokenizerFast + bos/eos/pad + the chat template
@@ -50,7 +51,7 @@ What the loaders expect (read from source, vLLM main ≈ 0.26, transformers 5.24
   ``fc`` [hidden, 2*hidden] over ``cat(pre_fc_norm_embedding(embed), pre_fc_norm_hidden(h))``, ``norm``;
   its ``load_weights`` renames ``mtp.`` -> ``model.`` and takes ``embed_tokens`` from
   ``model.language_model.embed_tokens`` (shared; ``mtp_use_dedicated_embeddings: false``).
-  A checkpoint without ``mtp.*`` fails to load with method "mtp" (seen on the H200, DESIGN.md).
+  A checkpoint without ``mtp.*`` fails to load with method "mtp" (seen with vLLM 0.26).
 * DFlash, vLLM ``models/qwen3_dflash.py`` + registry ``"DFlashDraftModel": ("qwen3_dflash",
   "DFlashQwen3ForCausalLM")``: the draft config is a Qwen3 config (``model_type "qwen3"``) with
   ``dflash_config = {block_size, mask_token_id, target_layer_ids}``. ``load_weights`` prefixes every
@@ -470,10 +471,14 @@ def drafter_config_from_reference(cfg, dtype: torch.dtype = torch.bfloat16) -> d
 
 def export_modules(out_dir: str | Path, cfg, target, mtp, drafter=None,
                    tokenizer_json: str | Path | None = None,
-                   dtype: torch.dtype | None = None, linear_head_dim: int | None = None) -> dict:
+                   dtype: torch.dtype | None = None, linear_head_dim: int | None = None,
+                   name: str | None = None) -> dict:
     """Export in-memory reference networks: target + MTP to ``out_dir``, drafter to
     ``out_dir/drafter``. ``dtype`` None keeps the networks' own dtype (lossless).
     ``linear_head_dim``: GDN key/value head dims padded to it (:func:`pad_gdn_head_dims`).
+    ``name``: the model's name, written to config.json's ``speccheck.model_name`` (what engines
+    loading the checkpoint call the model, e.g. in a golden's folder, instead of whatever
+    directory it was exported to).
 
     The reference modules carry transformers'/vLLM's names already (model.py), so this is
     prefixing only: target ``X`` -> ``model.X`` (-> ``model.language_model.X`` on disk), MTP
@@ -492,8 +497,11 @@ def export_modules(out_dir: str | Path, cfg, target, mtp, drafter=None,
         text_state, text = pad_gdn_head_dims(text_state, text, linear_head_dim)
         note = padded_gdn_note(cfg.linear_key_head_dim, cfg.linear_value_head_dim, linear_head_dim,
                                cfg.rms_norm_eps, text["rms_norm_eps"])
+    if name:
+        note = {"model_name": name, **(note or {})}
     write_target_dir(out, text, text_state, mtp_state, tokenizer_json, dtype, note)
-    summary = {"target": str(out), "target_tensors": len(text_state), "mtp_tensors": len(mtp_state),
+    summary = {"target": str(out), **({"model_name": name} if name else {}),
+               "target_tensors": len(text_state), "mtp_tensors": len(mtp_state),
                "dtype": _dtype_name(dtype), "tokenizer": tokenizer_json is not None}
     if note:
         summary["linear_head_dim"] = linear_head_dim
@@ -535,7 +543,7 @@ def export_reference(out_dir: str | Path, weights_dir: str | Path | None = None,
     fixed-seed init, which is what the engine then runs too). Tensors keep the stored dtype (fp32
     for the fixed-seed init), so nothing is rounded on the way. Returns a summary for the CLI.
     """
-    from .engine import load_networks
+    from .engine import load_networks, reference_model_name
 
     d = Path(weights_dir) if weights_dir is not None else default_weights_dir()
     if weights_dir is not None and not (d / "model.safetensors").is_file():
@@ -553,7 +561,10 @@ def export_reference(out_dir: str | Path, weights_dir: str | Path | None = None,
     summary = export_modules(out_dir, cfg, target.eval(), mtp.eval(),
                              drafter.eval() if drafter is not None else None,
                              tok if tok.is_file() else None, dtype=dtype,
-                             linear_head_dim=linear_head_dim)
+                             linear_head_dim=linear_head_dim,
+                             name=reference_model_name(trained, linear_head_dim if linear_head_dim and (
+                                 linear_head_dim, linear_head_dim) != (cfg.linear_key_head_dim,
+                                                                       cfg.linear_value_head_dim) else None))
     summary.update(weights_dir=str(d), trained=trained)
     from .dflash2 import DFLASH2_FILE, load_dflash2
 

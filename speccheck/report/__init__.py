@@ -18,8 +18,10 @@ __all__ = ["acceptance_str", "attribution_str", "best_configs", "compared_config
 
 def write_report(result: SuiteResult, out_dir: Path, detok=None, html: Path | None = None) -> tuple[Path, ...]:
     """report.md, report.json and the HTML report (``html``, default report.html beside them)."""
+    from speccheck.files import write_output
+
     out_dir.mkdir(parents=True, exist_ok=True)
     md, js = out_dir / "report.md", out_dir / "report.json"
-    md.write_text(markdown_report(result, detok))
-    js.write_text(json.dumps(result.to_dict(), indent=1, default=str, ensure_ascii=False))
+    write_output(md, markdown_report(result, detok), "--out")
+    write_output(js, json.dumps(result.to_dict(), indent=1, default=str, ensure_ascii=False), "--out")
     return md, js, write_html(result, html or out_dir / "report.html", detok)

@@ -1,5 +1,5 @@
 """The HTML report: one self-contained file (inline CSS and SVG; no script, no network) that
-shows in ten seconds what a suite found -- the verdict first, then the seed article's K-sweep as
+shows in ten seconds what a suite found -- the verdict first, then the K-sweep as
 plots, acceptance per draft position, every divergence's margin against the thresholds, the
 prompts x configs agreement grid, every check of every config, and the engine identity.
 
@@ -469,7 +469,6 @@ def html_report(result: SuiteResult, detok=None) -> str:
 
 
 def write_html(result: SuiteResult, path: Path, detok=None) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(html_report(result, detok), encoding="utf-8")
-    return path
+    from speccheck.files import write_output
+
+    return write_output(Path(path), html_report(result, detok), "--html")

@@ -1,5 +1,5 @@
-"""Human-readable output of a SuiteResult: the `diff` text and the Markdown report with the
-seed article's tables (K, warm tok/s, tokens per iteration, acceptance p0.., agreement,
+"""Human-readable output of a SuiteResult: the `diff` text and the Markdown report with its
+tables (K, warm tok/s, tokens per iteration, acceptance p0.., agreement,
 determinism)."""
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def diff_text(result: SuiteResult, detok=None) -> str:
 
 
 def sweep_table(result: SuiteResult) -> str:
-    """The seed article's K-sweep table, Markdown."""
+    """The K-sweep table, Markdown: one row per config."""
     rows = ["| config | K | decode tok/s (warm) | speedup | tokens / iteration | acceptance p0.. "
             "| agreement (teacher-forced) | prefix agreement | determinism | verdict |",
             "|---|---:|---:|---:|---:|---|---:|---:|---|---|"]
@@ -144,7 +144,7 @@ def sweep_table(result: SuiteResult) -> str:
     return "\n".join(rows)
 
 
-#: the methods the seed article compares side by side, and the K it compares them at
+#: the methods compared side by side, and the K they are compared at
 COMPARED_METHODS = ("mtp", "dflash", "dflash2")
 COMPARED_K = 7
 
@@ -169,7 +169,7 @@ def compared_configs(result: SuiteResult) -> list[ConfigResult]:
 
 
 def method_table(result: SuiteResult) -> str:
-    """The seed article's side-by-side table (MTP vs DFlash vs DFlash2), Markdown."""
+    """The side-by-side table (MTP vs DFlash vs DFlash2), Markdown."""
     rows = ["| method | K | decode tok/s (warm) | speedup | tokens / iteration (τ) | agreement "
             "| determinism |", "|---|---:|---:|---:|---:|---:|---|"]
     for r in compared_configs(result):

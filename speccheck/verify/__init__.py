@@ -1,6 +1,6 @@
 """What "agree" means: pure functions over token/logprob arrays (no engine imports, no I/O).
 
-See DESIGN.md, "What 'agree' means (verify/)".
+See docs/design.md (what "agree" means).
 """
 from speccheck.verify.acceptance import (Acceptance, SameOutputAcceptance, acceptance_mismatches,
                                          acceptance_of, acceptance_summary, counter_problems,

@@ -18,6 +18,9 @@ import numpy as np
 #: nats above 0 a logprob may reach before it counts as positive (float32 rounding of a
 #: log-softmax at a certain token lands a few ulps either side of 0)
 POSITIVE_TOL = 1e-4
+#: nats the log of a top-k's probability mass may exceed 0 (each entry rounded to bf16 moves
+#: it by well under 0.01)
+MASS_TOL = 0.02
 #: positions named in one message before "(+N more)"
 LISTED = 5
 PAD_ID = -1
@@ -63,7 +66,8 @@ def find_logprob_problems(token_ids, logprobs, topk_ids, topk_logprobs,
     - in the top-k: NaN; +inf; -inf on a real token; a padded slot (id -1) with a logprob
       other than -inf, or before a real entry; a negative id other than -1; the same id twice;
       a row with no real entry; a logprob above 0 by more than ``tol``; entries not in
-      descending order, or exact ties not ordered by lowest id.
+      descending order, or exact ties not ordered by lowest id; probabilities adding up to
+      more than 1 (beyond rounding).
     """
     tok = np.asarray(token_ids).ravel()
     lp = np.asarray(logprobs, dtype=np.float64).ravel()
@@ -125,6 +129,11 @@ def find_logprob_problems(token_ids, logprobs, topk_ids, topk_logprobs,
             add("topk_order", "top-k not in descending logprob order", both & (tlp[:, 1:] > tlp[:, :-1]))
             add("topk_tie_order", "exactly tied top-k entries not ordered by lowest id (as argmax "
                                   "breaks ties)", both & (tlp[:, 1:] == tlp[:, :-1]) & (ids[:, 1:] < ids[:, :-1]))
+        # probabilities add up to at most 1: a top-k whose mass is above (beyond bf16's rounding
+        # of each entry) was not computed from one distribution
+        mass = np.log(np.where(fin, np.exp(np.where(fin, tlp, -np.inf)), 0.0).sum(axis=1)) if r else np.zeros(0)
+        add("topk_mass", f"top-k probabilities add up to more than 1 (log mass above {MASS_TOL:g})",
+            mass > MASS_TOL)
         k = min(m, r)
         if k:
             top1 = np.where(fin[:k], tlp[:k], -np.inf).max(axis=1)

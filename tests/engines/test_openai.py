@@ -458,7 +458,7 @@ def test_diff_says_ttft_not_measured_for_a_server_that_does_not_stream(ref, tmp_
 
     cli = CliRunner()
     run = ["run", "--engine", "openai", "--method", "baseline", "--corpus", "smoke",
-           "--repeats", "1", "--concurrent", "0", "--no-attribution", "--axes", "none"]
+           "--repeats", "1", "--concurrent", "off", "--no-attribution", "--axes", "none"]
     with running_server("baseline", engine=ref) as url, misbehaving_proxy(url, "plain_json") as proxy:
         r = cli.invoke(main, run + ["--base-url", f"http://127.0.0.1:{proxy.server_port}/v1",
                                     "--store", str(tmp_path / "plain")])

@@ -416,7 +416,7 @@ def test_cli_runs_and_gates_the_serving_axes_with_fake_vllm(fake_vllm, tmp_path)
     runner = CliRunner()
     res = runner.invoke(main, ["run", "--engine", "vllm", "--model", str(target), "--draft", str(draft),
                                "--config", "mtp-k3", "--corpus", str(corpus), "--repeats", "2",
-                               "--concurrent", "0", "--no-attribution", "--store", store,
+                               "--concurrent", "off", "--no-attribution", "--store", store,
                                "--engine-arg", "worker=per-config",
                                "--axes", "concurrency=4,prefix_cache,kv_pressure"])
     assert res.exit_code == 0, res.output
@@ -464,7 +464,7 @@ def test_cli_gate_fails_a_level_whose_proof_vllm_does_not_report(fake_vllm, tmp_
     store = str(tmp_path / "store")
     runner = CliRunner()
     res = runner.invoke(main, ["run", "--engine", "vllm", "--model", str(target), "--config", "baseline",
-                               "--corpus", str(corpus), "--repeats", "2", "--concurrent", "0",
+                               "--corpus", str(corpus), "--repeats", "2", "--concurrent", "off",
                                "--no-attribution", "--store", store, "--engine-arg", "worker=per-config",
                                "--axes", "kv_pressure"])
     assert res.exit_code == 0, res.output

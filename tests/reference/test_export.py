@@ -222,6 +222,16 @@ def test_export_reference_writes_what_the_engine_runs(tmp_path):
     sd = ex.read_checkpoint(tmp_path / "ref" / "model.safetensors")
     assert any(k.startswith("mtp.") for k in sd)
     assert all(k.startswith(("model.language_model.", "mtp.")) for k in sd)
+    # the checkpoint declares the reference engine's own model name, wherever it was written
+    from speccheck.engines.vllm import model_name
+    from speccheck.reference.engine import ReferenceEngine
+
+    cfg = json.loads((tmp_path / "ref" / "config.json").read_text())
+    assert cfg["speccheck"]["model_name"] == ReferenceEngine().identity()["model_id"] == summary["model_name"]
+    assert model_name(str(tmp_path / "ref"), cfg, {}) == summary["model_name"]
+    assert model_name(str(tmp_path / "ref"), cfg, {"served_model_name": "mine"}) == "mine"
+    assert model_name(str(tmp_path / "ref"), {}, {}) == "ref"
+    assert model_name(str(tmp_path / "ref"), {"_name_or_path": "/tmp/x"}, {}) == "ref"
 
 
 def _load(module, state, prefix):
@@ -535,6 +545,9 @@ def test_export_reference_cli_pads(tmp_path):
     t = json.loads((tmp_path / "p" / "config.json").read_text())["text_config"]
     assert (t["linear_key_head_dim"], t["linear_value_head_dim"]) == (128, 128)
     assert json.loads(r.output)["linear_head_dim"] == 128
+    # another checkpoint (another hash), another name: a golden of it is not the unpadded one's
+    name = json.loads((tmp_path / "p" / "config.json").read_text())["speccheck"]["model_name"]
+    assert name.endswith("-gdn128") and json.loads(r.output)["model_name"] == name
     r = CliRunner().invoke(main, ["export-reference", str(tmp_path / "q"), "--linear-head-dim", "96"])
     assert r.exit_code == 2 and "--linear-head-dim 96" in r.output
     assert not (tmp_path / "q" / "config.json").exists()

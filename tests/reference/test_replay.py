@@ -296,7 +296,7 @@ def test_run_stores_the_replay_resumes_it_and_replays_without_the_fault(tmp_path
     store = tmp_path / "S"
     runner = CliRunner()
     args = ["run", "--store", str(store), "--corpus", "smoke", "--config", "mtp-k3",
-            "--repeats", "1", "--concurrent", "0", "--no-attribution", "--axes", "none"]
+            "--repeats", "1", "--concurrent", "off", "--no-attribution", "--axes", "none"]
     gate = ["gate", "--store", str(store), "--set", "require_deterministic=false"]  # one repeat
     r = runner.invoke(main, args)
     assert r.exit_code == 0, r.output

@@ -271,7 +271,7 @@ def test_cli_report_html_from_a_store(tmp_path):
     complete_as_run_would(s)
     out = tmp_path / "page.html"
     res = CliRunner().invoke(main, ["report", "--store", str(tmp_path / "st"), "--suite", "t", "--out", str(tmp_path / "rep"),
-                                    "--html", str(out), "--set", "min_token_agreement=0"])
+                                    "--html", str(out), "--set", "min_token_agreement=0.01"])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "rep" / "report.md").exists() and f"wrote {out}" in res.output
     dom = Dom(out.read_text())

@@ -17,7 +17,7 @@ from speccheck.verify.finite import (
 TOK = np.array([5, 2, 4], np.int32)
 LP = np.array([-0.1, -0.6, -0.01], np.float32)
 IDS = np.array([[5, 3, 9], [2, 7, 1], [4, 8, -1]], np.int32)
-LPS = np.array([[-0.1, -2.0, -3.0], [-0.6, -0.8, -4.0], [-0.01, -5.0, -np.inf]], np.float32)
+LPS = np.array([[-0.1, -3.0, -4.0], [-0.6, -0.9, -4.0], [-0.01, -5.0, -np.inf]], np.float32)
 
 
 def kinds(*args, **kw) -> list[str]:
@@ -60,9 +60,19 @@ def test_short_arrays_say_which_positions_have_nothing():
 def test_positive_logprobs_beyond_tolerance():
     lp, lps = LP.copy(), LPS.copy()
     lp[0] = lps[0, 0] = POSITIVE_TOL / 2  # float32 rounding at a certain token: fine
+    lps[0, 1:] = [-9.0, -10.0]  # (and the rest of a certain token's row all but 0)
     assert logprob_problems(TOK, lp, IDS, lps) == []
-    lp[1] = lps[1, 0] = 0.3
-    assert kinds(TOK, lp, IDS, lps) == ["logprob_positive", "topk_positive"]
+    lp[1] = lps[1, 0] = 0.3  # a probability above 1: its row's mass is above 1 too
+    assert kinds(TOK, lp, IDS, lps) == ["logprob_positive", "topk_positive", "topk_mass"]
+
+
+def test_a_topk_whose_probabilities_add_up_past_one_is_named():
+    """Five entries of -0.1 each (a mass of 4.5) are not one distribution's; bf16-rounded
+    entries of a real one (mass 1.005) are."""
+    ids = np.array([[1, 2, 3, 5, 9]])  # exact ties in lowest-id order
+    assert kinds([1], [-0.1], ids, np.full((1, 5), -0.1)) == ["topk_mass"]
+    real = np.log(np.array([[0.6, 0.3, 0.05, 0.03, 0.02]])) + 0.005
+    assert logprob_problems([1], real[:, 0], ids, real) == []
 
 
 def test_topk_problems_each_named():
@@ -74,7 +84,7 @@ def test_topk_problems_each_named():
         "topk_bad_id": (1, 2, None, -3),
         "topk_duplicate": (0, 2, None, 3),
         "topk_order": (0, 2, -1.0, None),
-        "topk_tie_order": (0, 2, -2.0, 1),
+        "topk_tie_order": (0, 2, -3.0, 1),
     }
     for kind, (r, c, lp, tid) in cases.items():
         ids, lps = IDS.copy(), LPS.copy()
@@ -126,8 +136,11 @@ def clean(draw):
     for r in range(n):
         m = draw(st.integers(1, k))
         row_ids = draw(st.lists(st.integers(0, 50), min_size=m, max_size=m, unique=True))
-        row_lp = sorted(draw(st.lists(st.sampled_from([0.0, -0.1, -0.5, -2.0, -30.0]), min_size=m, max_size=m)),
-                        reverse=True)
+        # one distribution's probabilities (weights over a total that leaves room for the
+        # tokens not listed; equal weights make exact ties)
+        weights = draw(st.lists(st.integers(1, 4), min_size=m, max_size=m))
+        total = sum(weights) + draw(st.integers(0, 4))
+        row_lp = sorted((float(np.log(w / total)) for w in weights), reverse=True)
         pairs = sorted(zip(row_ids, row_lp), key=lambda x: (-x[1], x[0]))
         ids[r, :m] = [t for t, _ in pairs]
         lps[r, :m] = [lp for _, lp in pairs]

@@ -1,4 +1,4 @@
-"""Hypothesis property tests of verify/'s invariants (DESIGN.md, "What 'agree' means")."""
+"""Hypothesis property tests of verify/'s invariants (docs/design.md, what "agree" means)."""
 from __future__ import annotations
 
 import numpy as np

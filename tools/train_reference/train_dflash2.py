@@ -22,7 +22,7 @@ config.json, model.safetensors, drafter.safetensors and tokenizer.json byte for 
 is a complete weights directory; then the acceptance probe (dflash2 vs dflash at K=7 and 3 on
 the code prompts, selector on and off).
 
-The shipped dflash2.safetensors came from one H200 call (2026-12-01, 442 s in all)::
+The shipped dflash2.safetensors came from one run on an NVIDIA H200 GPU (2026-12-01, 442 s in all)::
 
     cd tools && python3 -m train_reference.train --drafter dflash2 \
         --init ../speccheck/reference/weights --out /tmp/d2 --device cuda --seq 288 \
