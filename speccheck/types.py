@@ -91,6 +91,9 @@ class SpecCounters:
     #: what separates the drafter's cost from the target's verify cost in the speedup model (a
     #: timing, not a count: two runs with equal counters are equal)
     draft_s: float | None = field(default=None, compare=False)
+    #: requests the counters cover: 1, or the n samples of one vLLM request (they decode
+    #: together and share the engine's counters, which the first sample's completion carries)
+    requests: int = 1
 
     def __add__(self, other: "SpecCounters") -> "SpecCounters":
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
@@ -104,6 +107,7 @@ class SpecCounters:
             None if self.iterations is None or other.iterations is None
             else self.iterations + other.iterations,
             None if self.draft_s is None or other.draft_s is None else self.draft_s + other.draft_s,
+            self.requests + other.requests,
         )
 
     def to_dict(self) -> dict:
@@ -290,7 +294,7 @@ class RunRecord:
         counters = [c.spec for c in self.completions if c.spec is not None]
         if not counters:
             return None
-        total = counters[0] + SpecCounters(iterations=0, draft_s=0.0)  # a copy; iterations, draft_s kept (or None)
+        total = counters[0] + SpecCounters(iterations=0, draft_s=0.0, requests=0)  # a copy; iterations, draft_s kept (or None)
         for c in counters[1:]:
             total = total + c
         return total
