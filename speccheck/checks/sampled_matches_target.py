@@ -43,6 +43,8 @@ def describe(f: SampledFit) -> str:
             f"PIT lag-1 z {f.z_serial:+.2f} (p {f.serial_p:.2g})"
             + (f", {f.outside_support} outside the target's support" if f.outside_support else "")
             + (f", {f.boundary} at its nucleus boundary" if f.boundary else "")
+            + (f", {f.within_topk} tested within the scored top-k (the nucleus reaches past it)"
+               if getattr(f, "within_topk", 0) else "")
             + (f", {f.unidentified} left out (the scorer's top-k logprobs do not identify the "
                f"sampling distribution there)" if getattr(f, "unidentified", 0) else "")
             + f"; alpha {f.alpha:g} (Holm); detects at {POWER:.0%} power a total variation of "

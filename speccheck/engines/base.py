@@ -156,7 +156,7 @@ class Engine(ABC):
     def score_sampled(self, prompt_ids: Sequence[Sequence[int]],
                       continuations: Sequence[Sequence[int]]) -> list:
         """The target's sampling distribution at each sampled position, as the distribution
-        check reads it: float64 [n, 5] per continuation (verify/sampling_dist.sampled_rows).
+        check reads it: float64 [n, 6] per continuation (verify/sampling_dist.sampled_rows).
         The engine gives only raw teacher-forced logprobs (:meth:`score`, top
         :meth:`sampled_score_top_k`); the sampling transform (this run's temperature, top-k,
         top-p) is applied by speccheck, never by the engine's own sampler code, so a sampler

@@ -995,7 +995,7 @@ class OpenAIEngine(Engine):
         out = []
         for p, c in zip(prompt_ids, continuations, strict=True):
             full = [int(t) for t in p] + [int(t) for t in c]
-            if not c:
+            if not len(c):
                 out.append(Scored(np.zeros((0, top_k), np.int32),
                                   np.zeros((0, top_k), np.float32), np.zeros(0, np.float32)))
                 continue

@@ -33,7 +33,7 @@ POWER = 0.8
 
 
 def pit(scores: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Randomized PIT of each scored position ([n, 5] -> [n] in [0, 1]); a token outside
+    """Randomized PIT of each scored position ([n, 5+] -> [n] in [0, 1]); a token outside
     the target's support (probability 0) gets 1."""
     above, tied = scores[:, 0], scores[:, 1]
     v = rng.random(len(scores))
@@ -110,6 +110,9 @@ class SampledFit:
     #: positions left out because the scorer's top-k logprobs do not identify the sampling
     #: distribution there (verify/sampling_dist.py)
     unidentified: int = 0
+    #: positions tested within the top-k tokens every possible nucleus keeps (the rest of the
+    #: nucleus unknown)
+    within_topk: int = 0
 
     @property
     def passed(self) -> bool:
@@ -117,14 +120,14 @@ class SampledFit:
 
 
 def fit(per_output: list[np.ndarray], alpha: float = 0.01) -> SampledFit:
-    """The tests over every scored output ([n_i, 5] each) of one config."""
+    """The tests over every scored output ([n_i, 5] or [n_i, 6] each) of one config."""
     rng = np.random.default_rng(PIT_SEED)
     us, zs, devs, var, serial, npairs = [], [], [], 0.0, 0.0, 0
     nd = NormalDist()
     outside = boundary = 0
     longest = max((len(s) for s in per_output), default=0)
     drift_sum, drift_n = np.zeros(longest), np.zeros(longest, dtype=int)
-    unidentified = 0
+    unidentified = within = 0
     for s in per_output:
         if len(s) == 0:
             continue
@@ -132,6 +135,8 @@ def fit(per_output: list[np.ndarray], alpha: float = 0.01) -> SampledFit:
         edge = known & (s[:, 2] < 0)  # at the nucleus boundary (the scorer's mark)
         use = known & ~edge  # both left out: the choice rests on the prefix (or is the scorer's)
         unidentified += int((~known).sum())
+        if s.shape[1] > 5:
+            within += int(np.nansum(s[use, 5]))
         boundary += int(edge.sum())
         where = np.nonzero(use)[0]
         s = s[use]
@@ -173,4 +178,4 @@ def fit(per_output: list[np.ndarray], alpha: float = 0.01) -> SampledFit:
     hist = np.histogram(u_all, bins=20, range=(0.0, 1.0))[0] if n else np.zeros(20, int)
     return SampledFit(len(us), n, outside, boundary, ks_d, ks_p, z_ll, ps[1], z_ser, ps[2], alpha, rejected,
                       mde_tv, mde_nats, [float(x) for x in drift], [int(x) for x in drift_n],
-                      [int(x) for x in hist], unidentified)
+                      [int(x) for x in hist], unidentified, within)

@@ -15,9 +15,13 @@ not known, unless T = 1: for the tail's raw mass R spread over N = V - k tokens,
 the smallest top-k probability r_k, the tempered tail weight sum(r_j ** (1/T)) lies between
 R * r_k ** (1/T - 1) and N ** (1 - 1/T) * R ** (1/T) (in either order, as 1/T is above or below
 1). A position is *identified* when its nucleus among the top k is the same at both ends of
-that range and the sampling mass of the kept tail moves by at most :data:`TAIL_EPS`; other
-positions are left out (a NaN row). That choice depends on the prefix's distribution alone,
-never on the sampled token, so leaving positions out keeps both tests exact.
+that range and the sampling mass of the kept tail moves by at most :data:`TAIL_EPS`. Where it
+is not, the top-k tokens that every nucleus in the range keeps still have exact relative
+probabilities, so a draw that falls among them is tested against those alone (conditional on
+falling there, it is a draw from them); a draw outside even the largest nucleus is a miss; any
+other position is left out (a NaN row). Which of these a position is rests on its prefix's
+distribution and on which of those prefix-determined sets the draw fell in, so each row's PIT
+is uniform given everything before it and the tests stay exact.
 """
 from __future__ import annotations
 
@@ -39,17 +43,19 @@ def sampled_rows(topk_ids: np.ndarray, topk_logprobs: np.ndarray, tokens: np.nda
                  temperature: float, top_p: float = 1.0, top_k: int = 0,
                  vocab_size: int | None = None,
                  token_logprobs: np.ndarray | None = None) -> np.ndarray:
-    """Per sampled position, float64 [n, 5]: the sampling mass of the categories strictly more
+    """Per sampled position, float64 [n, 6]: the sampling mass of the categories strictly more
     probable than the sampled token's, the mass of its own category (the tokens tied with it,
     or the tail), its category's probability, E[log p] and E[(log p)^2] over the categories
     -- under temperature / top-k / top-p applied to the raw logprobs ``topk_logprobs``
-    ([n, k], -inf pads a short row) of the tokens ``topk_ids``.
+    ([n, k], -inf pads a short row) of the tokens ``topk_ids`` -- and 1 where the row is
+    conditional: the nucleus is not identified but the token is among the top-k tokens every
+    possible nucleus keeps, and the row is over those alone.
 
     The probability column is 0 for a token the sampler never draws, minus the nucleus excess
     for one just outside the nucleus (< BOUNDARY_MASS, counting only the tokens more than
     BOUNDARY_NATS more probable; ``token_logprobs``, the sampled tokens' raw logprobs, place
     a tail token), and the whole row is NaN where the top-k does not identify the distribution
-    (see the module)."""
+    and the row is neither conditional nor a sure miss (see the module)."""
     ids = np.asarray(topk_ids, dtype=np.int64)
     lp = np.asarray(topk_logprobs, dtype=np.float64)
     tok = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -151,8 +157,22 @@ def sampled_rows(topk_ids: np.ndarray, topk_logprobs: np.ndarray, tokens: np.nda
         excess = mass_before - p
         edge = (p_x <= 0) & by_rank & (excess < BOUNDARY_MASS)
         p_x = np.where(edge, -np.maximum(excess, 1e-12), p_x)
-    out = np.stack([above, tied, p_x, m1, m2], 1)
-    out[~identified] = np.nan
+    out = np.stack([above, tied, p_x, m1, m2, np.zeros(n)], 1)
+    # where the nucleus is not identified: a token outside even the largest nucleus the bounds
+    # allow is still a miss; a token among the top-k that every nucleus keeps is tested within
+    # them, against w / sum(w) over that set (exact whatever the tail: conditional on the
+    # draw falling there, a prefix-determined set, it is a draw from that)
+    sure = kept_lo & alive
+    w_a = (w * sure).sum(1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        pa = np.where(sure, w / np.where(w_a > 0, w_a, 1.0)[:, None], 0.0)
+        la = np.where(pa > 0, np.log(np.where(pa > 0, pa, 1.0)), 0.0)
+    within = ~identified & in_top & sure[rows, at] & (kv > 0)
+    cond = np.stack([(pa * (lp > lp_x[:, None])).sum(1), (pa * (lp == lp_x[:, None])).sum(1),
+                     pa[rows, at], (pa * la).sum(1), (pa * la * la).sum(1), np.ones(n)], 1)
+    out[within] = cond[within]
+    miss = ~identified & (kv > 0) & np.where(in_top, ~kept_hi[rows, at], t_max <= 0)
+    out[~identified & ~within & ~miss] = np.nan
     return out
 
 
