@@ -139,7 +139,8 @@ def baseline_not_invariant(suite: Suite, tau_tie: float, tau_low: float, noise: 
     ok = [r for r in suite.records("baseline") if r.status == "ok"]
     if together is None or together.status != "ok" or not ok:
         return False
-    return together_result(ok[0], together, tau_tie, tau_low, noise).not_invariant
+    return together_result(ok[0], together, tau_tie, tau_low, noise,
+                           sampled=sampling_of(suite.meta.get("engine_args")) is not None).not_invariant
 
 
 
@@ -188,7 +189,8 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
     if together is not None and together.status != "ok":
         failed.append(f"all at once: {(together.error or 'failed').splitlines()[0]}")
     elif together is not None and ok:
-        all_at_once = together_result(ok[0], together, tau_tie, tau_low, noise, detok)
+        all_at_once = together_result(ok[0], together, tau_tie, tau_low, noise, detok,
+                                      sampled=sampling_of(suite.meta.get("engine_args")) is not None)
         all_at_once.of_baseline = name == "baseline"
         all_at_once.baseline_not_invariant = name != "baseline" and bool(baseline_not_invariant)
 

@@ -1276,6 +1276,10 @@ class VllmEngine(Engine):
         self._notes = [note] if note else []
         spec = speculative_config(config, draft, self.llm_kwargs, self.args["spec"])
         reqs = workload.requests
+        sp = sampling_of(self.engine_args)
+        seeds = [None if sp is None else r.prompt.seed if r.prompt.seed is not None
+                 else request_seed(sp["seed"], config.name, r.prompt_ids, r.prompt.sample)
+                 for r in reqs]  # each request the seed it has alone: the axis compares them
         req = {"op": "workload", "axis": workload.axis, "level": workload.level,
                "top_k": int(top_k), "sampling": self.args["sampling"],
                "stop_token_ids": eos_token_ids(self.model),
@@ -1283,9 +1287,9 @@ class VllmEngine(Engine):
                "step_gauges": sorted({names["requests_running"] for names in METRIC_NAMES.values()}),
                "requests": [{"id": r.id, "prompt": [int(t) for t in r.prompt_ids],
                              "max_tokens": int(r.prompt.max_tokens), "ignore_eos": bool(r.prompt.ignore_eos),
-                             "arrive_after": int(r.arrive_after), "after": r.after,
+                             "arrive_after": int(r.arrive_after), "after": r.after, "seed": seed,
                              **({"messages": [dict(m) for m in r.prompt.messages]}
-                                if thinking is not None else {})} for r in reqs]}
+                                if thinking is not None else {})} for r, seed in zip(reqs, seeds)]}
         if thinking is not None:  # rendered in the worker by the model's own chat template
             req["chat"] = {"enable_thinking": thinking}
         result = self._call(req, spec, DFLASH2_ENV if config.method == "dflash2" else {}, knobs)

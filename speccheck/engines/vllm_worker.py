@@ -752,7 +752,8 @@ class Worker:
                 pass
             items = [{**r, "params": greedy_params(r["max_tokens"], req["top_k"],
                                                    req.get("stop_token_ids") or [],
-                                                   bool(r.get("ignore_eos") or every), extra)}
+                                                   bool(r.get("ignore_eos") or every),
+                                                   with_request_seed(extra, r.get("seed")))}
                      for r in req["requests"]]
             chat = req.get("chat")
             thinking_ids = set()
