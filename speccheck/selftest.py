@@ -30,7 +30,7 @@ from speccheck.plan import RunPlan
 from speccheck.runner import (check_context, open_suite, replay_configs, rescore_suite, run_one,
                               score_sampled_suite)
 from speccheck.store import Store, Suite
-from speccheck.types import SpecConfig, sampling_of
+from speccheck.types import SAMPLING_ARGS, SpecConfig, sampling_of
 
 #: the corpus the self-test runs by default: `smoke` cannot show every fault (no smoke prompt
 #: ends at an end-of-sequence token after drafting; its chat prompt emits one as its very first
@@ -283,21 +283,28 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
             suite.write_inputs(inputs)
             return suite
 
-        def baseline(name: str) -> tuple:
-            """The baseline once per corpus; every suite on it gets a copy of it and of its
-            rescoring."""
-            if name not in bases:
+        def baseline(name: str, args: dict[str, str]) -> tuple:
+            """The baseline once per corpus and sampling setting (greedy, or sampled as the
+            suite's configs are: the two-sample check compares them), clean; every suite on
+            it gets a copy of it and of its rescoring (and sampled-position scores)."""
+            clean = {k: v for k, v in args.items() if k in SAMPLING_ARGS}
+            key = (name, tuple(sorted(clean.items())))
+            if key not in bases:
                 c, _ = corpus_of(name)
-                suite = suite_for({}, name)
+                suite = suite_for(clean, name)
                 stored = suite.load_inputs()
-                base = run_one(engine, suite, c, stored, SpecConfig(), 0, 5, fresh_process=False)
-                rescore_suite(engine, suite, ["baseline"], log=lambda m: None)
-                bases[name] = (c, stored, suite, base, suite.load_rescore("baseline", 0))
-            return bases[name]
+                variant = engine.with_args(**clean) if clean else engine
+                base = run_one(variant, suite, c, stored, SpecConfig(), 0, 5, fresh_process=False)
+                rescore_suite(variant, suite, ["baseline"], log=lambda m: None)
+                if clean:
+                    score_sampled_suite(variant, suite, ["baseline"], log=lambda m: None)
+                bases[key] = (c, stored, suite, base, suite.load_rescore("baseline", 0),
+                              suite.load_sampled_scores("baseline", 0))
+            return bases[key]
 
         def run(args: dict[str, str], config: SpecConfig, repeats: int, together: int,
                 name: str, axes: tuple[str, ...] = ()) -> Suite:
-            c, stored, base_suite, base, base_scores = baseline(name)
+            c, stored, base_suite, base, base_scores, base_sampled = baseline(name, args)
             variant = engine.with_args(**args)
             suite = suite_for(args, name)
             # recorded as `speccheck run` records it, so that the verdict demands every run
@@ -309,6 +316,9 @@ def run_selftest(method: str = "mtp", corpus: str = CORPUS, store_dir: str | Non
             if suite is not base_suite and suite.root != base_suite.root:
                 suite.write_run(base)
                 suite.write_rescore("baseline", 0, list(base_scores), list(base_scores.values()))
+                if base_sampled is not None:
+                    suite.write_sampled_scores("baseline", 0, list(base_sampled),
+                                               list(base_sampled.values()))
             for r in range(repeats):
                 run_one(variant, suite, c, stored, config, r, 5, fresh_process=False)
             if together:
