@@ -42,6 +42,8 @@ PERMUTATIONS = 1999
 PERM_SEED = 0x5A3C
 #: categories with fewer observations over both arms are pooled
 MIN_COUNT = 3
+#: categories a statistic keeps at most (the most frequent; the rest pooled)
+MAX_CATEGORIES = 2000
 #: tokens per category of the ``prefix`` statistic
 PREFIX_LEN = 4
 #: the power at which minimum detectable effects are stated
@@ -108,29 +110,25 @@ def g_statistic(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return 2 * (ga + gb).sum(-1)
 
 
-def pooled_columns(counts: np.ndarray, min_count: int = MIN_COUNT) -> np.ndarray:
-    """[outputs, C] counts with the columns whose total is below ``min_count`` summed into one
-    last column (kept only where it has any count)."""
-    tot = counts.sum(0)
-    rare = tot < min_count
-    if not rare.any():
-        return counts
-    kept = counts[:, ~rare]
-    other = counts[:, rare].sum(1, keepdims=True)
-    return np.concatenate([kept, other], 1) if other.sum() else kept
+def _bag(outputs: Sequence[np.ndarray], keys: Callable[[np.ndarray], list],
+         min_count: int = MIN_COUNT, most: int = MAX_CATEGORIES) -> np.ndarray:
+    """[outputs, C] counts of each output's keys over the categories seen ``min_count``+
+    times in all (at most the ``most`` most frequent), the rest pooled in one last column:
+    chosen on the pooled counts, the same under every shuffle. Built from the kept keys alone,
+    so a long run's bigrams (100 000s of distinct ones) never make a dense table."""
+    from collections import Counter
 
-
-def _bag(outputs: Sequence[np.ndarray], keys: Callable[[np.ndarray], list]) -> np.ndarray:
-    """[outputs, C] counts of each output's keys (C: every key any output has)."""
-    index: dict = {}
-    rows = []
-    for o in outputs:
-        ks = keys(o)
-        rows.append([index.setdefault(k, len(index)) for k in ks])
-    out = np.zeros((len(outputs), len(index)))
-    for i, cols in enumerate(rows):
-        np.add.at(out[i], cols, 1)
-    return out
+    per = [Counter(keys(o)) for o in outputs]
+    total: Counter = Counter()
+    for c in per:
+        total.update(c)
+    kept = [k for k, n in total.most_common(most) if n >= min_count]
+    index = {k: i for i, k in enumerate(kept)}
+    out = np.zeros((len(outputs), len(kept) + 1))
+    for i, c in enumerate(per):
+        for k, n in c.items():
+            out[i, index.get(k, len(kept))] += n
+    return out if out[:, -1].any() else out[:, :-1]
 
 
 def _labels(groups: list[tuple[int, int]], rng: np.random.Generator, b: int) -> np.ndarray:
@@ -189,7 +187,7 @@ def two_sample(spec: dict[str, list[np.ndarray]], base: dict[str, list[np.ndarra
         for (start, n_s, n_b) in per_prompt:
             if n_s < 2 or n_b < 2:
                 continue
-            x = pooled_columns(_bag(outputs[start:start + n_s + n_b], keys))
+            x = _bag(outputs[start:start + n_s + n_b], keys)
             if x.shape[1] < 2:
                 continue
             lab = labels[:, start:start + n_s + n_b].astype(np.float64)
@@ -211,7 +209,7 @@ def two_sample(spec: dict[str, list[np.ndarray]], base: dict[str, list[np.ndarra
     def pooled(name: str, keys: Callable[[np.ndarray], list]) -> None:
         """One G over the counts of all prompts together (shuffles still within prompts):
         the statistic with power when every prompt has one output per arm."""
-        x = pooled_columns(_bag(outputs, keys))
+        x = _bag(outputs, keys)
         if x.shape[1] < 2:
             res.skipped.append(name)
             return

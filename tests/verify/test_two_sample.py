@@ -8,8 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from speccheck.verify.two_sample import (base_prompt_id, g_statistic, pooled_columns,
-                                         two_sample)
+from speccheck.verify.two_sample import _bag, base_prompt_id, g_statistic, two_sample
 
 
 @settings(max_examples=80, deadline=None)
@@ -23,10 +22,11 @@ def test_g_matches_scipy_log_likelihood_contingency(cols):
     assert g_statistic(table[0], table[1]) == pytest.approx(ref, rel=1e-10, abs=1e-10)
 
 
-def test_rare_columns_are_pooled_into_one():
-    x = np.array([[5, 1, 0, 1], [4, 0, 1, 0]], float)
-    out = pooled_columns(x, 3)
-    assert out.tolist() == [[5, 2], [4, 1]]
+def test_rare_categories_are_pooled_into_one_chosen_on_the_pooled_counts():
+    outs = [np.array([7] * 5 + [1, 3]), np.array([7] * 4 + [2, 9, 9, 9])]
+    x = _bag(outs, lambda o: [int(t) for t in o], min_count=3)
+    assert x.tolist() == [[5, 0, 2], [4, 3, 1]]  # 7, 9, then 1/2/3 pooled
+    assert _bag(outs, lambda o: [int(t) for t in o], min_count=3, most=1).tolist() == [[5, 2], [4, 4]]
 
 
 def test_base_prompt_id():
