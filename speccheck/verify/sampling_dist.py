@@ -61,7 +61,7 @@ def sampled_rows(topk_ids: np.ndarray, topk_logprobs: np.ndarray, tokens: np.nda
     tok = np.asarray(tokens, dtype=np.int64).reshape(-1)
     n = len(tok)
     if n == 0:
-        return np.zeros((0, 5))
+        return np.zeros((0, 6))
     ids, lp = ids.reshape(n, -1), lp.reshape(n, -1)
     k = ids.shape[1]
     lp = np.where(np.isfinite(lp), lp, -np.inf)
