@@ -124,3 +124,15 @@ def test_loop_split_accounts_for_every_step_of_the_graph_loops(monkeypatch):
     # only the marks outlive a generation (a queue kept keeps its pinned host buffers)
     gc.collect()
     assert not [o for o in gc.get_objects() if type(o) is bench.MarkedAhead]
+
+
+@pytest.mark.slow
+def test_sampling_false_alarms_prints_both_checks_per_config(capsys):
+    """One seed, four tokens per prompt: the table has the baseline (its distribution check
+    only) and the config (both checks), with Clopper-Pearson bounds and costs."""
+    bench = _load("sampling_false_alarms")
+    assert bench.main(["--seeds", "1", "--max-tokens", "4", "--configs", "mtp-k3"]) == 0
+    out = capsys.readouterr().out
+    base = re.search(r"^\| baseline \| 1 \| (\d) \(0\.\d+\) \| - \|", out, re.M)
+    spec = re.search(r"^\| mtp-k3 \| 1 \| (\d) \(0\.\d+\) \| (\d) \(0\.\d+\) \|", out, re.M)
+    assert base and spec, out
