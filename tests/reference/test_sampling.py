@@ -98,5 +98,5 @@ def test_sampled_runs_repeat_and_judge_clean(tmp_path):
     other = ReferenceEngine(engine_args={**args, "seed": "4"}).generate(c.prompts, ids, cfg, 5)
     assert [x.token_ids.tolist() for x in a] != [y.token_ids.tolist() for y in other]
     scores = e1.score_sampled(ids, [x.token_ids for x in a])
-    assert all(s.shape == (x.n_tokens, 5) for s, x in zip(scores, a))
+    assert all(s.shape == (x.n_tokens, 6) for s, x in zip(scores, a))
     assert fit(scores, 0.01).passed
