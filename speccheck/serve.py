@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import math
 import os
 import threading
 import time
@@ -401,7 +402,7 @@ def _parse_completion_request(body: dict) -> dict:
         raise bad("field `prompt` must be a non-empty string, a list of token ids, or a list "
                   "of either", "prompt")
     temperature = body.get("temperature")
-    if not _is_number(temperature) or temperature < 0:
+    if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise bad(f"send \"temperature\": 0 for greedy decoding or > 0 to sample (got "
                   f"{temperature!r}; vLLM's default when absent is 1.0, which speccheck serve "
                   f"does not guess)", "temperature")
