@@ -93,7 +93,7 @@ class SpecCounters:
     draft_s: float | None = field(default=None, compare=False)
     #: requests the counters cover: 1, or the n samples of one vLLM request (they decode
     #: together and share the engine's counters, which the first sample's completion carries)
-    requests: int = 1
+    requests: int = field(default=1, compare=False)
 
     def __add__(self, other: "SpecCounters") -> "SpecCounters":
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
