@@ -12,6 +12,9 @@
 #   gate      diff, gate (JUnit), report, golden check (GOLDEN dir; GOLDEN_RECORD=1 records one)
 #   proof     each DFlash2 config's proof read back from the engine (dflash2_proof.json):
 #             drafter and draft-model classes, V2 model runner, block = K + 1, selector on
+#   sampled   the distribution checks at temperature > 0: baseline + SAMPLED_CONFIGS sampled
+#             (SAMPLED_T, SAMPLED_TOP_P, SAMPLED_N samples per prompt as one request of n each,
+#             SAMPLED_SEED), scored by prompt_logprobs top SCORE_TOP_K, gated (store-sampled)
 #   server    vLLM's own OpenAI server: baseline + SERVER_CONFIGS through `--engine openai`
 #             (rescored on the baseline server), gated (store-server)
 #   bench     measurement overhead: speccheck's warm tok/s beside `vllm bench serve` on the
@@ -31,7 +34,8 @@
 # choice), GDN_PREFILL (triton; empty = vLLM's default), EXTRA_ARGS (more --engine-arg pairs),
 # GPU_UTIL (0.25), PORT (8000: servers use PORT..PORT+n), DEADLINE_S (no new step after it,
 # default 3000), OLD_STORE, GOLDEN (default golden), GOLDEN_RECORD (0), TP (2), TP_CONFIGS
-# (default "mtp-k3 dflash-k7").
+# (default "mtp-k3 dflash-k7"), SAMPLED_CONFIGS (default "mtp-k3 dflash2-k7"), SAMPLED_CORPUS
+# (default), SAMPLED_T (0.7), SAMPLED_TOP_P (0.9), SAMPLED_N (8), SAMPLED_SEED (0), SCORE_TOP_K (100).
 # Exit: 0 when every step that ran passed, else the first failing step's code. A step's log is
 # RESULTS/<step>.log; summary.txt collects the verdicts.
 set -uo pipefail
@@ -274,7 +278,23 @@ step_tp() {
   [ "$rc" = 0 ] && rc=$crc; return $rc
 }
 
-STEPS=("$@"); [ ${#STEPS[@]} -gt 0 ] || STEPS=(env export run gate proof server bench upgrade)
+step_sampled() {  # the distribution checks at temperature > 0 (SAMPLED_* below), gated
+  local cfgs=() c ea rc
+  mapfile -t ea < <(engine_args)
+  for c in $(configs "${SAMPLED_CONFIGS:-mtp-k3 dflash2-k7}"); do cfgs+=(--config "$c"); done
+  sc run --engine vllm --model "$(target)" --draft "$CKPT/drafter" --corpus "${SAMPLED_CORPUS:-default}" \
+    --temperature "${SAMPLED_T:-0.7}" --top-p "${SAMPLED_TOP_P:-0.9}" --samples "${SAMPLED_N:-8}" \
+    --seed "${SAMPLED_SEED:-0}" --engine-arg "score_top_k=${SCORE_TOP_K:-100}" \
+    --store "$RESULTS/store-sampled" "${ea[@]}" "${cfgs[@]}" || return $?
+  sc diff --store "$RESULTS/store-sampled" > "$RESULTS/diff-sampled.txt" 2>&1
+  sc report --store "$RESULTS/store-sampled" --out "$RESULTS/report-sampled" > /dev/null 2>&1
+  sc gate --store "$RESULTS/store-sampled" --junit "$RESULTS/junit-sampled.xml" > "$RESULTS/gate-sampled.txt" 2>&1
+  rc=$?
+  grep -E "distribution|two-sample" "$RESULTS/diff-sampled.txt"; tail -5 "$RESULTS/gate-sampled.txt"
+  note "gate sampled (T ${SAMPLED_T:-0.7}, top-p ${SAMPLED_TOP_P:-0.9}): exit $rc"; return $rc
+}
+
+STEPS=("$@"); [ ${#STEPS[@]} -gt 0 ] || STEPS=(env export run gate proof sampled server bench upgrade)
 first=0
 trap stop_servers EXIT
 for s in "${STEPS[@]}"; do

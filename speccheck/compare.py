@@ -55,9 +55,11 @@ class Comparison:
 
 
 def compare_runs(base: RunRecord, other: RunRecord, tau_tie: float, tau_low: float, noise: float,
-                 detok=None, stops: set[int] | None = None) -> Comparison:
+                 detok=None, stops: set[int] | None = None, sampled: bool = False) -> Comparison:
     """``stops``: end-of-sequence ids (default: as the base run shows them, see
-    :func:`verify.stop_tokens`), for the boundary check of each prompt."""
+    :func:`verify.stop_tokens`), for the boundary check of each prompt. ``sampled``: two
+    sampled runs of the same seeds (a divergence classified by how far the two runs'
+    distributions there differ, not by margins)."""
     base_by = base.by_prompt()
     if stops is None:
         stops = stop_tokens((c.token_ids, c.finish_reason) for c in base.completions)
@@ -67,7 +69,8 @@ def compare_runs(base: RunRecord, other: RunRecord, tau_tie: float, tau_low: flo
         if b is None:
             continue
         divs = find_divergences(c.prompt_id, b.token_ids, b.topk_ids, b.topk_logprobs, c.token_ids,
-                                c.topk_ids, c.topk_logprobs, tau_tie, tau_low, noise, max_gap=tau_low)
+                                c.topk_ids, c.topk_logprobs, tau_tie, tau_low, noise, max_gap=tau_low,
+                                sampled=sampled)
         cmp.prompts += 1
         cmp.exact += not divs and b.n_tokens == c.n_tokens
         cmp.matched += divs[0].position if divs else min(b.n_tokens, c.n_tokens)
@@ -83,23 +86,26 @@ def compare_runs(base: RunRecord, other: RunRecord, tau_tie: float, tau_low: flo
 
 
 def together_result(alone: RunRecord, together: RunRecord, tau_tie: float, tau_low: float,
-                    noise: float, detok=None) -> Together:
+                    noise: float, detok=None, sampled: bool = False) -> Together:
+    """Each prompt alone against inside the batch of all (and against its copies); at
+    temperature > 0 (``sampled``: the same seeds) classified by distribution shift."""
     first = replace(together, completions=together.corpus_copy(0), copies=0)
-    cmp = compare_runs(alone, first, tau_tie, tau_low, noise, detok)
+    cmp = compare_runs(alone, first, tau_tie, tau_low, noise, detok, sampled=sampled)
     copies = [together.corpus_copy(j) for j in range(together.copies)]
     split, split_divs = {}, []
     for i, c in enumerate(first.completions):
         n = unique_completions([cp[i].token_ids for cp in copies])
         if n > 1:
             split[c.prompt_id] = n
-            split_divs += _split_divergences([cp[i] for cp in copies], tau_tie, tau_low, noise, detok)
+            split_divs += _split_divergences([cp[i] for cp in copies], tau_tie, tau_low, noise, detok,
+                                             sampled)
     return Together(together.copies, len(together.completions), cmp.prompts, cmp.exact,
                     cmp.prefix_agreement, cmp.divergences, split, split_divs)
 
 
 
 def _split_divergences(copies: list[Completion], tau_tie: float, tau_low: float, noise: float,
-                       detok=None) -> list[Divergence]:
+                       detok=None, sampled: bool = False) -> list[Divergence]:
     """Each copy of one prompt that differs from the first copy, classified by margin like
     any divergence (the first copy on the baseline side)."""
     first = copies[0]
@@ -107,7 +113,7 @@ def _split_divergences(copies: list[Completion], tau_tie: float, tau_low: float,
     for cp in copies[1:]:
         divs = find_divergences(first.prompt_id, first.token_ids, first.topk_ids, first.topk_logprobs,
                                 cp.token_ids, cp.topk_ids, cp.topk_logprobs, tau_tie, tau_low, noise,
-                                max_gap=tau_low)
+                                max_gap=tau_low, sampled=sampled)
         out += [replace(d, context=decoded_context(detok, first, d.position)
                         if d.position < first.n_tokens else "") for d in divs]
     return out

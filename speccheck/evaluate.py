@@ -70,7 +70,7 @@ def repeat_timing(record: RunRecord, clock: str = "wall") -> RepeatTiming:
     specs = [c.spec for c in warm if c.spec is not None]
     steps = [c.n_tokens - 1 if c.spec is None else
              (c.spec.iterations if c.spec.iterations is not None else c.spec.drafts) for c in warm]
-    total = sum(specs[1:], specs[0] + SpecCounters(iterations=0, draft_s=0.0)) if specs else None
+    total = sum(specs[1:], specs[0] + SpecCounters(iterations=0, draft_s=0.0, requests=0)) if specs else None
     wall = sum(c.decode_s for c in warm)
     return RepeatTiming(
         repeat=record.repeat, prompts=tuple(c.prompt_id for c in warm),
@@ -139,7 +139,8 @@ def baseline_not_invariant(suite: Suite, tau_tie: float, tau_low: float, noise: 
     ok = [r for r in suite.records("baseline") if r.status == "ok"]
     if together is None or together.status != "ok" or not ok:
         return False
-    return together_result(ok[0], together, tau_tie, tau_low, noise).not_invariant
+    return together_result(ok[0], together, tau_tie, tau_low, noise,
+                           sampled=sampling_of(suite.meta.get("engine_args")) is not None).not_invariant
 
 
 
@@ -188,7 +189,8 @@ def evaluate_config(suite: Suite, name: str, policy: Policy, tau_tie: float, tau
     if together is not None and together.status != "ok":
         failed.append(f"all at once: {(together.error or 'failed').splitlines()[0]}")
     elif together is not None and ok:
-        all_at_once = together_result(ok[0], together, tau_tie, tau_low, noise, detok)
+        all_at_once = together_result(ok[0], together, tau_tie, tau_low, noise, detok,
+                                      sampled=sampling_of(suite.meta.get("engine_args")) is not None)
         all_at_once.of_baseline = name == "baseline"
         all_at_once.baseline_not_invariant = name != "baseline" and bool(baseline_not_invariant)
 
@@ -306,6 +308,16 @@ def _counter_tuple(c: Completion) -> tuple | None:
                                    tuple(s.accepted_per_pos), s.iterations)
 
 
+def _emitted_by_counters(completions: Sequence[Completion]) -> list[int]:
+    """Tokens after the first that each completion's counters cover: its own, or, for the
+    first sample of a vLLM request of n samples (counters shared, ``requests`` n), those of
+    that sample and the n - 1 samples after it."""
+    comps = list(completions)
+    return [sum(max(x.n_tokens - 1, 0)
+                for x in comps[i:i + max(c.spec.requests if c.spec is not None else 1, 1)])
+            for i, c in enumerate(comps)]
+
+
 def _judge_counters(result: ConfigResult, ok: Sequence[RunRecord], name: str,
                     together: RunRecord | None = None) -> None:
     """counters_consistent's evidence (each request's counters against each other and
@@ -314,19 +326,20 @@ def _judge_counters(result: ConfigResult, ok: Sequence[RunRecord], name: str,
     k = SpecConfig.from_name(name).k
     for rec in list(ok) + ([together] if together is not None and together.status == "ok" else []):
         label = "all at once" if rec.copies else f"r{rec.repeat}"
-        with_spec = [c for c in rec.completions if c.spec is not None]
-        for c in with_spec:
+        covered = _emitted_by_counters(rec.completions)
+        with_spec = [(c, e) for c, e in zip(rec.completions, covered) if c.spec is not None]
+        for c, e in with_spec:
             s = c.spec
             for p in counter_problems(s.drafts, s.draft_tokens, s.accepted_tokens, s.accepted_per_pos,
-                                      k, emitted=max(c.n_tokens - 1, 0), iterations=s.iterations):
+                                      k, emitted=e, iterations=s.iterations, requests=s.requests):
                 result.counter_problems.append(f"{label} prompt {c.prompt_id}: {p}")
         total = rec.spec_total()
         if total is None:
             continue
-        emitted = sum(max(c.n_tokens - 1, 0) for c in with_spec)
+        emitted = sum(e for _, e in with_spec)
         for p in counter_problems(total.drafts, total.draft_tokens, total.accepted_tokens,
                                   total.accepted_per_pos, k, emitted=emitted,
-                                  iterations=total.iterations, requests=len(with_spec)):
+                                  iterations=total.iterations, requests=total.requests):
             result.counter_problems.append(f"{label} all prompts: {p}")
         if rec is ok[0]:
             result.counter_views = tokens_per_iteration_views(

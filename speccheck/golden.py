@@ -21,7 +21,7 @@ from speccheck.evidence import kernel_noise_sample, spec_delta_sample
 from speccheck.results import SuiteResult
 from speccheck.store import (StoreError, Suite, load_checked_json, load_checked_npz, read_run,
                              write_checked_npz, write_checked_text)
-from speccheck.types import RunRecord
+from speccheck.types import RunRecord, sampling_of
 from speccheck.verify import DriftTest, calibrate_thresholds, drift_test, summarize
 
 #: the noise samples of a golden: the engine's kernel-path noise, and per spec config the
@@ -336,7 +336,9 @@ def check(suite: Suite, root: Path, noise: float, policy, detok=None) -> GoldenC
     samples = _noise_samples(path)
     drift = (drift_test(kernel_noise_sample(suite), samples[KERNEL_PATH], policy.max_logprob_drift,
                         policy.logprob_drift_alpha) if KERNEL_PATH in samples else None)
-    return GoldenCheck(path, compare_runs(gold, today, tau_tie, tau_low, noise, detok), acceptance,
+    sampled = sampling_of(suite.meta.get("engine_args")) is not None  # the same seeds: draws repeat
+    return GoldenCheck(path, compare_runs(gold, today, tau_tie, tau_low, noise, detok,
+                                          sampled=sampled), acceptance,
                        tuple(identity_changes(gold.identity, today.identity, PLATFORM_KEYS)), drift,
                        meta.get("checks"))
 

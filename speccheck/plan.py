@@ -278,6 +278,7 @@ ENGINE_ARG_HELP = (
     "score_path=prefill|decode|verify, score_spec=CONFIG, pad_batch=N (decode beside N copies), "
     "attribution_jobs=N (attribution switches at once, a worker each), "
     "dflash2_draft=PATH (the DFlash2 configs' draft, beside --draft's DFlash one), "
+    "score_top_k=N (logprobs a sampled run's outputs are scored with, default 20), "
     "async_scheduling=on|off, env.NAME=value (worker environment), "
     "sampling.NAME=value (SamplingParams), spec.NAME=value (extra speculative_config keys; the "
     "config itself comes from --method/--k/--draft), any other key a keyword argument of "

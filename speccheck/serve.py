@@ -11,8 +11,11 @@ Endpoints (shapes as in vLLM's ``entrypoints/openai`` protocol):
   GET  /metrics                Prometheus text; ``vllm:spec_decode_*`` counters only when the
                                config speculates (vLLM registers them only then)
   GET  /v1/models              the one served model
-  POST /v1/completions         greedy only (temperature 0); token-id or text prompt(s),
-                               ``logprobs``, ``prompt_logprobs``, ``return_tokens_as_token_ids``,
+  POST /v1/completions         greedy (temperature 0) or sampled (``temperature`` > 0,
+                               ``top_p``, ``top_k``, ``seed``, ``n``: the j-th of n samples
+                               draws with seed + j, as vLLM seeds them); token-id or text
+                               prompt(s), ``logprobs``, ``prompt_logprobs`` (raw: before the
+                               sampling transform, as vLLM's), ``return_tokens_as_token_ids``,
                                ``return_token_ids``, ``max_tokens``, ``ignore_eos``, ``stream``
                                (server-sent events as vLLM sends them: one chunk per decode
                                or verify step as the engine decides it, each with its token
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import math
 import os
 import threading
 import time
@@ -122,6 +126,7 @@ class ServeState:
         self.lock = threading.Lock()
         self.metrics = SpecMetrics(served_model, config)
         self.created = int(time.time())
+        self._sampling_engines: dict[tuple, Engine] = {}
 
     def __repr__(self) -> str:  # never show the key
         return f"ServeState(model={self.served_model!r}, config={self.config.name})"
@@ -214,10 +219,11 @@ class ServeState:
                                        f"asks for {len(ids) + req['max_tokens']}.", "max_tokens")
                 send = (None if stream is None else
                         lambda chunk: stream.event({**head, "choices": [chunk]}))
-                choice, n = self._complete_one(len(choices), ids, req, send)
-            choices.append(choice)
+                for j in range(req["n"]):  # vLLM seeds the j-th of n samples with seed + j
+                    choice, n = self._complete_one(len(choices), ids, req, send, j)
+                    choices.append(choice)
+                    n_gen += n
             n_prompt += len(ids)
-            n_gen += n
         usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen,
                  "total_tokens": n_prompt + n_gen}
         if stream is not None:
@@ -236,19 +242,44 @@ class ServeState:
             raise RequestError(HTTPStatus.BAD_REQUEST, f"token id {bad} is not in the model's vocabulary",
                                "prompt")
 
+    def _engine_for(self, req: dict) -> Engine:
+        """The engine for a request: as loaded for greedy decoding; for a sampled one, a
+        variant under its temperature / top-p / top-k (the reference engine's ``with_args``,
+        sharing the loaded networks; kept per setting)."""
+        if req["temperature"] == 0:
+            return self.engine
+        key = (req["temperature"], req["top_p"], req["top_k"])
+        if key not in self._sampling_engines:
+            with_args = getattr(self.engine, "with_args", None)
+            if with_args is None:
+                raise RequestError(HTTPStatus.BAD_REQUEST, f"the {self.engine.name} engine behind "
+                                   "this server cannot sample: send \"temperature\": 0",
+                                   "temperature")
+            self._sampling_engines[key] = with_args(
+                temperature=repr(req["temperature"]), top_p=repr(req["top_p"]),
+                sample_top_k=str(req["top_k"]))
+        return self._sampling_engines[key]
+
     def _complete_one(self, index: int, ids: list[int], req: dict,
-                      send: Callable[[dict], None] | None = None) -> tuple[dict, int]:
+                      send: Callable[[dict], None] | None = None, sample: int = 0) -> tuple[dict, int]:
         """One prompt's choice; with ``send``, also streamed: one chunk per engine step as it
         is decided (text, token ids and logprobs of that step), then a last chunk with the
-        finish reason and any text held back (an incomplete UTF-8 character)."""
+        finish reason and any text held back (an incomplete UTF-8 character). A sampled
+        request draws with its ``seed`` (+ ``sample``, the j-th of its n), or a fresh random
+        one without."""
         k_out = req["logprobs"]
         width = max(2, k_out or 0)
+        seed = None
+        if req["temperature"] > 0:
+            seed = (req["seed"] + sample if req["seed"] is not None
+                    else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
+        engine = self._engine_for(req)
         prompt = Prompt(id=f"request-{index}", category="serve", max_tokens=req["max_tokens"],
-                        ignore_eos=req["ignore_eos"])
+                        ignore_eos=req["ignore_eos"], seed=seed)
         as_ids = bool(req["return_tokens_as_token_ids"])
         tok = self._token_str_fn(as_ids)
         if send is None:
-            c = self.engine.generate([prompt], [ids], self.config, width)[0]
+            c = engine.generate([prompt], [ids], self.config, width)[0]
         else:
             streamed = {"ids": [], "text": "", "offset": 0}
 
@@ -271,7 +302,7 @@ class ServeState:
                         chunk["prompt_token_ids"] = list(ids)
                 send(chunk)
 
-            c = self.engine.generate_streaming(prompt, ids, self.config, width, on_tokens)
+            c = engine.generate_streaming(prompt, ids, self.config, width, on_tokens)
         self.metrics.observe(len(ids), c)
         text = c.text or self.engine.detokenize(c.token_ids.tolist())
         choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None,
@@ -352,6 +383,10 @@ def _is_id_list(x: Any) -> bool:
                                        for t in x)
 
 
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _parse_completion_request(body: dict) -> dict:
     """Validate a /v1/completions body; anything this server cannot honour is a 400, not
     silently ignored (a gate must not run on a request it did not mean)."""
@@ -366,9 +401,19 @@ def _parse_completion_request(body: dict) -> dict:
         raise bad("field `prompt` must be a non-empty string, a list of token ids, or a list "
                   "of either", "prompt")
     temperature = body.get("temperature")
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature != 0.0:
-        raise bad(f"speccheck serve decodes greedily only: send \"temperature\": 0 (got "
-                  f"{temperature!r}; vLLM's default when absent is 1.0)", "temperature")
+    if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise bad(f"send \"temperature\": 0 for greedy decoding or > 0 to sample (got "
+                  f"{temperature!r}; vLLM's default when absent is 1.0, which speccheck serve "
+                  f"does not guess)", "temperature")
+    top_p = body.get("top_p", 1.0)
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise bad("`top_p` must be a number in (0, 1]", "top_p")
+    top_k = body.get("top_k", 0)
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < -1:
+        raise bad("`top_k` must be an integer: -1 or 0 (off), or the tokens kept", "top_k")
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise bad("`seed` must be an integer", "seed")
     for field, ok in (("echo", False), ("use_beam_search", False)):
         if body.get(field, ok) not in (ok, None):
             raise bad(f"`{field}` is not supported by speccheck serve", field)
@@ -397,14 +442,20 @@ def _parse_completion_request(body: dict) -> dict:
                                 or not isinstance(options.get("include_usage", False), bool)):
         raise bad("`stream_options` must be an object like {\"include_usage\": true}, and only "
                   "with \"stream\": true", "stream_options")
-    if body.get("n", 1) != 1:
-        raise bad("`n` must be 1 (greedy decoding gives one answer)", "n")
+    n = body.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or (n > 1 and temperature == 0):
+        raise bad("`n` must be 1 for greedy decoding (one answer), a positive integer when "
+                  "sampling", "n")
     max_tokens = body.get("max_tokens")
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise bad("`max_tokens` must be a positive integer", "max_tokens")
+    if stream and n > 1:
+        raise bad("`stream` with `n` > 1 is not supported by speccheck serve", "n")
     out = {"prompts": prompts, "max_tokens": max_tokens, "stream": bool(stream),
-           "include_usage": bool((options or {}).get("include_usage"))}
+           "include_usage": bool((options or {}).get("include_usage")),
+           "temperature": float(temperature), "top_p": float(top_p), "top_k": max(int(top_k), 0),
+           "seed": seed, "n": n}
     for field in ("logprobs", "prompt_logprobs"):
         v = body.get(field)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not

@@ -891,13 +891,15 @@ class Suite:
     def write_sampled_scores(self, config_name: str, repeat: int, prompt_ids: list[str],
                              scores: list[np.ndarray]) -> None:
         """A sampled run's teacher-forced target distribution at each sampled position
-        (Engine.score_sampled: float64 [n, 5] per prompt)."""
-        flat, off = _ragged([np.asarray(s, np.float64).reshape(-1, 5) for s in scores], np.float64)
+        (Engine.score_sampled: float64 [n, 6] per prompt; older stores [n, 5])."""
+        width = max([np.asarray(s).shape[-1] for s in scores if np.asarray(s).ndim == 2] or [6])
+        flat, off = _ragged([np.asarray(s, np.float64).reshape(-1, width) for s in scores], np.float64)
         _atomic_write_npz(self.sampled_scores_path(config_name, repeat),
-                          ids=np.array(prompt_ids, dtype=str), scores=flat.reshape(-1, 5), offsets=off)
+                          ids=np.array(prompt_ids, dtype=str), scores=flat.reshape(-1, width),
+                          offsets=off)
 
     def load_sampled_scores(self, config_name: str, repeat: int) -> dict[str, np.ndarray] | None:
-        """prompt id -> [n, 5] scores, or None where none are stored (StoreError: damaged)."""
+        """prompt id -> [n, 6] (or older [n, 5]) scores, or None where none are stored (StoreError: damaged)."""
         path = self.sampled_scores_path(config_name, repeat)
         if not path.exists():
             return None
@@ -906,7 +908,7 @@ class Suite:
             redo = self.redo_hint(config_name, "its sampled-position scores")
             a = _load_npz(path, redo, ("ids", "scores", "offsets"))
             off, sc = a["offsets"], a["scores"]
-            if (sc.ndim != 2 or sc.shape[1] != 5 or len(off) != len(a["ids"]) + 1
+            if (sc.ndim != 2 or sc.shape[1] not in (5, 6) or len(off) != len(a["ids"]) + 1
                     or (len(off) and off[-1] != len(sc)) or np.any(np.diff(off) < 0)):
                 raise StoreError(f"{path}: the stored scores are inconsistent; {redo}.")
             return {pid: sc[off[i]:off[i + 1]] for i, pid in enumerate(a["ids"].tolist())}

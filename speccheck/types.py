@@ -31,6 +31,9 @@ class Prompt:
     #: which of a sampled run's samples of one prompt this request is (run --samples N gives
     #: each prompt N requests, ids ``<id>#s<j>`` for j >= 1); part of the request's seed
     sample: int = 0
+    #: the request's own sampling seed where a client sent one (a server's per-request
+    #: ``seed``); None: the engine derives it (types.request_seed)
+    seed: int | None = None
 
     def as_text(self) -> str:
         """The prompt as one plain string (chat messages joined in a simple template)."""
@@ -90,6 +93,9 @@ class SpecCounters:
     #: what separates the drafter's cost from the target's verify cost in the speedup model (a
     #: timing, not a count: two runs with equal counters are equal)
     draft_s: float | None = field(default=None, compare=False)
+    #: requests the counters cover: 1, or the n samples of one vLLM request (they decode
+    #: together and share the engine's counters, which the first sample's completion carries)
+    requests: int = field(default=1, compare=False)
 
     def __add__(self, other: "SpecCounters") -> "SpecCounters":
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
@@ -103,6 +109,7 @@ class SpecCounters:
             None if self.iterations is None or other.iterations is None
             else self.iterations + other.iterations,
             None if self.draft_s is None or other.draft_s is None else self.draft_s + other.draft_s,
+            self.requests + other.requests,
         )
 
     def to_dict(self) -> dict:
@@ -289,7 +296,7 @@ class RunRecord:
         counters = [c.spec for c in self.completions if c.spec is not None]
         if not counters:
             return None
-        total = counters[0] + SpecCounters(iterations=0, draft_s=0.0)  # a copy; iterations, draft_s kept (or None)
+        total = counters[0] + SpecCounters(iterations=0, draft_s=0.0, requests=0)  # a copy; iterations, draft_s kept (or None)
         for c in counters[1:]:
             total = total + c
         return total
@@ -399,6 +406,18 @@ class _Bad(ValueError):
     pass
 
 
-def sample_seed(seed: int, sample: int) -> int:
-    """The seed of sample j of a prompt (mixed with the prompt by each engine)."""
-    return int(seed) + 1_000_003 * int(sample)
+def request_seed(seed: int, config: str, prompt_ids, sample: int = 0) -> int:
+    """A sampled request's own seed: a 31-bit digest of the run's seed, the config that runs
+    it and the prompt's token ids, plus which of the prompt's samples it is (sample j of a
+    prompt is seed + j, as vLLM seeds the j-th of ``n`` samples of one seeded request).
+
+    The config is mixed in so that the spec config's samples and the baseline's are
+    independent draws: with one seed per prompt for both, a lossless engine would draw the
+    first token (on the reference engine, much more) from the same random numbers in both,
+    and the two-sample check would compare a seed with itself. Repeats of one config keep
+    their seeds, so seeded determinism is still checked run to run and in a fresh process."""
+    import hashlib
+
+    text = ",".join(map(str, [int(seed), config, *map(int, prompt_ids)]))
+    base = int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little") & 0x7FFFFFFF
+    return base + int(sample)

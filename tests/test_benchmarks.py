@@ -133,7 +133,7 @@ def test_axes_cost_runs_both_arms_and_prints_the_ratios(tmp_path, capsys):
     machine."""
     bench = _load("axes_cost")
     assert bench.main(["--rounds", "1", "--corpus", "smoke", "--keep", str(tmp_path), "--axes", "shapes=k", "--",
-                       "--config", "baseline", "--repeats", "1", "--no-attribution", "--concurrent", "0"]) == 0
+                       "--config", "baseline", "--repeats", "1", "--no-attribution", "--concurrent", "off"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("machine: ") and "CPUs" in out.splitlines()[0]
     m = re.search(r"wall ([\d.]+) / ([\d.]+) s = ([\d.]+)x, CPU ([\d.]+) / ([\d.]+) s = ([\d.]+)x", out)
@@ -145,3 +145,14 @@ def test_axes_cost_runs_both_arms_and_prints_the_ratios(tmp_path, capsys):
     assert float(m[3]) == pytest.approx(arms["all"][0] / arms["none"][0], rel=0.05)
     assert float(m[6]) == pytest.approx(arms["all"][1] / arms["none"][1], rel=0.05)
     assert list((tmp_path / "all-0").rglob("axis-*")) and not list((tmp_path / "none-0").rglob("axis-*"))
+
+
+def test_sampling_false_alarms_prints_both_checks_per_config(capsys):
+    """One seed, four tokens per prompt: the table has the baseline (its distribution check
+    only) and the config (both checks), with Clopper-Pearson bounds and costs."""
+    bench = _load("sampling_false_alarms")
+    assert bench.main(["--seeds", "1", "--max-tokens", "4", "--configs", "mtp-k3"]) == 0
+    out = capsys.readouterr().out
+    base = re.search(r"^\| baseline \| 1 \| (\d) \(0\.\d+\) \| - \|", out, re.M)
+    spec = re.search(r"^\| mtp-k3 \| 1 \| (\d) \(0\.\d+\) \| (\d) \(0\.\d+\) \|", out, re.M)
+    assert base and spec, out

@@ -451,3 +451,17 @@ def complete_as_run_would(suite) -> None:
                 **({"replay": True} if suite.replay_path(name, 0).exists() else {}),
                 **({"axes": suite.axis_slots(name)} if suite.axis_slots(name) else {})}
     suite.extend_plan({name: want(name, rs) for name, rs in runs.items()}, [])
+
+
+def test_counters_shared_by_n_samples_cover_their_tokens():
+    """vLLM's n samples of one request share its counters (on the first sample, requests n):
+    they are checked against the tokens of all n, not of the first alone."""
+    from speccheck.evaluate import _emitted_by_counters
+    from speccheck.types import Completion, SpecCounters
+
+    def comp(pid, n, spec=None):
+        return Completion(pid, [1], list(range(n)), [0.0] * n, [[0]] * n, [[0.0]] * n, spec=spec)
+
+    shared = SpecCounters(4, 12, 10, [4, 3, 3], requests=3)
+    comps = [comp("a", 6, shared), comp("a#s1", 5), comp("a#s2", 4), comp("b", 3, SpecCounters())]
+    assert _emitted_by_counters(comps) == [5 + 4 + 3, 4, 3, 2]

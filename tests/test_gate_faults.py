@@ -98,3 +98,26 @@ def test_gate_catches_a_sampler_fault_with_the_distribution_check(tmp_path):
     assert r.exit_code == 0, r.output
     g = runner.invoke(main, ["gate", "--store", st_dir, "--set", "require_deterministic=false"])
     assert g.exit_code == 1 and "sampled_matches_target failed for config mtp-k3" in g.output, g.output
+
+
+@pytest.mark.slow
+def test_clean_sampled_run_repeats_in_a_fresh_process_and_passes_both_distribution_checks(tmp_path):
+    """The clean engine sampled as a user runs it, with its fresh-process repeat and the corpus
+    all at once: the seeded repeat is identical, batch composition is reported (classified,
+    not gated), and the gate passes with both distribution checks judged."""
+    st_dir = str(tmp_path / "st")
+    runner = CliRunner()
+    r = runner.invoke(main, ["run", "--store", st_dir, "--corpus", "smoke", "--config", "mtp-k3",
+                             "--temperature", "0.8", "--top-p", "0.9", "--samples", "2",
+                             "--no-attribution", "--repeats", "2", "--concurrent", "2"])
+    assert r.exit_code == 0, r.output
+    assert "fresh process" in r.output
+    diff = runner.invoke(main, ["diff", "--store", st_dir, "--config", "mtp-k3"]).output
+    assert "2 runs identical token for token" in diff
+    assert "(reported, not gated at temperature > 0)" in diff
+    junit = tmp_path / "junit.xml"
+    g = runner.invoke(main, ["gate", "--store", st_dir, "--junit", str(junit)])
+    assert g.exit_code == 0, g.output + diff
+    xml = junit.read_text()
+    assert 'name="sampled_matches_baseline[mtp-k3]"' in xml
+    assert 'name="sampled_matches_target[baseline]"' in xml

@@ -105,7 +105,10 @@ def test_prompt_logprobs_like_vllm(mtp_url, ids, engine):
 def test_rejects_what_it_cannot_honour(mtp_url, ids):
     no_temp = httpx.post(mtp_url + "/v1/completions", json={"prompt": ids}, timeout=30)
     assert no_temp.status_code == 400 and "temperature" in no_temp.json()["error"]["message"]
-    assert _complete(mtp_url, prompt=ids, temperature=0.7).status_code == 400
+    assert _complete(mtp_url, prompt=ids, temperature=-0.1).status_code == 400
+    assert _complete(mtp_url, prompt=ids, temperature=0.7, top_p=0).status_code == 400
+    assert _complete(mtp_url, prompt=ids, temperature=0.7, seed="x").status_code == 400
+    assert _complete(mtp_url, prompt=ids, n=2).status_code == 400  # greedy: one answer
     assert _complete(mtp_url, prompt=ids, stream="yes").status_code == 400
     assert _complete(mtp_url, prompt=ids, stream_options={"include_usage": True}).status_code == 400
     assert _complete(mtp_url, prompt=ids, echo=True).status_code == 400
@@ -338,3 +341,23 @@ def test_reference_engine_streams_exactly_its_completion(engine, config, fault):
             assert len(steps) == 1 + want.spec.iterations  # the prefill's token, then each verify
     if fault is not None:
         eng.close()
+
+
+def test_sampled_requests_repeat_by_seed_and_n_samples_are_seed_plus_j(mtp_url, ids):
+    """temperature > 0 samples (speculative sampling on this MTP server): the same seed gives
+    the same tokens, the j-th of n samples equals a request seeded seed + j (as vLLM seeds
+    them), and prompt_logprobs stay the raw ones (before the sampling transform)."""
+    def tokens(**body):
+        r = _complete(mtp_url, prompt=ids, max_tokens=12, return_token_ids=True,
+                      temperature=0.9, top_p=0.95, **body)
+        assert r.status_code == 200, r.text
+        return [c["token_ids"] for c in r.json()["choices"]]
+
+    assert tokens(seed=11) == tokens(seed=11)
+    three = tokens(seed=11, n=3)
+    assert three == [tokens(seed=11 + j)[0] for j in range(3)]
+    assert len({tuple(t) for t in three}) > 1
+    raw = _complete(mtp_url, prompt=ids + three[0][:3], max_tokens=1, prompt_logprobs=2)
+    sampled = _complete(mtp_url, prompt=ids + three[0][:3], max_tokens=1, prompt_logprobs=2,
+                        temperature=0.9, seed=1)
+    assert raw.json()["choices"][0]["prompt_logprobs"] == sampled.json()["choices"][0]["prompt_logprobs"]

@@ -36,5 +36,6 @@ def judge(r, p):
 
 
 CHECK = CheckSpec(
+    sampled="greedy-only",  # it compares tokens with the baseline's: at T > 0 they are draws
     name="axis_chat_thinking", label="chat template / thinking", order=260, baseline=True,
     judge=judge, measure=measure, guards=AXIS.guards, description=AXIS.description)

@@ -26,7 +26,7 @@ def measure(ctx: Context) -> SampledFit | str | None:
         return str(e)
     if scores is None:
         return ("no teacher-forced scores of the sampled positions (the engine cannot give the "
-                "target's full next-token distribution, or the run stopped before scoring): "
+                "target's logprobs there, or the run stopped before scoring): "
                 f"{ctx.suite.resume_command(ctx.config)}")
     return fit(list(scores.values()), min(max(ctx.policy.sampled_alpha, 1e-12), 0.5))
 
@@ -43,6 +43,10 @@ def describe(f: SampledFit) -> str:
             f"PIT lag-1 z {f.z_serial:+.2f} (p {f.serial_p:.2g})"
             + (f", {f.outside_support} outside the target's support" if f.outside_support else "")
             + (f", {f.boundary} at its nucleus boundary" if f.boundary else "")
+            + (f", {f.within_topk} tested within the scored top-k (the nucleus reaches past it)"
+               if getattr(f, "within_topk", 0) else "")
+            + (f", {f.unidentified} left out (the scorer's top-k logprobs do not identify the "
+               f"sampling distribution there)" if getattr(f, "unidentified", 0) else "")
             + f"; alpha {f.alpha:g} (Holm); detects at {POWER:.0%} power a total variation of "
             f"{f.mde_tv:.3f} per token along the probability order, or a mean log-likelihood "
             f"shift of {f.mde_nats:.3f} nats per token")
@@ -55,6 +59,9 @@ def judge(r: ConfigResult, p) -> Check:
                      "not exercised: a greedy suite (run with --temperature > 0)", skipped=True)
     if isinstance(f, str):
         return Check("sampled_matches_target", False, "evidence missing: " + f)
+    if not f.positions:
+        return Check("sampled_matches_target", False,
+                     "evidence missing: no sampled position could be tested: " + describe(f))
     if f.passed:
         return Check("sampled_matches_target", True, describe(f))
     return Check("sampled_matches_target", False,

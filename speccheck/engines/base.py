@@ -10,6 +10,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable, ClassVar, Sequence
 
+import numpy as np
+
 from speccheck.types import Completion, Prompt, Replay, Scored, SpecConfig, Workload, WorkloadResult
 
 
@@ -179,12 +181,35 @@ class Engine(ABC):
 
     def score_sampled(self, prompt_ids: Sequence[Sequence[int]],
                       continuations: Sequence[Sequence[int]]) -> list:
-        """Teacher-forced target distribution (under the run's sampling transform) at each
-        sampled position: float64 [n, 5] per continuation -- mass above the token, mass tied
-        with it, its probability, E[log p], E[(log p)^2] (verify/sampled.py). Engines that
-        cannot see the full distribution raise ScoringUnavailable."""
-        raise ScoringUnavailable(f"the {self.name} engine cannot score full next-token "
-                                 "distributions")
+        """The target's sampling distribution at each sampled position, as the distribution
+        check reads it: float64 [n, 6] per continuation (verify/sampling_dist.sampled_rows).
+        The engine gives only raw teacher-forced logprobs (:meth:`score`, top
+        :meth:`sampled_score_top_k`); the sampling transform (this run's temperature, top-k,
+        top-p) is applied by speccheck, never by the engine's own sampler code, so a sampler
+        bug cannot hide by agreeing with itself. ScoringUnavailable where the engine cannot
+        score (a greedy run, a server that speculates)."""
+        from speccheck.types import sampling_of
+        from speccheck.verify.sampling_dist import sampled_rows
+
+        sp = sampling_of(self.engine_args)
+        if sp is None:
+            raise ScoringUnavailable("not a sampled run (temperature 0)")
+        k = self.sampled_score_top_k()
+        scored = self.score(prompt_ids, continuations, top_k=k)
+        return [sampled_rows(s.topk_ids, s.topk_logprobs, np.asarray(c, np.int64),
+                             sp["temperature"], sp["top_p"], sp["top_k"], self.vocab_size(),
+                             s.token_logprobs)
+                for s, c in zip(scored, continuations)]
+
+    def sampled_score_top_k(self) -> int:
+        """Logprobs per position the sampled positions are scored with (vLLM's default
+        ``max_logprobs`` is 20): tokens past them are one tail category."""
+        return 20
+
+    def vocab_size(self) -> int | None:
+        """Logits per position (the lm head's rows, padding included), where known: it bounds
+        the tail's mass under temperature; None leaves the looser bound."""
+        return None
 
     #: replay_acceptance() is implemented (the plan then asks for a replay of each spec config)
     replays_acceptance: ClassVar[bool] = False

@@ -462,25 +462,20 @@ def _redact(url: str) -> str:
 
 # --- the engine ------------------------------------------------------------------------------
 
-def sampled_body(engine_args: dict, ids: Sequence[int], sample: int = 0) -> dict:
+def sampled_body(engine_args: dict, ids: Sequence[int], sample: int = 0,
+                 config: str = "baseline") -> dict:
     """The sampling fields of a generation request (none for a greedy run): temperature,
-    top_p, top_k and a per-request seed (vLLM's server takes ``seed`` per request), derived
-    from the run's seed and the prompt so that a request repeats exactly."""
-    from speccheck.types import sample_seed, sampling_of
+    top_p, top_k and the request's own seed (vLLM's server takes ``seed`` per request),
+    types.request_seed of the run's seed, the config and the prompt, so that a request
+    repeats exactly and the baseline's samples are independent of a spec config's."""
+    from speccheck.types import request_seed, sampling_of
 
     sp = sampling_of(engine_args)
     if sp is None:
         return {}
     return {"temperature": sp["temperature"], "top_p": sp["top_p"],
             **({"top_k": sp["top_k"]} if sp["top_k"] else {}),
-            "seed": request_seed(sample_seed(sp["seed"], sample), ids)}
-
-
-def request_seed(seed: int, ids: Sequence[int]) -> int:
-    """A request's seed: the run's seed mixed with a digest of its prompt ids (31 bits)."""
-    import hashlib
-    h = hashlib.sha256(",".join(map(str, [int(seed), *map(int, ids)])).encode()).digest()
-    return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+            "seed": request_seed(sp["seed"], config, ids, sample)}
 
 
 class OpenAIEngine(Engine):
@@ -981,7 +976,7 @@ class OpenAIEngine(Engine):
         out: list[Completion] = []
         for prompt, ids in zip(prompts, prompt_ids, strict=True):
             self._retried = False
-            choice, wall, ttft = self._complete(prompt, ids, top_k)
+            choice, wall, ttft = self._complete(prompt, ids, top_k, config.name)
             after = self._metrics_after(before)
             spec = counters_delta(before["spec"], after["spec"])
             before = after
@@ -997,13 +992,13 @@ class OpenAIEngine(Engine):
         self._check_static(config, self._metrics()["spec"])
 
         def one(pair):
-            choice, wall, ttft = self._complete(*pair, top_k)
+            choice, wall, ttft = self._complete(*pair, top_k, config.name)
             return completion_from_choice(*pair, choice, top_k, wall, None, ttft)
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 64))) as pool:
             return list(pool.map(one, zip(prompts, prompt_ids, strict=True)))
 
-    def _complete(self, prompt: Prompt, ids: Sequence[int], top_k: int
+    def _complete(self, prompt: Prompt, ids: Sequence[int], top_k: int, config: str = "baseline"
                   ) -> tuple[dict, float, float | None]:
         """One greedy, streamed /v1/completions request: (its one choice, wall seconds,
         seconds to the first token or None)."""
@@ -1011,7 +1006,7 @@ class OpenAIEngine(Engine):
                 "max_tokens": int(prompt.max_tokens), "temperature": 0,
                 "logprobs": int(top_k), "return_tokens_as_token_ids": True,
                 "return_token_ids": True}
-        body.update(sampled_body(self.engine_args, ids, prompt.sample))
+        body.update(sampled_body(self.engine_args, ids, prompt.sample, config))
         if prompt.ignore_eos:  # vLLM's extra parameter; sent only when asked for
             body["ignore_eos"] = True
         choice, wall, ttft = self._stream("/v1/completions", body, f"prompt {prompt.id}")
@@ -1059,7 +1054,7 @@ class OpenAIEngine(Engine):
         out = []
         for p, c in zip(prompt_ids, continuations, strict=True):
             full = [int(t) for t in p] + [int(t) for t in c]
-            if not c:
+            if not len(c):
                 out.append(Scored(np.zeros((0, top_k), np.int32),
                                   np.zeros((0, top_k), np.float32), np.zeros(0, np.float32)))
                 continue

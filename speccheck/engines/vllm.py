@@ -29,6 +29,9 @@ Engine args (``--engine-arg key=value``):
   ``dflash2_draft=PATH``  the DFlash2 draft of dflash2 configs, where --draft names the DFlash
                           one (one suite runs dflash-k7 and dflash2-k7 on the checkpoint
                           export-reference wrote: --draft DIR/drafter, dflash2_draft=DIR/dflash2)
+  ``score_top_k=N``       logprobs per position a sampled run's outputs are scored with
+                          (default 20, vLLM's max_logprobs; more raises max_logprobs too):
+                          tokens past them are one tail category of the distribution check
   ``attribution_jobs=N``  attribution variants run N at once, a worker each (mind
                           gpu_memory_utilization: each worker takes that share of the GPU)
   ``pad_batch=N``         each single-stream request decodes beside N copies of itself
@@ -63,7 +66,7 @@ import numpy as np
 from speccheck.engines.base import Engine, EngineError, EngineUsageError, chat_knobs, vllm_capture_sizes
 from speccheck.topology import physical_gpu_count, visible_gpus
 from speccheck.types import (Completion, Prompt, Scored, SpecConfig, SpecCounters, Workload,
-                             WorkloadResult)
+                             WorkloadResult, request_seed, sampling_of)
 from speccheck.engines.vllm_versions import (DFLASH2_ARCHITECTURE, DFLASH2_MIN_VLLM, VLLM_RELEASES,
                                              golden_series, release, release_entry, version_problem)
 from speccheck.verify.ties import canonical_topk
@@ -87,7 +90,7 @@ SPEC_KEYS = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_pos")
 WORKLOAD_KNOBS = {"prefix_cache": "enable_prefix_caching", "kv_blocks": "num_gpu_blocks_override",
                   "async_scheduling": "async_scheduling", "cudagraph_metrics": "cudagraph_metrics"}
 OWN_OPTIONS = {"worker", "timeout_s", "warmup", "python", "score_path", "score_spec", "pad_batch",
-               "attribution_jobs", "dflash2_draft"}
+               "attribution_jobs", "dflash2_draft", "score_top_k"}
 #: identity keys that say what vLLM resolved (read back from the worker), not what was asked
 RESOLVED_KEYS = ("gdn_prefill_backend", "attention_backend", "enforce_eager", "capability",
                  "flashinfer_available", "gdn_decode_kernel_setting")
@@ -503,6 +506,25 @@ def spec_counters_delta(before: list[dict], after: list[dict]) -> SpecCounters:
                         vals["accepted_per_pos"])
 
 
+def sample_groups(prompt_ids: Sequence[Sequence[int]], max_tokens: Sequence[int],
+                  ignore_eos: Sequence[bool], seeds: Sequence[int] | None) -> list[tuple[int, int]]:
+    """(first, n) of each run of consecutive requests that goes to vLLM as ONE request of n
+    samples: the same prompt ids, budget and ignore_eos, and seeds s, s + 1, ... (vLLM seeds
+    the j-th of n samples of a request seeded s with s + j, parallel_sampling.ParentRequest;
+    types.request_seed gives the samples of one prompt exactly those). Greedy: each alone."""
+    groups: list[tuple[int, int]] = []
+    for i in range(len(prompt_ids)):
+        if groups and seeds is not None:
+            first, n = groups[-1]
+            if (list(prompt_ids[i]) == list(prompt_ids[first]) and max_tokens[i] == max_tokens[first]
+                    and bool(ignore_eos[i]) == bool(ignore_eos[first])
+                    and seeds[i] == seeds[first] + n):
+                groups[-1] = (first, n + 1)
+                continue
+        groups.append((i, 1))
+    return groups
+
+
 def has_spec_metrics(rows: list[dict]) -> bool:
     return any(r["name"] in (SPEC_NAMES["drafts"], SPEC_NAMES["drafts"] + "_total") for r in rows)
 
@@ -517,10 +539,14 @@ def request_spec_counters(m: dict) -> SpecCounters:
                         [sum(h[j] for j in range(i + 1, len(h))) for i in range(k)])
 
 
-def completion_from_dict(prompt_id: str, row: dict, top_k: int, spec: bool) -> Completion:
-    """One worker row (``request_output_to_dict`` + timings + metric snapshots) -> Completion."""
+def completion_from_dict(prompt_id: str, row: dict, top_k: int, spec: bool,
+                         index: int = 0) -> Completion:
+    """One worker row (``request_output_to_dict`` + timings + metric snapshots) -> Completion
+    of its output ``index`` (the j-th of a request's n samples)."""
     out = row["output"]
-    c = out["outputs"][0]
+    c = next((o for o in out["outputs"] if int(o.get("index", 0)) == index), None)
+    if c is None:
+        raise EngineError(f"vLLM returned {len(out['outputs'])} outputs, none with index {index}")
     tokens = c["token_ids"]
     if c.get("logprobs") is None:
         raise EngineError("vLLM returned no logprobs although logprobs were requested")
@@ -1028,6 +1054,11 @@ class VllmEngine(Engine):
         self.args = split_engine_args(self.engine_args)
         self.attribution_jobs = self.args["own"].get("attribution_jobs", 1)
         self.llm_kwargs = {**DEFAULT_LLM_KWARGS, **self.args["llm"]}
+        score_k = self.args["own"].get("score_top_k", 20)
+        if isinstance(score_k, bool) or not isinstance(score_k, int) or score_k < 1:
+            raise EngineUsageError(f"--engine-arg score_top_k={score_k}: give a whole number >= 1")
+        if score_k > 20 and "max_logprobs" not in self.llm_kwargs:
+            self.llm_kwargs["max_logprobs"] = score_k
         problem = parallel_problem(self.llm_kwargs, _read_config(self.model), self.model,
                                    _read_config(self.draft) if self.draft else None, self.draft,
                                    None if self._world_size() == 1 else visible_gpu_count(),
@@ -1227,24 +1258,40 @@ class VllmEngine(Engine):
         note = k_hint_note(config, draft)
         self._notes = [note] if note else []
         spec = speculative_config(config, draft, self.llm_kwargs, self.args["spec"])
-        req = {"op": "generate", "prompts": [list(map(int, p)) for p in prompt_ids],
-               "max_tokens": [int(p.max_tokens) for p in prompts], "top_k": int(top_k),
+        sp = sampling_of(self.engine_args)
+        seeds = None if sp is None else [
+            p.seed if p.seed is not None else request_seed(sp["seed"], config.name, ids, p.sample)
+            for p, ids in zip(prompts, prompt_ids)]
+        groups = sample_groups(prompt_ids, [p.max_tokens for p in prompts],
+                               [p.ignore_eos for p in prompts], seeds)
+        req = {"op": "generate", "prompts": [list(map(int, prompt_ids[i])) for i, _ in groups],
+               "max_tokens": [int(prompts[i].max_tokens) for i, _ in groups], "top_k": int(top_k),
                "stop_token_ids": eos_token_ids(self.model), "sampling": self.args["sampling"],
-               "ignore_eos": [bool(p.ignore_eos) for p in prompts],
-               "samples": [int(p.sample) for p in prompts],
+               "ignore_eos": [bool(prompts[i].ignore_eos) for i, _ in groups],
+               "seeds": None if seeds is None else [seeds[i] for i, _ in groups],
+               "n": [n for _, n in groups],
                "warmup": bool(self.args["own"].get("warmup", True)), "together": together,
                "pad_batch": int(self.args["own"].get("pad_batch", 0))}
         result = self._call(req, spec, DFLASH2_ENV if config.method == "dflash2" else {})
         self._ran = {"method": config.method, "drafter": self._runtime.get("drafter"),
                      "vllm_version": self._runtime.get("vllm_version")}
         rows = result["requests"]
-        comps = [completion_from_dict(p.id, row, top_k, spec is not None and not together)
-                 for p, row in zip(prompts, rows)]
+        if len(rows) != len(groups):
+            raise EngineError(f"the vLLM worker answered {len(rows)} of {len(groups)} requests")
+        comps, firsts = [], []
+        counted = spec is not None and not together
+        for (first, n), row in zip(groups, rows):
+            for j in range(n):
+                c = completion_from_dict(prompts[first + j].id, row, top_k, counted and j == 0, j)
+                if c.spec is not None:  # the n samples share the request's counters
+                    c.spec.requests = n
+                comps.append(c)
+            firsts.append(comps[-n])
         for c in comps:
             if not c.text:
                 c.text = self.detokenize(c.token_ids)
-        if spec is not None and not together:
-            check_speculated(config, comps)
+        if counted:
+            check_speculated(config, firsts)
         return comps
 
     # -- workload axes
@@ -1324,6 +1371,10 @@ class VllmEngine(Engine):
         self._notes = [note] if note else []
         spec = speculative_config(config, draft, self.llm_kwargs, self.args["spec"])
         reqs = workload.requests
+        sp = sampling_of(self.engine_args)
+        seeds = [None if sp is None else r.prompt.seed if r.prompt.seed is not None
+                 else request_seed(sp["seed"], config.name, r.prompt_ids, r.prompt.sample)
+                 for r in reqs]  # each request the seed it has alone: the axis compares them
         req = {"op": "workload", "axis": workload.axis, "level": workload.level,
                "top_k": int(top_k), "sampling": self.args["sampling"],
                "stop_token_ids": eos_token_ids(self.model),
@@ -1332,9 +1383,9 @@ class VllmEngine(Engine):
                "step_gauges": sorted({names["requests_running"] for names in METRIC_NAMES.values()}),
                "requests": [{"id": r.id, "prompt": [int(t) for t in r.prompt_ids],
                              "max_tokens": int(r.prompt.max_tokens), "ignore_eos": bool(r.prompt.ignore_eos),
-                             "arrive_after": int(r.arrive_after), "after": r.after,
+                             "arrive_after": int(r.arrive_after), "after": r.after, "seed": seed,
                              **({"messages": [dict(m) for m in r.prompt.messages]}
-                                if thinking is not None else {})} for r in reqs]}
+                                if thinking is not None else {})} for r, seed in zip(reqs, seeds)]}
         if thinking is not None:  # rendered in the worker by the model's own chat template
             req["chat"] = {"enable_thinking": thinking}
         result = self._call(req, spec, DFLASH2_ENV if config.method == "dflash2" else {}, knobs)
@@ -1392,6 +1443,17 @@ class VllmEngine(Engine):
                    "top_k": int(top_k), "sampling": {}}
             rows = dict(zip(todo, self._call(req, spec)["requests"]))
         return [scored_from_steps(rows.get(i), c, top_k) for i, c in enumerate(continuations)]
+
+    def sampled_score_top_k(self) -> int:
+        """``score_top_k`` (default 20: vLLM's default max_logprobs)."""
+        return int(self.args["own"].get("score_top_k", 20))
+
+    def vocab_size(self) -> int | None:
+        """The model's logits per position, from its config.json (text_config for the
+        multimodal wrappers)."""
+        cfg = _read_config(self.model)
+        v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+        return int(v) if isinstance(v, int) and v > 0 else None
 
     def kernel_settings(self, ran: dict | None = None) -> dict:
         """What the kernel switches are set to: read back from the engine when a worker has

@@ -764,15 +764,13 @@ def greedy_params(max_tokens: int, top_k: int, stop_token_ids: list[int], ignore
                              "ignore_eos": ignore_eos, **extra})
 
 
-def with_request_seed(extra: dict, ids, sample: int = 0) -> dict:
-    """``extra`` with its run seed replaced by the request's own (the run's seed mixed with a
-    digest of the prompt ids, as the openai engine derives it), so every request repeats."""
-    if "seed" not in extra:
+def with_request_seed(extra: dict, seed: int | None, n: int = 1) -> dict:
+    """``extra`` (the run's sampling fields) for one request: its own seed (the parent's
+    types.request_seed) and its n samples, which vLLM seeds seed, seed + 1, ... in turn.
+    Greedy (no seed): as it is."""
+    if seed is None:
         return extra
-    import hashlib
-    seed = int(extra["seed"]) + 1_000_003 * int(sample)  # types.sample_seed (no import here)
-    h = hashlib.sha256(",".join(map(str, [seed, *map(int, ids)])).encode()).digest()
-    return {**extra, "seed": int.from_bytes(h[:4], "little") & 0x7FFFFFFF}
+    return {**extra, "seed": int(seed), **({"n": int(n)} if n > 1 else {})}
 
 
 class Worker:
@@ -820,10 +818,11 @@ class Worker:
             ignore = [bool(i or extra.get("ignore_eos"))
                       for i in req.get("ignore_eos") or [False] * len(prompts)]
             extra.pop("ignore_eos", None)
+            seeds = req.get("seeds") or [None] * len(prompts)
             params = [greedy_params(max_tokens, req["top_k"], req.get("stop_token_ids") or [],
-                                    ign, with_request_seed(extra, ids, j))
-                      for max_tokens, ign, ids, j in zip(req["max_tokens"], ignore, prompts,
-                                                         req.get("samples") or [0] * len(prompts))]
+                                    ign, with_request_seed(extra, seed, n))
+                      for max_tokens, ign, seed, n in zip(req["max_tokens"], ignore, seeds,
+                                                          req.get("n") or [1] * len(prompts))]
             if req.get("together"):  # one call: the scheduler batches every request
                 before = self.spec_metrics()
                 t0 = time.perf_counter()
@@ -872,7 +871,8 @@ class Worker:
                 pass
             items = [{**r, "params": greedy_params(r["max_tokens"], req["top_k"],
                                                    req.get("stop_token_ids") or [],
-                                                   bool(r.get("ignore_eos") or every), extra)}
+                                                   bool(r.get("ignore_eos") or every),
+                                                   with_request_seed(extra, r.get("seed")))}
                      for r in req["requests"]]
             chat = req.get("chat")
             thinking_ids = set()

@@ -33,10 +33,9 @@ from speccheck.types import (Completion, Prompt, Replay, Request, Scored, SpecCo
 
 from .chat import identity as chat_identity
 from .decode import FAULTS, Decoder, Knobs
-from speccheck.types import sample_seed, sampling_problem
+from speccheck.types import request_seed, sampling_problem
 
 from .sampling import SamplingParams
-from .sampling import score as _score_sampled
 from .dflash2 import DFLASH2_FILE, WALK_DTYPES, SelectorKnobs, load_dflash2
 from .kernels.attn_fused import unavailable as attn_fused_unavailable
 from .kernels.gdn_fused import unavailable as gdn_fused_unavailable
@@ -452,8 +451,11 @@ class ReferenceEngine(Engine):
                                                [p.max_tokens for p in prompts],
                                                config.method, config.k, top_k,
                                                [p.ignore_eos for p in prompts], emit,
-                                               seeds=[sample_seed(self.sampling.seed, p.sample)
-                                                      for p in prompts] if self.sampling else None)
+                                               seeds=[p.seed if p.seed is not None else
+                                                      request_seed(self.sampling.seed, config.name,
+                                                                   ids, p.sample)
+                                                      for p, ids in zip(prompts, prompt_ids)]
+                                               if self.sampling else None)
         except ValueError as e:
             raise EngineUsageError(f"prompt {names}: {e}") from e
         except RuntimeError as e:
@@ -542,14 +544,12 @@ class ReferenceEngine(Engine):
             out.append(Scored(ids, lps, tok))
         return out
 
-    def score_sampled(self, prompt_ids: Sequence[Sequence[int]],
-                      continuations: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """Teacher-forced target distribution at each sampled position (sampling.score), under
-        this engine's sampling transform: float64 [n, 5] per continuation."""
-        if self.sampling is None:
-            raise ScoringUnavailable("not a sampled run (temperature 0)")
-        return [_score_sampled(self.decoder, list(p), list(c), self.sampling)
-                for p, c in zip(prompt_ids, continuations)]
+    def sampled_score_top_k(self) -> int:
+        """The whole vocabulary: the scored distribution is exact, no tail."""
+        return int(self.cfg.vocab_size)
+
+    def vocab_size(self) -> int | None:
+        return int(self.cfg.vocab_size)
 
     def replay_acceptance(self, config: SpecConfig, prompt_ids: Sequence[Sequence[int]],
                           outputs: Sequence[Sequence[int]],

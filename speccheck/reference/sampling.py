@@ -63,8 +63,8 @@ class SamplingParams:
 def transform(logits: torch.Tensor, sp: SamplingParams, *, temperature: bool = True,
               truncate: bool = True) -> torch.Tensor:
     """Probabilities [..., V] (float64) of logits under temperature, then top-k, then top-p
-    (the smallest set of most likely tokens whose mass reaches top_p; equal probabilities
-    ordered by token id), renormalised. The keyword switches exist for planted faults."""
+    over the renormalised top-k survivors (the smallest set of most likely tokens whose mass
+    reaches top_p; equal probabilities ordered by token id), renormalised: vLLM's order. The keyword switches exist for planted faults."""
     x = logits.double() / (sp.temperature if temperature else 1.0)
     p = torch.softmax(x, -1)
     if not truncate or (sp.top_k <= 0 and sp.top_p >= 1.0):
@@ -74,9 +74,10 @@ def transform(logits: torch.Tensor, sp: SamplingParams, *, temperature: bool = T
     keep = torch.ones_like(sp_sorted, dtype=torch.bool)
     if sp.top_k > 0:
         keep[..., sp.top_k:] = False
-    if sp.top_p < 1.0:
-        before = sp_sorted.cumsum(-1) - sp_sorted  # mass of the more likely tokens
-        keep &= before < sp.top_p
+    if sp.top_p < 1.0:  # over the top-k survivors, renormalised (vLLM's apply_top_k_top_p)
+        alive = sp_sorted * keep
+        before = alive.cumsum(-1) - alive  # mass of the more likely survivors
+        keep &= before < sp.top_p * alive.sum(-1, keepdim=True)
     kept = torch.zeros_like(p).scatter(-1, order, keep.double())
     p = p * kept
     return p / p.sum(-1, keepdim=True)
@@ -292,45 +293,3 @@ def _dflash2_walk(dec, hb, unary, anchor, sp, draw_sp, rng, at):
         drafts.append(d)
         qs.append(q)
     return drafts, torch.stack(qs)
-
-
-# --------------------------------------------------------------------------- scoring
-
-
-@torch.inference_mode()
-def score(dec, prompt: list[int], continuation: list[int], sp: SamplingParams) -> np.ndarray:
-    """Teacher-forced target distribution at every position of a sampled continuation, on
-    the prefill path: float64 [n, 5] columns (mass of the strictly more probable tokens,
-    mass of the tokens as probable as the sampled one, its probability, the distribution's
-    E[log p], E[(log p)^2]), all under the sampling transform."""
-    n = len(continuation)
-    if n == 0:
-        return np.zeros((0, 5))
-    from .model import Cache
-
-    ids = list(prompt) + list(continuation)
-    cache = Cache(len(dec.target.layers), len(ids) + 1)
-    h, _ = dec.target(dec._t(ids)[None], cache, gdn_form=dec.knobs.gdn_prefill,
-                      attn_form=dec.knobs.attn_prefill)
-    rows = torch.log_softmax(dec.target.logits(h[0, len(prompt) - 1: len(ids) - 1]), -1)
-    p = transform(rows, sp)
-    tok = torch.tensor(continuation, dtype=torch.long, device=p.device)[:, None]
-    pt = p.gather(1, tok)
-    above = (p * (p > pt)).sum(1)
-    tied = (p * (p == pt)).sum(1)
-    logp = torch.where(p > 0, p.log(), torch.zeros_like(p))
-    m1 = (p * logp).sum(1)
-    m2 = (p * logp * logp).sum(1)
-    # a token just outside the nucleus here may be just inside on the path that sampled it
-    # (kernel numerics): its probability column carries minus the nucleus excess instead of 0
-    full = transform(rows, sp, truncate=False)
-    ft = full.gather(1, tok)
-    excess = (full * (full > ft)).sum(1) - sp.top_p
-    edge = (pt[:, 0] <= 0) & (sp.top_p < 1.0) & (excess < BOUNDARY_MASS)
-    pcol = torch.where(edge, -excess.clamp_min(1e-12), pt[:, 0])
-    return torch.stack([above, tied, pcol, m1, m2], 1).cpu().numpy()
-
-
-#: nucleus mass by which a sampled token may miss the scorer's nucleus and count as a boundary
-#: case of kernel numerics, not as outside the support
-BOUNDARY_MASS = 0.01

@@ -97,8 +97,12 @@ def check_rows(r: ConfigResult, detok=None) -> list[str]:
             continue
         c = r.check(spec.name)
         lines = spec.diff_row(r, c).splitlines() or [""]
+        if not spec.label and out and out[-1].endswith(" " + lines[0]) and len(lines) == 1:
+            continue  # the row above says it already (e.g. no run of the corpus all at once)
         out.append(f"  {spec.label:<13} {lines[0]}" if spec.label else f"{'':15} {lines[0]}")
         out += [f"{'':15} {x}" for x in lines[1:]]
+        if c.message.startswith("not exercised"):
+            continue  # its evidence lists (greedy divergences, stops) mean nothing here
         if spec.name == "divergences_are_low_confidence":
             attr = {(a["prompt_id"], a["position"]): a for a in r.attribution}
             out += ["    " + divergence_line(d, detok, attr.get((d.prompt_id, d.position)))

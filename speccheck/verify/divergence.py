@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from speccheck.verify.margins import Classification, classify_divergence, margins
+from speccheck.verify.margins import (Classification, classify_divergence,
+                                      classify_sampled_divergence, margins)
 from speccheck.verify.streams import first_divergence
 
 END = -1  # token id recorded for a side whose stream had already ended at the position
@@ -60,11 +61,13 @@ def _in_noise(margin: float, noise: float) -> float:
 
 
 def _make(prompt_id, pos, bt, st, b_ids, b_lp, s_ids, s_lp, tau_tie, tau_low, noise,
-          max_gap) -> Divergence:
+          max_gap, sampled: bool = False) -> Divergence:
     if bt == END or st == END:  # one stream stopped: nothing to weigh the other token against
         bm = float(margins(b_lp)) if bt != END else math.nan
         sm = float(margins(s_lp)) if st != END else math.nan
         c = Classification("high_confidence", bm, sm, None, None)
+    elif sampled:
+        c = classify_sampled_divergence(b_ids, b_lp, s_ids, s_lp, tau_tie, tau_low)
     else:
         c = classify_divergence(bt, st, b_ids, b_lp, s_ids, s_lp, tau_tie, tau_low, max_gap)
     return Divergence(
@@ -78,11 +81,12 @@ def _make(prompt_id, pos, bt, st, b_ids, b_lp, s_ids, s_lp, tau_tie, tau_low, no
 def find_divergences(prompt_id: str, base_tokens, base_topk_ids, base_topk_lp,
                      spec_tokens, spec_topk_ids, spec_topk_lp,
                      tau_tie: float, tau_low: float, noise: float,
-                     max_gap: float | None = None) -> list[Divergence]:
+                     max_gap: float | None = None, sampled: bool = False) -> list[Divergence]:
     """The first divergence of two free-running greedy streams, classified; [] when the
     streams are identical. Only the first: past it the two continue from different
     contexts and stop being comparable (teacher forcing goes on — see
-    :func:`teacher_forced_divergences`)."""
+    :func:`teacher_forced_divergences`). ``sampled``: two sampled runs of one seed, classified
+    by how far their distributions there differ (classify_sampled_divergence)."""
     base_tokens, spec_tokens = np.asarray(base_tokens), np.asarray(spec_tokens)
     b_ids, b_lp = _topk(base_topk_ids, base_topk_lp, "baseline")
     s_ids, s_lp = _topk(spec_topk_ids, spec_topk_lp, "spec")
@@ -99,7 +103,8 @@ def find_divergences(prompt_id: str, base_tokens, base_topk_ids, base_topk_lp,
     st = int(spec_tokens[p]) if p < len(spec_tokens) else END
     row = lambda a, present: a[p] if present else a[:0]  # noqa: E731
     return [_make(prompt_id, p, bt, st, row(b_ids, bt != END), row(b_lp, bt != END),
-                  row(s_ids, st != END), row(s_lp, st != END), tau_tie, tau_low, noise, max_gap)]
+                  row(s_ids, st != END), row(s_lp, st != END), tau_tie, tau_low, noise, max_gap,
+                  sampled)]
 
 
 def teacher_forced_agreement(spec_tokens: np.ndarray, scored_topk_ids: np.ndarray) -> np.ndarray:

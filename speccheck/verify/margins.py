@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import numpy as np
 
 CLASSES = ("near_tie", "low_confidence", "high_confidence")  # from benign to failure
@@ -131,6 +133,30 @@ def classify_divergence(base_token: int, spec_token: int,
     else:
         cls = "high_confidence"
     return Classification(cls, bm, sm, s_in_b, b_in_s, b_gap, s_gap)
+
+
+def classify_sampled_divergence(base_topk_ids: np.ndarray, base_topk_lp: np.ndarray,
+                                spec_topk_ids: np.ndarray, spec_topk_lp: np.ndarray,
+                                tau_tie: float, tau_low: float) -> Classification:
+    """Classify where two sampled runs of one request (the same seed) chose different tokens.
+
+    At temperature > 0 the tokens are draws, so their margins say nothing; with one seed the
+    draws differ only where the two runs' distributions at the shared prefix differ. Kernel
+    numerics move them by about the path noise, and then a draw flips only when its random
+    number lies that close to a boundary; a bug (state leaking between batch rows) moves them
+    more. So the class is the largest |logprob difference| over the tokens both top-k hold:
+    ``near_tie`` at most tau_tie, ``low_confidence`` at most tau_low, ``high_confidence``
+    above, or with fewer than two tokens in common. ``base_gap`` carries that difference."""
+    b_ids, b_lp = _row(base_topk_ids, "base_topk_ids"), _row(base_topk_lp, "base_topk_lp")
+    s_ids, s_lp = _row(spec_topk_ids, "spec_topk_ids"), _row(spec_topk_lp, "spec_topk_lp")
+    bm, sm = float(margins(b_lp)), float(margins(s_lp))
+    spec_of = {int(t): float(x) for t, x in zip(s_ids, s_lp) if np.isfinite(x)}
+    deltas = [abs(float(x) - spec_of[int(t)]) for t, x in zip(b_ids, b_lp)
+              if np.isfinite(x) and int(t) in spec_of]
+    shift = max(deltas) if len(deltas) >= 2 else math.inf
+    cls = ("near_tie" if shift <= tau_tie else "low_confidence" if shift <= tau_low
+           else "high_confidence")
+    return Classification(cls, bm, sm, None, None, shift, math.nan)
 
 
 def calibrate_thresholds(noise: float, policy_tie_multiple: float, policy_low_multiple: float,

@@ -1,7 +1,8 @@
 """Is a sampled output a draw from the target's own distribution? Pure statistics over the
-teacher-forced scores of each sampled position (Engine.score_sampled: per position the mass
-of the strictly more probable tokens, the mass tied with the sampled one, its probability,
-E[log p] and E[(log p)^2] under the sampling transform).
+teacher-forced scores of each sampled position (verify/sampling_dist.py from the scorer's
+raw top-k logprobs: per position the mass of the strictly more probable categories, the mass
+of the sampled token's own -- the tokens tied with it, or the tail beyond the top-k -- its
+probability, E[log p] and E[(log p)^2] under the sampling transform).
 
 Under losslessness each sampled token is a draw from the target's distribution at its own
 prefix, so
@@ -32,7 +33,7 @@ POWER = 0.8
 
 
 def pit(scores: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Randomized PIT of each scored position ([n, 5] -> [n] in [0, 1]); a token outside
+    """Randomized PIT of each scored position ([n, 5+] -> [n] in [0, 1]); a token outside
     the target's support (probability 0) gets 1."""
     above, tied = scores[:, 0], scores[:, 1]
     v = rng.random(len(scores))
@@ -106,6 +107,12 @@ class SampledFit:
     drift_n: list[int] = field(default_factory=list)
     #: PIT histogram, 20 equal bins
     pit_hist: list[int] = field(default_factory=list)
+    #: positions left out because the scorer's top-k logprobs do not identify the sampling
+    #: distribution there (verify/sampling_dist.py)
+    unidentified: int = 0
+    #: positions tested within the top-k tokens every possible nucleus keeps (the rest of the
+    #: nucleus unknown)
+    within_topk: int = 0
 
     @property
     def passed(self) -> bool:
@@ -113,29 +120,37 @@ class SampledFit:
 
 
 def fit(per_output: list[np.ndarray], alpha: float = 0.01) -> SampledFit:
-    """The tests over every scored output ([n_i, 5] each) of one config."""
+    """The tests over every scored output ([n_i, 5] or [n_i, 6] each) of one config."""
     rng = np.random.default_rng(PIT_SEED)
     us, zs, devs, var, serial, npairs = [], [], [], 0.0, 0.0, 0
     nd = NormalDist()
     outside = boundary = 0
     longest = max((len(s) for s in per_output), default=0)
     drift_sum, drift_n = np.zeros(longest), np.zeros(longest, dtype=int)
+    unidentified = within = 0
     for s in per_output:
+        if len(s) == 0:
+            continue
+        known = ~np.isnan(s[:, 2])  # NaN: the scorer's top-k does not identify the distribution
+        edge = known & (s[:, 2] < 0)  # at the nucleus boundary (the scorer's mark)
+        use = known & ~edge  # both left out: the choice rests on the prefix (or is the scorer's)
+        unidentified += int((~known).sum())
+        if s.shape[1] > 5:
+            within += int(np.nansum(s[use, 5]))
+        boundary += int(edge.sum())
+        where = np.nonzero(use)[0]
+        s = s[use]
         if len(s) == 0:
             continue
         u = pit(s, rng)
         us.append(u)
         ok = s[:, 2] > 0
-        edge = s[:, 2] < 0  # at the nucleus boundary (the scorer's mark): left out of the tests
         outside += int((s[:, 2] == 0).sum())
-        boundary += int(edge.sum())
-        u, s = u[~edge], s[~edge]
-        ok = ok[~edge]
         d = np.where(ok, np.log(np.where(ok, s[:, 2], 1.0)) - s[:, 3], 0.0)
         devs.append(d)
         var += float(np.clip(s[:, 4] - s[:, 3] ** 2, 0, None)[ok].sum())
-        drift_sum[: len(s)] += d
-        drift_n[: len(s)] += ok
+        drift_sum[where] += d
+        drift_n[where] += ok
         z = np.array([nd.inv_cdf(min(max(x, 1e-12), 1 - 1e-12)) for x in u])
         zs.append(z)
         serial += float((z[1:] * z[:-1]).sum())
@@ -163,4 +178,4 @@ def fit(per_output: list[np.ndarray], alpha: float = 0.01) -> SampledFit:
     hist = np.histogram(u_all, bins=20, range=(0.0, 1.0))[0] if n else np.zeros(20, int)
     return SampledFit(len(us), n, outside, boundary, ks_d, ks_p, z_ll, ps[1], z_ser, ps[2], alpha, rejected,
                       mde_tv, mde_nats, [float(x) for x in drift], [int(x) for x in drift_n],
-                      [int(x) for x in hist])
+                      [int(x) for x in hist], unidentified, within)

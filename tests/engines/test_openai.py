@@ -511,3 +511,67 @@ def test_merge_stream_events_joins_chunks_in_order():
 def test_merge_stream_events_refuses_what_is_not_a_completion_stream(events, needle):
     with pytest.raises(EngineError, match=re.escape(needle)):
         merge_stream_events(events, "prompt p")
+
+
+SAMPLED = {"temperature": "0.8", "top_p": "0.9", "seed": "5"}
+
+
+def test_sampled_requests_reproduce_the_in_process_engine(ref, prompts):
+    """A sampled run through HTTP: each request carries its own seed (the run's seed, the
+    config and the prompt), the server draws with it, and the tokens equal the in-process
+    engine's under the same sampling args; the sampled positions scored through the baseline
+    server's prompt_logprobs (top 20, the tail lumped) equal the in-process engine's
+    full-vocabulary scores wherever the top 20 identify the distribution (most of the rest
+    is tested within the top 20)."""
+    cfg = SpecConfig("mtp", 2)
+    local = ref.with_args(temperature="0.8", top_p="0.9", seed="5")
+    with running_server("mtp", 2, engine=ref) as url, running_server("baseline", engine=ref) as base:
+        eng = _client(url, score_base_url=base, **SAMPLED)
+        ids = [eng.tokenize(p) for p in prompts]
+        got = eng.generate(prompts, ids, cfg, TOP_K)
+        rows = eng.score_sampled(ids, [c.token_ids for c in got])
+    want = local.generate(prompts, ids, cfg, TOP_K)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.token_ids, w.token_ids)
+    exact = local.score_sampled(ids, [c.token_ids for c in got])
+    whole = tested = 0
+    for r, e in zip(rows, exact):
+        known = ~np.isnan(r[:, 2]) & (r[:, 5] == 0)
+        whole += int(known.sum())
+        tested += int((~np.isnan(r[:, 2])).sum())
+        np.testing.assert_allclose(r[known], e[known], atol=2e-4)
+    assert whole > 0 and tested > 0.7 * sum(len(r) for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [None, "residual-unnormalised"])
+def test_cli_sampled_run_against_serve(tmp_path, free_port, fault):
+    """`speccheck run --engine openai --temperature 0.8 --top-p 0.9` against a baseline server,
+    then against an MTP server scored on the baseline server (score_base_url), then `gate`:
+    both distribution checks judge through the wire, the clean server passes, a server whose
+    rejection residual is not renormalised fails the distribution check."""
+    from click.testing import CliRunner
+
+    from speccheck.cli import main
+
+    store = str(tmp_path / "store")
+    cli = CliRunner()
+    common = ["run", "--engine", "openai", "--corpus", "smoke", "--store", store, "--axes", "none",
+              "--temperature", "0.8", "--top-p", "0.9", "--samples", "2", "--concurrent", "off"]
+    spec_args = {"fault": fault} if fault else None
+    with running_server("baseline", port=free_port) as url:  # the deployment, first without
+        r = cli.invoke(main, common + ["--engine-arg", f"base_url={url}", "--method", "baseline"])
+        assert r.exit_code == 0, r.output
+    with running_server("mtp", 2, engine_args=spec_args, port=free_port) as url, \
+            running_server("baseline") as base:  # then restarted with MTP, a baseline beside
+        r = cli.invoke(main, common + ["--engine-arg", f"base_url={url}", "--engine-arg",
+                                       f"score_base_url={base}", "--method", "mtp", "--k", "2"])
+        assert r.exit_code == 0, r.output
+        assert "mtp-k2 sampled positions scored by the target" in r.output
+    gate = cli.invoke(main, ["gate", "--store", store])
+    if fault is None:
+        assert gate.exit_code == 0, gate.output
+    else:
+        assert gate.exit_code == 1 and "sampled_matches_target failed for config mtp-k2" in gate.output
+    diff = cli.invoke(main, ["diff", "--store", store, "--config", "mtp-k2"]).output
+    assert "two-sample" in diff and "distribution" in diff

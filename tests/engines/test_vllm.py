@@ -27,6 +27,7 @@ from speccheck.engines.vllm import (
     eos_token_ids,
     k_hint_note,
     parse_value,
+    sample_groups,
     scored_from_dict,
     spec_counters_delta,
     speculative_config,
@@ -80,6 +81,31 @@ def test_spec_output_counters_are_consistent(name):
     # greedy: one token from prefill, then 1 + accepted per verify step (cut at max_tokens)
     assert c.n_tokens <= 1 + s.drafts + s.accepted_tokens
     assert (c.topk_ids[:, 0] == c.token_ids).all()
+
+
+def test_samples_of_one_prompt_go_as_one_request_of_n():
+    """Consecutive requests of one prompt with seeds s, s+1, ... are vLLM's n samples of one
+    request seeded s; anything else (another prompt, budget or seed, a greedy run) stands alone."""
+    ids = [[1, 2], [1, 2], [1, 2], [3], [3], [1, 2]]
+    mt, ie = [8] * 6, [False] * 6
+    assert sample_groups(ids, mt, ie, [10, 11, 12, 40, 41, 13]) == [(0, 3), (3, 2), (5, 1)]
+    assert sample_groups(ids, mt, ie, [10, 11, 13, 40, 41, 13]) == [(0, 2), (2, 1), (3, 2), (5, 1)]
+    assert sample_groups(ids, [8, 9, 8, 8, 8, 8], ie, [10, 11, 12, 40, 41, 13])[:2] == [(0, 1), (1, 1)]
+    assert sample_groups(ids, mt, ie, None) == [(i, 1) for i in range(6)]
+
+
+def test_first_sample_carries_the_shared_counters():
+    """A row of n outputs: each becomes its own completion, only the first with counters."""
+    fx = fixture(spec_fixtures()[0])
+    row = copy.deepcopy(fx["row"])
+    second = {**row["output"]["outputs"][0], "index": 1}
+    row["output"]["outputs"].append(second)
+    c0 = completion_from_dict("p", row, fx["top_k"], spec=True, index=0)
+    c1 = completion_from_dict("p#s1", row, fx["top_k"], spec=False, index=1)
+    assert c0.spec is not None and c1.spec is None
+    assert c1.token_ids.tolist() == second["token_ids"]
+    with pytest.raises(EngineError, match="index 2"):
+        completion_from_dict("p#s2", row, fx["top_k"], spec=False, index=2)
 
 
 def test_counter_delta_subtracts_before_and_sums_label_sets():
@@ -348,8 +374,29 @@ def capture_sizes(max_num_seqs, q, eager):
 
 class SamplingParams:
     def __init__(self, temperature=1.0, max_tokens=16, logprobs=None, prompt_logprobs=None,
-                 detokenize=True, stop_token_ids=None, ignore_eos=False, output_kind=None):
+                 detokenize=True, stop_token_ids=None, ignore_eos=False, output_kind=None,
+                 top_p=1.0, top_k=0, seed=None, n=1):
         self.__dict__.update(locals())
+
+
+def draw(ids, sp, rng, temperature):
+    """A sampled token as vLLM's sampler draws it: temperature, top-k, then top-p over the
+    renormalised survivors."""
+    w = [(t, math.exp(lp / temperature)) for t, lp in dist(ids)]
+    if sp.top_k and sp.top_k > 0:
+        w = w[:sp.top_k]
+    z, keep, before = sum(x for _, x in w), [], 0.0
+    for t, x in w:
+        if sp.top_p < 1 and before >= sp.top_p * z:
+            break
+        keep.append((t, x))
+        before += x
+    u = rng.random() * sum(x for _, x in keep)
+    for t, x in keep:
+        u -= x
+        if u < 0:
+            return t
+    return keep[-1][0]
 
 
 class Counter:
@@ -685,34 +732,45 @@ class LLM:
             with open(log, "a") as f:
                 f.write(f"{len(prompts)}\\n")
         outs = []
+        import random
+        # FAKE_VLLM_SAMPLER_FAULT=spec-temperature-1: a speculative config samples at
+        # temperature 1 whatever was asked (a sampler bug of the kind the checks must catch)
+        hot = self.spec and os.environ.get("FAKE_VLLM_SAMPLER_FAULT") == "spec-temperature-1"
         for p, sp in zip(prompts, sp if isinstance(sp, list) else [sp] * len(prompts)):
             ids = list(p["prompt_token_ids"])
+            if log and sp.temperature:
+                with open(log, "a") as f:
+                    f.write(f"n={sp.n} seed={sp.seed}\\n")
             plp = None
             if sp.prompt_logprobs:
                 plp = [None] + [position(ids[:i], sp.prompt_logprobs, ids[i]) for i in range(1, len(ids))]
-            toks, lps = [], []
-            for _ in range(sp.max_tokens):
-                t = dist(ids + toks)[0][0]
-                if sp.logprobs:
-                    lps.append(position(ids + toks, sp.logprobs, t))
-                toks.append(t)
-                if t in (sp.stop_token_ids or []):
-                    break
-            if self.spec and self.spec["method"] != "ngram":  # all drafts accepted; ngram: none
-                k, left, acc = len(self.per_pos), len(toks) - 1, []
-                while left > 0:  # one verify step yields 1 + accepted tokens
-                    acc.append(min(k, left - 1))
-                    left -= 1 + acc[-1]
-                self.counts[0] += len(acc)
-                self.counts[1] += len(acc) * k
-                self.counts[2] += sum(acc)
-                for i in range(k):
-                    self.per_pos[i] += sum(1 for a in acc if a > i)
-            comp = SimpleNamespace(index=0, text="", token_ids=toks, cumulative_logprob=None,
-                                   logprobs=lps if sp.logprobs else None,
-                                   finish_reason="length", stop_reason=None)
+            comps = []
+            for j in range(sp.n):  # vLLM seeds the j-th of n samples with seed + j
+                rng = random.Random(None if sp.seed is None else sp.seed + j)
+                toks, lps = [], []
+                for _ in range(sp.max_tokens):
+                    t = (draw(ids + toks, sp, rng, 1.0 if hot else sp.temperature)
+                         if sp.temperature else dist(ids + toks)[0][0])
+                    if sp.logprobs:
+                        lps.append(position(ids + toks, sp.logprobs, t))
+                    toks.append(t)
+                    if t in (sp.stop_token_ids or []):
+                        break
+                if self.spec and self.spec["method"] != "ngram":  # all drafts accepted; ngram: none
+                    k, left, acc = len(self.per_pos), len(toks) - 1, []
+                    while left > 0:  # one verify step yields 1 + accepted tokens
+                        acc.append(min(k, left - 1))
+                        left -= 1 + acc[-1]
+                    self.counts[0] += len(acc)
+                    self.counts[1] += len(acc) * k
+                    self.counts[2] += sum(acc)
+                    for i in range(k):
+                        self.per_pos[i] += sum(1 for a in acc if a > i)
+                comps.append(SimpleNamespace(index=j, text="", token_ids=toks, cumulative_logprob=None,
+                                             logprobs=lps if sp.logprobs else None,
+                                             finish_reason="length", stop_reason=None))
             outs.append(SimpleNamespace(request_id="0", prompt_token_ids=ids, prompt_logprobs=plp,
-                                        outputs=[comp], finished=True, metrics=None))
+                                        outputs=comps, finished=True, metrics=None))
         return outs
 
     def get_metrics(self):
@@ -858,6 +916,54 @@ def test_cli_run_diff_gate_with_fake_vllm(fake_vllm, tmp_path):
     assert "mtp-k3 all at once: 8 requests (2 of each prompt)" in res.output  # the worker's one call
     res = runner.invoke(main, ["gate", "--store", store])
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [None, "spec-temperature-1"])
+def test_sampled_run_with_fake_vllm(fake_vllm, tmp_path, monkeypatch, fault):
+    """A sampled run through the worker with the fake vLLM (test double; lossless unless the
+    planted fault makes the spec config sample at temperature 1): each prompt's samples go as
+    ONE request of n with its own seed, the outputs are scored through prompt_logprobs top-10
+    (the tail lumped), and both distribution checks judge: the clean engine passes, the
+    fault fails the distribution check (the two-sample check, weaker at 4 samples per prompt,
+    states its figures)."""
+    from click.testing import CliRunner
+
+    from speccheck.cli import main
+
+    target, _ = fake_vllm
+    if not (target / "tokenizer.json").is_file():
+        pytest.skip("reference tokenizer not shipped yet")
+    cfg = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**cfg, "vocab_size": 50}))
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv("FAKE_VLLM_CALL_LOG", str(log))
+    if fault:
+        monkeypatch.setenv("FAKE_VLLM_SAMPLER_FAULT", fault)
+    store = str(tmp_path / "store")
+    runner = CliRunner()
+    res = runner.invoke(main, ["run", "--engine", "vllm", "--model", str(target), "--config",
+                               "mtp-k3", "--corpus", "ci", "--temperature", "0.7", "--top-p", "0.9",
+                               "--samples", "4", "--store", store, "--axes", "none",
+                               "--concurrent", "off", "--no-attribution", "--engine-arg",
+                               "worker=per-config", "--engine-arg", "score_top_k=10"])
+    assert res.exit_code == 0, res.output
+    sent = [line for line in log.read_text().splitlines() if line.startswith("n=")]
+    assert sent and all(line.startswith("n=4 seed=") for line in sent)
+    # a seed of its own per prompt and config, the same in the second repeat (seeded determinism)
+    assert len(sent) == 2 * 2 * 8 and len(set(sent)) == 2 * 8
+    diff = runner.invoke(main, ["diff", "--store", store, "--config", "mtp-k3"]).output
+    assert "left out (the scorer's top-k logprobs" in diff or "sampled tokens of 32 outputs" in diff
+    # the plumbing is under test, not the false-alarm rate (benchmarks/sampling_false_alarms.py
+    # measures that): the distribution check at alpha 0.001, as this fixed draw of the clean
+    # baseline sits at p 0.0026
+    gate = runner.invoke(main, ["gate", "--store", store, "--set", "sampled_alpha=0.001"])
+    if fault is None:
+        assert gate.exit_code == 0, gate.output + diff
+    else:
+        assert gate.exit_code == 1
+        assert "sampled_matches_target failed for config mtp-k3" in gate.output, gate.output
+    assert "two-sample    32 outputs vs the baseline's 32 on 8 prompts (4 per prompt" in diff
 
 
 def test_identity_after_dflash_call_carries_k_note(fake_vllm):

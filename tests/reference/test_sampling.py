@@ -53,6 +53,19 @@ def test_transform_top_p_top_k():
     assert p.tolist() == pytest.approx((ref / ref.sum()).tolist())
 
 
+@pytest.mark.parametrize("t,top_p,top_k", [(0.7, 0.9, 0), (1.0, 0.6, 4), (1.3, 0.8, 7), (0.5, 1.0, 3)])
+def test_transform_is_vllms_order(t, top_p, top_k):
+    """Temperature, then top-k, then top-p over the renormalised survivors: the scorer's
+    transform (verify/sampling_dist.transform_full) is the oracle the distribution check
+    holds every engine's samples to."""
+    from speccheck.verify.sampling_dist import transform_full
+
+    g = torch.Generator().manual_seed(7)
+    rows = torch.log_softmax(torch.randn(20, 32, generator=g, dtype=torch.float64) * 2, -1)
+    ours = transform(rows, SamplingParams(t, top_p, top_k)).numpy()
+    np.testing.assert_allclose(ours, transform_full(rows.numpy(), t, top_p, top_k), atol=1e-12)
+
+
 def test_uniforms_depend_on_seed_prompt_position_only():
     a, b = Uniforms(1, [5, 6]), Uniforms(1, [5, 6])
     assert a(3, "accept") == b(3, "accept")
@@ -85,5 +98,5 @@ def test_sampled_runs_repeat_and_judge_clean(tmp_path):
     other = ReferenceEngine(engine_args={**args, "seed": "4"}).generate(c.prompts, ids, cfg, 5)
     assert [x.token_ids.tolist() for x in a] != [y.token_ids.tolist() for y in other]
     scores = e1.score_sampled(ids, [x.token_ids for x in a])
-    assert all(s.shape == (x.n_tokens, 5) for s, x in zip(scores, a))
+    assert all(s.shape == (x.n_tokens, 6) for s, x in zip(scores, a))
     assert fit(scores, 0.01).passed

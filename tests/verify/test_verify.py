@@ -287,3 +287,18 @@ def test_end_of_sequence_after_a_flip_where_the_baseline_ran_to_max_tokens():
     assert b.kind == "past_end_of_sequence" and b.explained
     b = boundary_divergence("p", [1, 2, 3, 9], "stop", [1, 5, 9, 4], "length", d[0], {9})
     assert b.kind == "past_end_of_sequence" and not b.explained
+
+
+def test_sampled_divergence_is_classified_by_distribution_shift():
+    """Two sampled runs of one seed that part: their distributions at the shared prefix tell
+    numerics (within the path noise: near_tie / low_confidence) from a real change."""
+    from speccheck.verify.margins import classify_sampled_divergence
+
+    ids = np.array([3, 7, 1, 9])
+    lp = np.log(np.array([0.4, 0.3, 0.2, 0.1]))
+    assert classify_sampled_divergence(ids, lp, ids, lp + 0.01, 0.05, 0.2).cls == "near_tie"
+    assert classify_sampled_divergence(ids, lp, ids[[1, 0, 2, 3]], lp[[1, 0, 2, 3]] + np.array(
+        [0.1, -0.1, 0, 0]), 0.05, 0.2).cls == "low_confidence"
+    moved = classify_sampled_divergence(ids, lp, ids, lp + np.array([0.0, 0.0, 0.9, 0.0]), 0.05, 0.2)
+    assert moved.cls == "high_confidence" and moved.base_gap == pytest.approx(0.9)
+    assert classify_sampled_divergence(ids, lp, ids + 100, lp, 0.05, 0.2).cls == "high_confidence"
