@@ -1037,8 +1037,8 @@ SERVE_ROWS = [
     ("a logit bias it would not apply", _http(_completion(logit_bias={"5": 100})), 400,
      "`logit_bias` is not supported"),
     ("best_of 3", _http(_completion(best_of=3)), 400, "`best_of` is not supported"),
-    ("seed a string", _http(_completion(seed="x")), 400, "`seed` is 'x'"),
-    ("top_p 0", _http(_completion(top_p=0)), 400, "`top_p` is 0"),
+    ("seed a string", _http(_completion(seed="x")), 400, "`seed` must be an integer"),
+    ("top_p 0", _http(_completion(top_p=0)), 400, "`top_p` must be a number in (0, 1]"),
     ("a body declared past the limit", _http(length="10000000000"), 413, "request body over 32 MiB"),
 ]
 
