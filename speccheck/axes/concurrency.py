@@ -6,24 +6,36 @@ from speccheck.types import Workload
 
 #: every this many requests, a canary: the same first prompt again, as users interleave them
 CANARY_EVERY = 4
-#: arrivals per engine step at level 8; higher levels arrive proportionally faster, so that the
-#: level is reached while the first requests still decode
-RATE_AT_8 = 1
+#: engine steps over which the first ``level`` requests arrive, at most (fewer where a request
+#: could finish sooner, so that the level is reached while the first requests still decode)
+ARRIVAL_STEPS = 8
 
 
 def build(inp: AxisInput) -> Workload:
-    """Twice ``level`` requests of distinct corpus prompts (cycled), arriving level / 8 a step,
-    at most ``level`` in flight: requests join a running batch, steps mix a prefill
-    with verifies, finished requests' slots are reused. Each request is judged against the same
-    prompt alone (the config's first repeat)."""
+    """Twice ``level`` requests of distinct corpus prompts (cycled), at most ``level`` in
+    flight, the first ``level`` arriving over a few steps: requests join a running batch, steps
+    mix a prefill with verifies, finished requests' slots are reused. Each request is judged
+    against the same prompt alone (the config's first repeat)."""
     level = int(inp.level)
     prompts = inp.serving_prompts()
     reqs = []
+    window = arrival_steps(inp, prompts)
     for i in range(2 * level):
         p = prompts[0] if i % CANARY_EVERY == CANARY_EVERY - 1 else prompts[i % len(prompts)]
         reqs.append(inp.request(f"c{level}/{i:03d}:{p.id}", p, inp.inputs[p.id],
-                                max_tokens=min(p.max_tokens, SERVING_MAX_TOKENS), arrive_after=(i * 8) // (level * RATE_AT_8)))
+                                max_tokens=min(p.max_tokens, SERVING_MAX_TOKENS), arrive_after=(i * window) // level))
     return Workload("concurrency", inp.level, reqs, max_in_flight=level)
+
+
+def arrival_steps(inp: AxisInput, prompts) -> int:
+    """Steps the first ``level`` requests arrive over: ARRIVAL_STEPS, or fewer than the
+    shortest request can live (its prefill step, then its tokens at up to K + 1 a step, from
+    its length in the config's first repeat where stored); a slower ladder would see the first
+    requests leave before the last arrive, and the level would never be in flight."""
+    tokens = min(min(len(inp.outputs.get(p.id, ())) or p.max_tokens, p.max_tokens, SERVING_MAX_TOKENS)
+                 for p in prompts)
+    lifetime = 1 + -(-(max(tokens, 1) - 1) // (inp.config.k + 1))
+    return max(0, min(ARRIVAL_STEPS, lifetime - 1))
 
 
 AXIS = AxisSpec(
