@@ -122,7 +122,7 @@ def find_logprob_problems(token_ids, logprobs, topk_ids, topk_logprobs,
         add("topk_duplicate", "top-k lists the same token id twice", srt[:, 1:] == srt[:, :-1])
     add("topk_no_entry", "top-k row has no real entry", ~real.any(axis=1) if r else np.zeros(0, bool))
     fin = real & np.isfinite(tlp)
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore"):  # log(0): a row without a finite entry
         add("topk_positive", f"top-k logprob above 0 (by more than {tol:g})", fin & (tlp > tol))
         if ids.shape[1] > 1:
             both = fin[:, :-1] & fin[:, 1:]
