@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from speccheck.checks import CheckSpec, Context, PolicyKey
+from speccheck.checks._evidence import judge_sampled
 from speccheck.results import Check, ConfigResult
 from speccheck.verify.two_sample import PREFIX_LEN, POWER, TwoSample, base_prompt_id, two_sample
 
@@ -69,20 +70,8 @@ def describe(t: TwoSample) -> str:
 
 
 def judge(r: ConfigResult, p) -> Check:
-    t = r.measured.get("sampled_matches_baseline")
-    if t is None:
-        return Check("sampled_matches_baseline", True,
-                     "not exercised: a greedy suite (run with --temperature > 0)", skipped=True)
-    if isinstance(t, str):
-        return Check("sampled_matches_baseline", False, "evidence missing: " + t)
-    if not t.statistics:
-        return Check("sampled_matches_baseline", False,
-                     "evidence missing: no statistic could be computed: " + describe(t))
-    if t.passed:
-        return Check("sampled_matches_baseline", True, describe(t))
-    return Check("sampled_matches_baseline", False,
-                 f"the config's samples differ from the baseline's ({', '.join(t.rejected)} "
-                 f"rejected): " + describe(t))
+    return judge_sampled(r, "sampled_matches_baseline", lambda t: t.statistics, "no statistic could be computed",
+                         describe, "the config's samples differ from the baseline's")
 
 
 CHECK = CheckSpec(

@@ -4,6 +4,7 @@ martingale centred)."""
 from __future__ import annotations
 
 from speccheck.checks import CheckSpec, Context, PolicyKey
+from speccheck.checks._evidence import judge_sampled
 from speccheck.results import Check, ConfigResult
 from speccheck.store import StoreError
 from speccheck.verify.sampled import POWER, SampledFit, fit
@@ -53,20 +54,8 @@ def describe(f: SampledFit) -> str:
 
 
 def judge(r: ConfigResult, p) -> Check:
-    f = r.measured.get("sampled_matches_target")
-    if f is None:
-        return Check("sampled_matches_target", True,
-                     "not exercised: a greedy suite (run with --temperature > 0)", skipped=True)
-    if isinstance(f, str):
-        return Check("sampled_matches_target", False, "evidence missing: " + f)
-    if not f.positions:
-        return Check("sampled_matches_target", False,
-                     "evidence missing: no sampled position could be tested: " + describe(f))
-    if f.passed:
-        return Check("sampled_matches_target", True, describe(f))
-    return Check("sampled_matches_target", False,
-                 f"the sampled tokens are not draws from the target's distribution "
-                 f"({', '.join(f.rejected)} rejected): " + describe(f))
+    return judge_sampled(r, "sampled_matches_target", lambda f: f.positions, "no sampled position could be tested",
+                         describe, "the sampled tokens are not draws from the target's distribution")
 
 
 CHECK = CheckSpec(
