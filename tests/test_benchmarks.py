@@ -3,9 +3,11 @@ else, so an API change would break them silently), and what they print holds tog
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -156,3 +158,89 @@ def test_sampling_false_alarms_prints_both_checks_per_config(capsys):
     base = re.search(r"^\| baseline \| 1 \| (\d) \(0\.\d+\) \| - \|", out, re.M)
     spec = re.search(r"^\| mtp-k3 \| 1 \| (\d) \(0\.\d+\) \| (\d) \(0\.\d+\) \|", out, re.M)
     assert base and spec, out
+
+
+def test_sampling_false_alarms_exact_null_table_holds_together(capsys):
+    """--null-redraws: one seed, four tokens per prompt, 20 redraws per trial; each row of the
+    exact-null table counts at most its redraws, its rate is alarms / redraws inside its
+    Clopper-Pearson interval, and the rejected tests' counts add up to at least the alarms."""
+    bench = _load("sampling_false_alarms")
+    assert bench.main(["--seeds", "1", "--max-tokens", "4", "--configs", "mtp-k3",
+                       "--null-redraws", "20"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\| (fixed|redrawn) \| (\S+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| "
+                      r"([\d.]+) \| \[([\d.]+), ([\d.]+)\] \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|",
+                      out, re.M)
+    assert {(r[0], r[1]) for r in rows} == {(m, c) for m in ("fixed", "redrawn")
+                                            for c in ("baseline", "mtp-k3", "all")}, out
+    for mode, config, trials, positions, n, k, rate, lo, hi, *tests in rows:
+        n, k = int(n), int(k)
+        assert n == 20 * int(trials) and int(positions) > 0
+        assert 0 <= k <= n
+        assert float(rate) == pytest.approx(k / n, abs=1e-4)
+        assert float(lo) <= float(rate) <= float(hi)
+        assert k <= sum(int(t) for t in tests) <= 4 * k
+
+
+def _oracle(logprobs: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """The sampling distribution written out token by token: tempered softmax, tokens in
+    descending order (ties by lowest id) kept while the mass before them is below top_p."""
+    w = [math.exp((x - max(logprobs)) / temperature) for x in logprobs]
+    total = sum(w)
+    keep, before = [], 0.0
+    for i in sorted(range(len(w)), key=lambda i: (-logprobs[i], i)):
+        if before < top_p * total and w[i] > 0:
+            keep.append(i)
+        before += w[i]
+    p = np.zeros(len(w))
+    p[keep] = [w[i] for i in keep]
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("score_top_k", [64, 5])
+def test_exact_null_redraws_follow_the_exact_distribution_and_rows_match_sampled_rows(score_top_k):
+    """The redraw draws from the target's sampling distribution (20,000 draws at each position
+    against an independent oracle, chi-square, with ties at the nucleus boundary), and the rows
+    looked up for the redrawn tokens are those sampled_rows computes for them (the scorer's
+    full row, or its top 5 with a tail)."""
+    from scipy.stats import chisquare
+
+    from speccheck.types import Scored
+    from speccheck.verify.sampling_dist import sampled_rows
+
+    bench = _load("sampling_false_alarms")
+    V, T, P = 64, 0.8, 0.9
+    rng = np.random.default_rng(7)
+    raw = rng.normal(0, 2, (3, V))
+    raw[1, [3, 9, 40]] = raw[1].max() + 0.5  # a three-way tie at the top
+    raw[2, :] = -3.0
+    raw[2, [5, 6, 7, 8]] = 0.0  # four tied tokens at the nucleus boundary, the rest far below
+    lp = (raw - np.log(np.exp(raw).sum(1, keepdims=True))).astype(np.float32)
+    perm = np.stack([rng.permutation(V) for _ in range(3)])  # the scorer's order is arbitrary
+    scored = [Scored(perm[:2], np.take_along_axis(lp[:2], perm[:2], 1), lp[0, :2]),
+              Scored(perm[2:], np.take_along_axis(lp[2:], perm[2:], 1), lp[2, :1])]
+    sp = {"temperature": T, "top_p": P, "top_k": 0}
+    null = bench.ExactNull(scored, sp, V, score_top_k)
+    assert null.positions == 3 and null.lengths == [2, 1]
+    n = 20000
+    drawn = null.draw(n, np.random.default_rng(11))
+    for t in range(3):
+        exact = _oracle(lp[t].astype(np.float64).tolist(), T, P)
+        counts = np.bincount(null.tokens[t][drawn[:, t]], minlength=V)
+        assert counts[exact == 0].sum() == 0
+        expected = exact * n
+        big = expected >= 5  # pool the rare categories into one bin
+        obs = np.append(counts[big], counts[~big].sum())
+        exp = np.append(expected[big], expected[~big].sum())
+        obs, exp = (obs, exp) if exp[-1] > 0 else (obs[:-1], exp[:-1])
+        assert chisquare(obs, exp).pvalue > 1e-3, (t, obs, exp)
+    order = [np.lexsort((np.arange(V), -lp[t].astype(np.float64)))[:score_top_k] for t in range(3)]
+    for r in range(5):
+        rows = null.rows(drawn[r])
+        toks = [null.tokens[t][drawn[r, t]] for t in range(3)]
+        for o, (a, b) in enumerate([(0, 2), (2, 3)]):
+            want = sampled_rows(np.stack(order[a:b]),
+                                np.stack([lp[t, order[t]] for t in range(a, b)]),
+                                np.array(toks[a:b]), T, P, 0, V,
+                                np.array([lp[t, toks[t]] for t in range(a, b)]))
+            np.testing.assert_array_equal(rows[o], want)
