@@ -35,12 +35,11 @@ log-likelihood terms independent with mean zero. The redraw uses every config's 
 only the baseline's: the prefixes only fix which distributions the positions have (the tokens
 tested are the redraws, not the engine's), so each config's outputs are one more set of real
 distribution shapes, and the null holds whichever sampler produced them. Two PIT
-randomisations are reported: ``fixed`` is the check as it ships (``verify.sampled.PIT_SEED``,
-so in every redraw the same uniforms fall on the same positions: the rate conditional on those
-uniforms, which at positions whose nucleus is one token make the PIT a constant), ``redrawn``
-gives each redraw a fresh PIT seed (the rate averaged over the randomisation, which is what
-the tests' level refers to and what engine trials, whose prefixes move the uniforms to other
-positions, come closer to). The table gives per config and pooled: redraws, alarms, rate, the
+randomisations are reported: ``shipped`` is the check as it ships (its PIT seeded by a digest
+of the scores, so each redraw draws its own uniforms, and the same store always the same),
+``redrawn`` gives each redraw a fresh salt as well (``verify.sampled.PIT_SEED``: the rate
+averaged over the randomisation, which is what the tests' level refers to); the two agree
+when the digest seeding does what it is for. The table gives per config and pooled: redraws, alarms, rate, the
 two-sided 95 % Clopper-Pearson interval, the count of each test Holm rejected, and the
 standard deviations of the martingale and lag-1 z (1 under the null).
 """
@@ -152,15 +151,15 @@ NULL_TESTS = ("pit_uniform", "pit_independent", "loglik_martingale", "support")
 
 def null_redraws(null: ExactNull, redraws: int, alpha: float, rng: np.random.Generator) -> dict:
     """``fit`` over ``redraws`` redraws of every token of one trial, per PIT randomisation:
-    ``fixed`` (the check as it ships: verify/sampled.PIT_SEED, so the same uniforms fall on the
-    same positions in every redraw) and ``redrawn`` (a fresh PIT seed per redraw: the
-    statistic's rate averaged over its randomisation, as the design states it)."""
+    ``shipped`` (the check as it ships: the PIT seeded by a digest of the scores) and
+    ``redrawn`` (a fresh PIT_SEED salt per redraw as well: the statistic's rate averaged over
+    its randomisation, as the design states it)."""
     from speccheck.verify import sampled
 
     drawn = null.draw(redraws, rng)
     pit_seeds = rng.integers(0, 2 ** 63, redraws)
     out = {}
-    for mode in ("fixed", "redrawn"):
+    for mode in ("shipped", "redrawn"):
         got = {"alarms": 0, **{t: 0 for t in NULL_TESTS}, "ks_p": [], "loglik_p": [],
                "serial_p": [], "z_loglik": [], "z_serial": []}
         keep = sampled.PIT_SEED
@@ -189,7 +188,7 @@ def print_null_table(rows: list[dict], configs: list[str], a, alpha: float) -> N
           "| pit_uniform | pit_independent | loglik_martingale | support | sd z loglik / lag-1 | "
           "s / trial (CPU s) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for mode in ("fixed", "redrawn"):
+    for mode in ("shipped", "redrawn"):
         for name in configs + ["all"]:
             r = [x["null"] for x in rows if "null" in x and name in ("all", x["config"])]
             n = sum(x["redraws"] for x in r)
@@ -269,7 +268,7 @@ def main(argv=None) -> int:
             if "null" in row:
                 print(json.dumps({"null": {m: {k: v for k, v in row["null"][m].items()
                                                if not isinstance(v, list)}
-                                           for m in ("fixed", "redrawn")}}), flush=True)
+                                           for m in ("shipped", "redrawn")}}), flush=True)
     print(f"\npool: {len(pool)} prompts of {', '.join(names)} x {a.samples} sample(s), max_tokens "
           f"<= {a.max_tokens}, T {a.temperature}, top-p {a.top_p}; alphas: distribution "
           f"{policy.sampled_alpha}, two-sample {policy.two_sample_alpha}")

@@ -168,10 +168,10 @@ def test_sampling_false_alarms_exact_null_table_holds_together(capsys):
     assert bench.main(["--seeds", "1", "--max-tokens", "4", "--configs", "mtp-k3",
                        "--null-redraws", "20"]) == 0
     out = capsys.readouterr().out
-    rows = re.findall(r"^\| (fixed|redrawn) \| (\S+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| "
+    rows = re.findall(r"^\| (shipped|redrawn) \| (\S+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| "
                       r"([\d.]+) \| \[([\d.]+), ([\d.]+)\] \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|",
                       out, re.M)
-    assert {(r[0], r[1]) for r in rows} == {(m, c) for m in ("fixed", "redrawn")
+    assert {(r[0], r[1]) for r in rows} == {(m, c) for m in ("shipped", "redrawn")
                                             for c in ("baseline", "mtp-k3", "all")}, out
     for mode, config, trials, positions, n, k, rate, lo, hi, *tests in rows:
         n, k = int(n), int(k)

@@ -17,13 +17,17 @@ The three p-values are combined by Holm at the family-wise ``alpha``.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from statistics import NormalDist
 
 import numpy as np
 
-#: seed of the PIT's randomisation (fixed: the same store gives the same verdict)
+#: salt of the PIT's randomisation, whose seed is a digest of the scores themselves: the same
+#: store gives the same verdict, and two stores draw independent uniforms (one fixed seed would
+#: put the same uniforms on every store's positions, and a store's false-alarm rate would be
+#: conditional on them instead of alpha)
 PIT_SEED = 0x9E3779B9
 #: share of positions that may sit at the nucleus boundary (kernel numerics) before the
 #: support test fails
@@ -119,15 +123,24 @@ class SampledFit:
         return not self.rejected
 
 
+def pit_seed(per_output: list[np.ndarray]) -> list[int]:
+    """The PIT's seed: PIT_SEED and a digest of every output's scores."""
+    h = hashlib.sha256()
+    for s in per_output:
+        h.update(np.ascontiguousarray(s, dtype=np.float64).tobytes())
+        h.update(b"|")
+    return [PIT_SEED, int.from_bytes(h.digest()[:8], "little")]
+
+
 def fit(per_output: list[np.ndarray], alpha: float = 0.01) -> SampledFit:
     """The tests over every scored output ([n_i, 5] or [n_i, 6] each) of one config."""
-    rng = np.random.default_rng(PIT_SEED)
+    rng = np.random.default_rng(pit_seed(per_output))
     us, zs, devs, var, serial, npairs = [], [], [], 0.0, 0.0, 0
     nd = NormalDist()
     outside = boundary = 0
     longest = max((len(s) for s in per_output), default=0)
     drift_sum, drift_n = np.zeros(longest), np.zeros(longest, dtype=int)
-    unidentified = within = 0
+    unidentified = within = used = 0
     for s in per_output:
         if len(s) == 0:
             continue
@@ -142,9 +155,12 @@ def fit(per_output: list[np.ndarray], alpha: float = 0.01) -> SampledFit:
         s = s[use]
         if len(s) == 0:
             continue
-        u = pit(s, rng)
-        us.append(u)
+        used += len(s)
         ok = s[:, 2] > 0
+        # a nucleus of one token: its PIT is the uniform alone and says nothing of the sampler
+        told = ~((s[:, 0] <= 0) & (s[:, 1] >= 1 - 1e-9))
+        u = pit(s[told], rng)
+        us.append(u)
         outside += int((s[:, 2] == 0).sum())
         d = np.where(ok, np.log(np.where(ok, s[:, 2], 1.0)) - s[:, 3], 0.0)
         devs.append(d)
@@ -154,7 +170,7 @@ def fit(per_output: list[np.ndarray], alpha: float = 0.01) -> SampledFit:
         z = np.array([nd.inv_cdf(min(max(x, 1e-12), 1 - 1e-12)) for x in u])
         zs.append(z)
         serial += float((z[1:] * z[:-1]).sum())
-        npairs += len(z) - 1
+        npairs += max(len(z) - 1, 0)
     u_all = np.concatenate(us) if us else np.zeros(0)
     n = len(u_all)
     ks_d, ks_p = ks_uniform(u_all)
@@ -163,7 +179,7 @@ def fit(per_output: list[np.ndarray], alpha: float = 0.01) -> SampledFit:
     z_ser = serial / math.sqrt(npairs) if npairs else 0.0
     names = ["pit_uniform", "loglik_martingale", "pit_independent"]
     ps = [ks_p, two_sided_normal_p(z_ll), two_sided_normal_p(z_ser)]
-    if outside or boundary > max(2, BOUNDARY_SHARE * n):  # tokens the target never draws
+    if outside or boundary > max(2, BOUNDARY_SHARE * used):  # tokens the target never draws
         names.append("support")
         ps.append(0.0)
     rejected = [nm for nm, r in zip(names, holm(ps, alpha)) if r]
@@ -172,10 +188,10 @@ def fit(per_output: list[np.ndarray], alpha: float = 0.01) -> SampledFit:
     z_pow = nd.inv_cdf(POWER)
     c_ks = math.sqrt(-math.log(a / 2) / 2)
     mde_tv = (c_ks + z_pow * 0.5) / math.sqrt(n) if n else math.nan
-    mde_nats = ((nd.inv_cdf(1 - a / 2) + z_pow) * math.sqrt(var) / n) if n and var > 0 else math.nan
+    mde_nats = ((nd.inv_cdf(1 - a / 2) + z_pow) * math.sqrt(var) / used) if used and var > 0 else math.nan
     with np.errstate(invalid="ignore"):
         drift = np.where(drift_n > 0, drift_sum / np.maximum(drift_n, 1), np.nan)
     hist = np.histogram(u_all, bins=20, range=(0.0, 1.0))[0] if n else np.zeros(20, int)
-    return SampledFit(len(us), n, outside, boundary, ks_d, ks_p, z_ll, ps[1], z_ser, ps[2], alpha, rejected,
+    return SampledFit(len(us), used, outside, boundary, ks_d, ks_p, z_ll, ps[1], z_ser, ps[2], alpha, rejected,
                       mde_tv, mde_nats, [float(x) for x in drift], [int(x) for x in drift_n],
                       [int(x) for x in hist], unidentified, within)

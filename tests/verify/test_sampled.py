@@ -110,3 +110,26 @@ def test_pit_in_unit_interval_and_deterministic(seed):
     a, b = fit(outs), fit(outs)
     assert a.ks_d == b.ks_d and 0 <= a.ks_d <= 1 and sum(a.pit_hist) == a.positions
     assert math.isfinite(a.z_loglik)
+
+
+def test_the_pit_is_seeded_by_the_scores_themselves():
+    """The same scores give the same verdict; other scores draw other uniforms (a fixed seed
+    would lay the same uniforms on every store, so each store's false-alarm rate would be
+    conditional on them, not alpha)."""
+    a = _draws(np.random.default_rng(11), 5, 40)
+    b = [s.copy() for s in a]
+    b[0][0, 2] = np.nextafter(b[0][0, 2], 1.0)  # one probability, one ulp apart
+    assert fit(a).ks_d == fit([s.copy() for s in a]).ks_d
+    assert fit(a).ks_d != fit(b).ks_d
+
+
+def test_a_one_token_nucleus_is_not_a_pit_sample():
+    """A position whose nucleus is one token (nothing above it, all the mass tied with it)
+    has a PIT that is the uniform alone: it is counted as a position but enters neither the
+    KS nor the lag-1 test, and a store of only such positions tests nothing there."""
+    one = np.array([[0.0, 1.0, 1.0, 0.0, 0.0]] * 30)
+    f = fit([one])
+    assert f.positions == 30 and sum(f.pit_hist) == 0 and f.ks_p == 1.0 and f.z_serial == 0.0
+    clean = _draws(np.random.default_rng(5), 4, 30)
+    mixed = fit([np.vstack([c, one[:10]]) for c in clean])
+    assert mixed.positions == 160 and sum(mixed.pit_hist) == 120
