@@ -1223,6 +1223,18 @@ class VllmEngine(Engine):
             "worker": self.args["own"].get("worker", "per-call"),
         }
 
+    def _speculative_config(self, config: SpecConfig) -> dict | None:
+        """The speculative_config a config runs with, after refusing a combination this vLLM
+        cannot run; a note where K is not what its drafter was trained for."""
+        draft = self._draft_for(config)
+        problem = combination_problem(config, draft, self._vllm_version(), self.args["env"],
+                                      self.llm_kwargs)
+        if problem:
+            raise EngineUsageError(problem)
+        note = k_hint_note(config, draft)
+        self._notes = [note] if note else []
+        return speculative_config(config, draft, self.llm_kwargs, self.args["spec"])
+
     def _draft_for(self, config: SpecConfig) -> str | None:
         """The draft a config runs with: dflash2_draft for DFlash2 where given, else its own."""
         d2 = self.args["own"].get("dflash2_draft")
@@ -1250,14 +1262,7 @@ class VllmEngine(Engine):
 
     def _generate(self, prompts, prompt_ids, config: SpecConfig, top_k: int,
                   together: bool) -> list[Completion]:
-        draft = self._draft_for(config)
-        problem = combination_problem(config, draft, self._vllm_version(), self.args["env"],
-                                      self.llm_kwargs)
-        if problem:
-            raise EngineUsageError(problem)
-        note = k_hint_note(config, draft)
-        self._notes = [note] if note else []
-        spec = speculative_config(config, draft, self.llm_kwargs, self.args["spec"])
+        spec = self._speculative_config(config)
         sp = sampling_of(self.engine_args)
         seeds = None if sp is None else [
             p.seed if p.seed is not None else request_seed(sp["seed"], config.name, ids, p.sample)
@@ -1362,14 +1367,7 @@ class VllmEngine(Engine):
         if thinking is not None and any(not r.prompt.messages for r in workload.requests):
             raise EngineUsageError(f"the {workload.axis} workload renders chat messages; a request "
                                    "has none")
-        draft = self._draft_for(config)
-        problem = combination_problem(config, draft, self._vllm_version(), self.args["env"],
-                                      self.llm_kwargs)
-        if problem:
-            raise EngineUsageError(problem)
-        note = k_hint_note(config, draft)
-        self._notes = [note] if note else []
-        spec = speculative_config(config, draft, self.llm_kwargs, self.args["spec"])
+        spec = self._speculative_config(config)
         reqs = workload.requests
         sp = sampling_of(self.engine_args)
         seeds = [None if sp is None else r.prompt.seed if r.prompt.seed is not None
