@@ -3,13 +3,13 @@
 # PyTorch but no vLLM and no network: built here (any machine with pip and PyPI), unpacked there
 # into a folder put on PYTHONPATH. Nothing is installed on either side.
 #
-#   VLLM_VERSION=0.33.0 bash scripts/bundle_vllm.sh [DEST_DIR]      (default DEST_DIR: ./.stage/vllm-$VLLM_VERSION)
+#   VLLM_VERSION=0.33.0 bash scripts/bundle_vllm.sh [DEST_DIR]      (default DEST_DIR: ./dist/vllm-$VLLM_VERSION)
 #
 # Environment (all optional):
 #   VLLM_VERSION   the release (default 0.33.0)
 #   PYVER          the host's Python, e.g. 3.12 (default 3.12): wheels are picked for it
-#   PIECE_MIB      the bundle is split into pieces of at most this many MiB (default 0: one file),
-#                  for transfers with a size limit; `cat` them back in order
+#   SPLIT_MIB      split each archive into files of at most this many MiB (default 0: one file each),
+#                  for media or transfers with a file-size limit; `cat` them back in order
 #   XZ_LEVEL       xz preset (default 6)
 #   EXTRA_WHEELS   more NAME==VERSION specs (space separated), e.g. flashinfer-python==0.7.2.post1
 #   WORK           scratch folder (default /tmp/vllm-bundle-$VLLM_VERSION)
@@ -26,16 +26,16 @@
 #
 # Writes DEST_DIR/vllm-$VLLM_VERSION-py.tar.xz (Python packages, small extensions) and
 # DEST_DIR/vllm-$VLLM_VERSION-ext.tar.xz (vLLM's extensions over 20 MB), each split into
-# .partNN pieces when PIECE_MIB is set. On the host, for each archive:
+# .partNN files when SPLIT_MIB is set. On the host, for each archive:
 #   cat ARCHIVE.part* | xz -dc | tar -x -C SITE        then   export PYTHONPATH=SITE:$PYTHONPATH
 set -euo pipefail
 
 VLLM_VERSION=${VLLM_VERSION:-0.33.0}
 PYVER=${PYVER:-3.12}
-PIECE_MIB=${PIECE_MIB:-0}
+SPLIT_MIB=${SPLIT_MIB:-0}
 XZ_LEVEL=${XZ_LEVEL:-6}
 REPO=$(git rev-parse --show-toplevel 2>/dev/null || pwd)
-DEST=${1:-$REPO/.stage/vllm-$VLLM_VERSION}
+DEST=${1:-$REPO/dist/vllm-$VLLM_VERSION}
 WORK=${WORK:-/tmp/vllm-bundle-$VLLM_VERSION}
 mkdir -p "$DEST" "$WORK/wheels"
 
@@ -85,9 +85,9 @@ rm -f "$DEST"/vllm-"$VLLM_VERSION"-*.tar.xz*
 (cd "$SITE" && find vllm -name '*.so' -size +20M | sort) > "$WORK/ext.list"
 tar -C "$SITE" -cf - --exclude-from="$WORK/ext.list" . | xz -T0 -"$XZ_LEVEL" > "$DEST/vllm-$VLLM_VERSION-py.tar.xz"
 tar -C "$SITE" -cf - -T "$WORK/ext.list" | xz -T0 -"$XZ_LEVEL" > "$DEST/vllm-$VLLM_VERSION-ext.tar.xz"
-if [ "$PIECE_MIB" -gt 0 ]; then
+if [ "$SPLIT_MIB" -gt 0 ]; then
   for f in "$DEST"/vllm-"$VLLM_VERSION"-*.tar.xz; do
-    split -b "${PIECE_MIB}M" -d -a 2 "$f" "$f.part" && rm "$f"
+    split -b "${SPLIT_MIB}M" -d -a 2 "$f" "$f.part" && rm "$f"
   done
 fi
 ls -la "$DEST"

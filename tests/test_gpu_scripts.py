@@ -18,7 +18,7 @@ GENERIC = ("gpu_evidence.sh", "bundle_vllm.sh")
 def test_script_parses_and_names_no_machine(name):
     text = (SCRIPTS / name).read_text()
     assert subprocess.run(["bash", "-n", str(SCRIPTS / name)], capture_output=True).returncode == 0
-    for needle in ("h100", "h200", "/root/", "/work/", "$OUT"):
+    for needle in ("h100", "h200", "/root/", "/work/", "$OUT", ".stage/", "piece"):
         assert needle.lower() not in text.lower(), needle
 
 
