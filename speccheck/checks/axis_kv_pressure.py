@@ -36,12 +36,14 @@ def measure(ctx: Context):
             continue
         run = ctx.suite.load_axis(ctx.config, lv.slot)
         pre = set((run.proof or {}).get("preempted_requests") or ())
-        pairs = []
+        pairs, counted = [], 0
         for c in run.completions:
             ref = reference(ctx, run, c) if c.prompt_id in pre else None
-            if (ref is not None and c.spec is not None and ref.spec is not None and c.spec.drafts
-                    and ref.spec.drafts and c.token_ids.tolist() == ref.token_ids.tolist()):
-                pairs.append((c.prompt_id, c.spec, ref.spec))
+            if ref is not None and c.spec is not None and ref.spec is not None and c.spec.drafts and ref.spec.drafts:
+                counted += 1
+                if c.token_ids.tolist() == ref.token_ids.tolist():
+                    pairs.append((c.prompt_id, c.spec, ref.spec))
+        lv.proof["preempted_counted"] = counted  # with spec counters of their own, both runs
         lv.proof["preempted_compared"] = len(pairs)
         lv.preempted = preempted_acceptance(pairs) if pairs else None
         lv.proof["preempted_named"] = len(pre)
@@ -55,10 +57,12 @@ def judge(r, p) -> Check:
         if check.skipped or lv.failed or not lv.slot.endswith("-pressure") or r.config == "baseline":
             continue
         if res is None:  # said, so that a pass is not read as this test's
-            why = ("the engine names no preempted request" if not lv.proof.get("preempted_named") else
-                   f"the {lv.proof['preempted_named']} preempted request(s) the engine names have no "
-                   "spec counters of their own with the free run's tokens (vLLM before 0.33 counts "
-                   "acceptance only for the whole engine)")
+            named = lv.proof.get("preempted_named")
+            why = ("the engine names no preempted request" if not named else
+                   f"the engine counts drafts only for its whole batch, not for each of the {named} "
+                   "preempted request(s)" if not lv.proof.get("preempted_counted") else
+                   f"none of the {named} preempted request(s) gave the free run's tokens, so their "
+                   "acceptance compares different drafts")
             check = Check(check.name, check.passed, f"{check.message}; {lv.label}: the preempted "
                           f"requests' acceptance not judged ({why}); the tokens are")
             continue
