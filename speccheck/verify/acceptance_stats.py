@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from speccheck.verify.roots import last_true
+
 #: below this many prompts with drafts a cluster variance means little: results say inconclusive
 MIN_PROMPTS = 5
 #: a standard error at or below this counts as zero (rates live in [0, 1]; float residue is ~1e-17)
@@ -160,18 +162,7 @@ def _t_ppf(q: float, df: float) -> float:
     if q < 0.5:
         return -_t_ppf(1.0 - q, df)
     tail = 2.0 * (1.0 - q)  # two-sided tail at the wanted point
-    lo, hi = 0.0, 1.0
-    while _t_two_sided(hi, df) > tail:
-        lo, hi = hi, hi * 2.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if _t_two_sided(mid, df) > tail:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-13 * hi:
-            break
-    return 0.5 * (lo + hi)
+    return last_true(lambda t: _t_two_sided(t, df) > tail, 1.0, 1e-13, 200)
 
 
 def holm(p_values: Sequence[float]) -> list[float]:

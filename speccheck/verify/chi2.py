@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from speccheck.verify.roots import last_true
+
 
 def gammaincc(s: float, x: float) -> float:
     """Regularised upper incomplete gamma Q(s, x) = Gamma(s, x) / Gamma(s): the series below
@@ -54,18 +56,7 @@ def chi2_sf(x: float, df: float) -> float:
 
 def chi2_isf(q: float, df: float) -> float:
     """The x with P(X > x) = q (bisection to 1e-10 relative)."""
-    lo, hi = 0.0, max(1.0, df)
-    while chi2_sf(hi, df) > q:
-        hi *= 2
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if chi2_sf(mid, df) > q:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-10 * hi:
-            break
-    return (lo + hi) / 2
+    return last_true(lambda x: chi2_sf(x, df) > q, max(1.0, df), 1e-10, 200)
 
 
 def ncx2_sf(x: float, df: float, nc: float) -> float:
@@ -93,15 +84,4 @@ def noncentrality_for_power(df: float, alpha: float, power: float) -> float:
     """The least noncentrality at which a level-``alpha`` chi-squared test on ``df``
     degrees of freedom rejects with probability ``power``."""
     crit = chi2_isf(alpha, df)
-    lo, hi = 0.0, 1.0
-    while ncx2_sf(crit, df, hi) < power:
-        hi *= 2
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        if ncx2_sf(crit, df, mid) < power:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-8 * hi:
-            break
-    return (lo + hi) / 2
+    return last_true(lambda nc: ncx2_sf(crit, df, nc) < power, 1.0, 1e-8, 100)
