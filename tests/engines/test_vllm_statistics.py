@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +22,7 @@ from speccheck.engines.vllm import (
     spec_counters_delta,
     workload_proof,
 )
-from speccheck.engines.vllm_versions import release, release_entry
+from speccheck.engines.vllm_versions import release_entry
 from speccheck.engines.vllm_worker import (
     _gauge,
     metrics_to_dicts,
@@ -32,13 +30,7 @@ from speccheck.engines.vllm_worker import (
     serve_workload,
 )
 from speccheck.types import SpecCounters
-
-FIX = Path(__file__).parents[1] / "fixtures" / "vllm" / "versions"
-VERSIONS = sorted((p.stem for p in FIX.glob("*.json")), key=release)
-
-
-def facts(version: str) -> dict:
-    return json.loads((FIX / f"{version}.json").read_text())
+from tests.engines.test_vllm_versions import VERSIONS, facts
 
 
 def classes(fields: dict[str, list[str] | None]) -> dict[str, type]:
