@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from speccheck.verify.chi2 import noncentrality_for_power
+from speccheck.verify.sampled import holm
 
 #: label shuffles per test (p-values step 1 / (PERMUTATIONS + 1): 5e-4, below Holm's
 #: smallest threshold at the default alpha 0.01 over four statistics)
@@ -149,16 +150,6 @@ def _p_value(stats: np.ndarray) -> float:
     return float((1 + np.sum(stats[1:] >= obs - 1e-9 * max(1.0, abs(obs)))) / len(stats))
 
 
-def _holm(ps: list[float], alpha: float) -> list[bool]:
-    order = sorted(range(len(ps)), key=lambda i: ps[i])
-    out = [False] * len(ps)
-    for r, i in enumerate(order):
-        if ps[i] > alpha / (len(ps) - r):
-            break
-        out[i] = True
-    return out
-
-
 def two_sample(spec: dict[str, list[np.ndarray]], base: dict[str, list[np.ndarray]],
                alpha: float = 0.01, permutations: int = PERMUTATIONS,
                seed: int = PERM_SEED) -> TwoSample:
@@ -229,7 +220,7 @@ def two_sample(spec: dict[str, list[np.ndarray]], base: dict[str, list[np.ndarra
     pooled("bigrams_pooled", lambda o: [(int(x), int(y)) for x, y in zip(o[:-1], o[1:])])
     m = len(res.statistics)
     if m:
-        for st, rej in zip(res.statistics, _holm([s.p for s in res.statistics], alpha)):
+        for st, rej in zip(res.statistics, holm([s.p for s in res.statistics], alpha)):
             if rej:
                 res.rejected.append(st.name)
         # the least TV each detects at POWER at Holm's first step (alpha / m); mde_tv held the
